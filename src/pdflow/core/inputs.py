@@ -1,0 +1,110 @@
+"""Inputs to the room machines: API calls, received messages, transfer results, timers."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdflow.core.messages import Abort, PeerId, RoomMetadata
+
+
+class Input(msgspec.Struct, frozen=True, tag_field="type"):
+    """Base of every input. The spec names an input by its class name."""
+
+
+# ---- shared by both sides -------------------------------------------------------------------
+class Tick(Input, frozen=True, tag="Tick"):
+    """A timer fired (or the shell is simply passing time)."""
+
+
+class AbortRequested(Input, frozen=True, tag="AbortRequested"):
+    """The local engine gives up on the room."""
+
+    reason: str = "aborted by the engine"
+
+
+# ---- sender (prefill) ---------------------------------------------------------------------------
+class MetadataArrived(Input, frozen=True, tag="MetadataArrived"):
+    metadata: RoomMetadata
+
+
+class InitTransfer(Input, frozen=True, tag="InitTransfer"):
+    """The engine admitted the room for sending: it will send ``num_pages`` pages."""
+
+    num_pages: int
+
+
+class SendChunk(Input, frozen=True, tag="SendChunk"):
+    """The next pages, in order. Chunks partition ``[0, num_pages)``; exactly one is last."""
+
+    src_pages: tuple[int, ...]
+    is_last: bool
+
+
+class TransferCompleted(Input, frozen=True, tag="TransferCompleted"):
+    seq: int
+    ok: bool
+    reason: str = ""
+    checksum: int | None = None
+
+
+class AbortArrived(Input, frozen=True, tag="AbortArrived"):
+    abort: Abort
+
+
+class PrefillCompleted(Input, frozen=True, tag="PrefillCompleted"):
+    """The engine finished computing the room's KV (starts the prefill_complete bootstrap clock)."""
+
+
+# ---- receiver (decode) --------------------------------------------------------------------------
+class PrefillTarget(msgspec.Struct, frozen=True):
+    """One prefill rank this decode rank exchanges with for a room."""
+
+    peer: PeerId
+    is_dummy: bool = False
+
+
+class PeersResolved(Input, frozen=True, tag="PeersResolved"):
+    """Topology resolved: the prefill ranks of this room and how many must report Success."""
+
+    targets: tuple[PrefillTarget, ...]
+    required_responses: int
+    required_dst_info_num: int = 1
+
+
+class ResolveFailed(Input, frozen=True, tag="ResolveFailed"):
+    reason: str
+
+
+class PagesPublished(Input, frozen=True, tag="PagesPublished"):
+    """The engine reserved destination pages; publish them to the prefill."""
+
+    session_id: str
+    dst_pages: tuple[int, ...]
+    aux_index: int | None
+    decode_prefix_len: int = 0
+    staging_offset: int | None = None
+
+
+class ReadyArrived(Input, frozen=True, tag="ReadyArrived"):
+    prefill: PeerId
+
+
+class SuccessArrived(Input, frozen=True, tag="SuccessArrived"):
+    prefill: PeerId
+    checksum: int | None = None
+
+
+class FailureArrived(Input, frozen=True, tag="FailureArrived"):
+    prefill: PeerId
+    reason: str = ""
+
+
+class PeerDied(Input, frozen=True, tag="PeerDied"):
+    """The heartbeat declared one of the room's prefill ranks dead."""
+
+    peer: PeerId
+
+
+class ChecksumResult(Input, frozen=True, tag="ChecksumResult"):
+    ok: bool
+    reason: str = ""

@@ -1,0 +1,87 @@
+"""Wire messages of the control plane: frozen, tagged msgspec Structs.
+
+Every message names the room *and* its generation, so a late message from an earlier use of a
+room id can be told apart from the current one; prefill-originated messages also carry the
+sender's incarnation, so a message from a process that has since restarted is recognisable.
+Handshake messages carry the protocol version.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdflow.core.kvpoll import KVPoll
+
+PROTOCOL_VERSION = 1
+
+
+class PeerId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One rank of one process life: its control address and the incarnation drawn at start-up."""
+
+    address: str
+    incarnation: str
+    rank: int = 0
+
+
+class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
+    """Base of every control message."""
+
+
+class RoomMetadata(Message, frozen=True, tag="room_metadata"):
+    """Decode -> prefill: where this room's KV must land (the SGLang "TransferInfo")."""
+
+    room: int
+    generation: int
+    decode: PeerId
+    prefill: PeerId
+    session_id: str
+    dst_pages: tuple[int, ...]
+    aux_index: int | None
+    required_dst_info_num: int
+    decode_prefix_len: int = 0
+    is_dummy: bool = False
+    staging_offset: int | None = None
+    version: int = PROTOCOL_VERSION
+
+
+class BootstrapRequest(Message, frozen=True, tag="bootstrap"):
+    """Decode -> prefill (prefill_complete policy): tell me when your prefill has finished."""
+
+    room: int
+    generation: int
+    decode: PeerId
+    prefill: PeerId
+    version: int = PROTOCOL_VERSION
+
+
+class StatusReport(Message, frozen=True, tag="status"):
+    """Prefill -> decode: ready (WaitingForInput), Success or Failed for one room."""
+
+    room: int
+    generation: int
+    status: KVPoll
+    prefill: PeerId
+    reason: str = ""
+    checksum: int | None = None
+
+
+class Abort(Message, frozen=True, tag="abort"):
+    """Decode -> prefill: stop writing this room and ACK once every write has drained."""
+
+    room: int
+    generation: int
+    decode: PeerId
+    prefill: PeerId
+    reason: str = ""
+
+
+class AbortAck(Message, frozen=True, tag="abort_ack"):
+    """Prefill -> decode: no write of this rank into this room can still land."""
+
+    room: int
+    generation: int
+    prefill: PeerId
+    decode: PeerId
+
+
+AnyMessage = RoomMetadata | BootstrapRequest | StatusReport | Abort | AbortAck

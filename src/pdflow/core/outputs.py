@@ -1,0 +1,77 @@
+"""Effects the core asks the shell to carry out. Plain data; the shell never decides."""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import AnyMessage, PeerId
+
+
+class Output(msgspec.Struct, frozen=True, tag_field="type"):
+    """Base of every output."""
+
+
+class SendMessage(Output, frozen=True, tag="send"):
+    to: PeerId
+    message: AnyMessage
+
+
+class StartTransfer(Output, frozen=True, tag="start_transfer"):
+    """Write ``src_pages`` of this prefill rank into ``dst_pages`` of one decode peer.
+
+    ``seq`` identifies the transfer within its room; the shell answers with a
+    ``TransferCompleted`` carrying the same ``seq``.
+    """
+
+    room: int
+    generation: int
+    seq: int
+    peer: PeerId
+    session_id: str
+    src_pages: tuple[int, ...]
+    dst_pages: tuple[int, ...]
+    is_last: bool
+    aux_index: int | None
+    staging_offset: int | None
+
+
+class StatusChanged(Output, frozen=True, tag="status_changed"):
+    room: int
+    generation: int
+    poll: KVPoll
+    reason: str = ""
+
+
+class ArmFence(Output, frozen=True, tag="arm_fence"):
+    """Decode: hold this room's pages until every writer has ACKed its drain (or is dead and its
+    transport session closed). Emitted before the matching ABORT messages."""
+
+    room: int
+    generation: int
+    writers: tuple[PeerId, ...]
+
+
+class ReleasePages(Output, frozen=True, tag="release_pages"):
+    """Decode: these pages can no longer be written by anyone and may be reused."""
+
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+
+
+class VerifyChecksums(Output, frozen=True, tag="verify_checksums"):
+    """Decode: recompute the checksum of what each prefill rank wrote and report back."""
+
+    room: int
+    generation: int
+    expected: tuple[tuple[PeerId, int], ...]
+
+
+def emit_name(output: Output) -> str:
+    """The name the spec uses for an output: ``send.<message tag>`` or the output's tag."""
+    if isinstance(output, SendMessage):
+        tag = type(output.message).__struct_config__.tag
+        return f"send.{tag}"
+    tag = type(output).__struct_config__.tag
+    return str(tag)

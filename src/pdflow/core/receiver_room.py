@@ -1,0 +1,386 @@
+"""ReceiverRoom: one room on one decode rank, from topology resolution to a terminal poll.
+
+Two timer budgets, never shared: the *waiting* budget covers waiting on the prefill (topology,
+the ready signal under ``prefill_complete``); the *transfer* budget starts when the destination
+pages are published. A failure after publishing arms the page fence *before* the ABORT goes out,
+so no page is reused while a writer may still land. See spec/protocol.toml
+``[machines.ReceiverRoom]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import cast
+
+from pdflow.core.errors import InvalidInput, RemoteProtocolError
+from pdflow.core.inputs import (
+    AbortRequested,
+    ChecksumResult,
+    FailureArrived,
+    Input,
+    PagesPublished,
+    PeerDied,
+    PeersResolved,
+    PrefillTarget,
+    ReadyArrived,
+    ResolveFailed,
+    SuccessArrived,
+    Tick,
+)
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.core.outputs import ArmFence, Output, SendMessage, VerifyChecksums
+from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.step import Step
+from pdflow.core.table import STATUS_CHANGED, Fired, Table, TableMachine, row
+
+
+class ReceiverState(enum.Enum):
+    BOOTSTRAPPING = "BOOTSTRAPPING"
+    AWAITING_READY = "AWAITING_READY"
+    AWAITING_PAGES = "AWAITING_PAGES"
+    TRANSFERRING = "TRANSFERRING"
+    VERIFYING = "VERIFYING"
+    SUCCESS = "SUCCESS"
+    FAILED = "FAILED"
+
+
+RECEIVER_POLL = {
+    ReceiverState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    ReceiverState.AWAITING_READY: KVPoll.Bootstrapping,
+    ReceiverState.AWAITING_PAGES: KVPoll.WaitingForInput,
+    ReceiverState.TRANSFERRING: KVPoll.Transferring,
+    ReceiverState.VERIFYING: KVPoll.Transferring,
+    ReceiverState.SUCCESS: KVPoll.Success,
+    ReceiverState.FAILED: KVPoll.Failed,
+}
+
+_R = ReceiverState
+_CHANGED = STATUS_CHANGED
+_ABORT = "send.abort"
+_FENCE = "arm_fence"
+_FAIL_FENCED = [_FENCE, _ABORT, _CHANGED]
+
+RECEIVER_TABLE: Table[ReceiverState] = Table(
+    machine="ReceiverRoom",
+    states=ReceiverState,
+    initial=ReceiverState.BOOTSTRAPPING,
+    inputs=(
+        PeersResolved,
+        ResolveFailed,
+        ReadyArrived,
+        PagesPublished,
+        SuccessArrived,
+        FailureArrived,
+        PeerDied,
+        AbortRequested,
+        ChecksumResult,
+        Tick,
+    ),
+    remote_inputs=(ReadyArrived, SuccessArrived, FailureArrived),
+    poll_of=RECEIVER_POLL.__getitem__,
+    rows=[
+        # -- BOOTSTRAPPING: resolving which prefill ranks hold this room --------------------------
+        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_READY,
+            guard="prefill_complete_policy", emits=["send.bootstrap"], action="resolve"),
+        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_PAGES,
+            emits=[_CHANGED], action="resolve"),
+        row(_R.BOOTSTRAPPING, ResolveFailed, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.BOOTSTRAPPING, AbortRequested, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.BOOTSTRAPPING, Tick, _R.FAILED,
+            guard="wait_expired", emits=[_CHANGED], action="fail_waiting_timeout"),
+        row(_R.BOOTSTRAPPING, Tick, _R.BOOTSTRAPPING),
+        # -- AWAITING_READY (prefill_complete): the prefill is computing -------------------------
+        row(_R.AWAITING_READY, ReadyArrived, _R.AWAITING_PAGES,
+            emits=[_CHANGED], action="restart_wait_clock"),
+        row(_R.AWAITING_READY, FailureArrived, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.AWAITING_READY, PeerDied, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.AWAITING_READY, AbortRequested, _R.FAILED,
+            emits=[_ABORT, _CHANGED], action="fail_and_abort"),
+        row(_R.AWAITING_READY, Tick, _R.FAILED,
+            guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
+        row(_R.AWAITING_READY, Tick, _R.AWAITING_READY),
+        # -- AWAITING_PAGES: the engine is reserving destination pages ---------------------------
+        row(_R.AWAITING_PAGES, PagesPublished, _R.TRANSFERRING,
+            emits=["send.room_metadata", _CHANGED], action="publish"),
+        row(_R.AWAITING_PAGES, ReadyArrived, _R.AWAITING_PAGES),
+        row(_R.AWAITING_PAGES, FailureArrived, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.AWAITING_PAGES, PeerDied, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.AWAITING_PAGES, AbortRequested, _R.FAILED,
+            emits=[_ABORT, _CHANGED], action="fail_and_abort"),
+        row(_R.AWAITING_PAGES, Tick, _R.FAILED,
+            guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
+        row(_R.AWAITING_PAGES, Tick, _R.AWAITING_PAGES),
+        # -- TRANSFERRING: pages published, writers may be landing -------------------------------
+        row(_R.TRANSFERRING, SuccessArrived, _R.VERIFYING,
+            guard="completes_with_checksums", emits=["verify_checksums"], action="verify"),
+        row(_R.TRANSFERRING, SuccessArrived, _R.SUCCESS,
+            guard="completes", emits=[_CHANGED], action="count_success"),
+        row(_R.TRANSFERRING, SuccessArrived, _R.TRANSFERRING, action="count_success"),
+        row(_R.TRANSFERRING, ReadyArrived, _R.TRANSFERRING),
+        row(_R.TRANSFERRING, FailureArrived, _R.FAILED, emits=_FAIL_FENCED, action="fail_fenced"),
+        row(_R.TRANSFERRING, PeerDied, _R.FAILED, emits=_FAIL_FENCED, action="fail_fenced"),
+        row(_R.TRANSFERRING, AbortRequested, _R.FAILED, emits=_FAIL_FENCED,
+            action="fail_fenced"),
+        row(_R.TRANSFERRING, Tick, _R.FAILED,
+            guard="transfer_expired", emits=_FAIL_FENCED, action="fail_transfer_timeout"),
+        row(_R.TRANSFERRING, Tick, _R.TRANSFERRING),
+        # -- VERIFYING: every writer reported Success; checking what landed ----------------------
+        row(_R.VERIFYING, ChecksumResult, _R.SUCCESS, guard="checksum_ok", emits=[_CHANGED]),
+        row(_R.VERIFYING, ChecksumResult, _R.FAILED, emits=[_CHANGED], action="fail_checksum"),
+        row(_R.VERIFYING, SuccessArrived, _R.VERIFYING),
+        row(_R.VERIFYING, ReadyArrived, _R.VERIFYING),
+        row(_R.VERIFYING, PeerDied, _R.VERIFYING),
+        row(_R.VERIFYING, AbortRequested, _R.FAILED, emits=[_CHANGED], action="fail"),
+        row(_R.VERIFYING, Tick, _R.VERIFYING),
+        # -- SUCCESS and FAILED: terminal; late news changes nothing -----------------------------
+        row(_R.SUCCESS, SuccessArrived, _R.SUCCESS),
+        row(_R.SUCCESS, ReadyArrived, _R.SUCCESS),
+        row(_R.SUCCESS, PeerDied, _R.SUCCESS),
+        row(_R.SUCCESS, AbortRequested, _R.SUCCESS),
+        row(_R.SUCCESS, Tick, _R.SUCCESS),
+        row(_R.FAILED, ReadyArrived, _R.FAILED),
+        row(_R.FAILED, SuccessArrived, _R.FAILED),
+        row(_R.FAILED, FailureArrived, _R.FAILED),
+        row(_R.FAILED, PagesPublished, _R.FAILED),
+        row(_R.FAILED, PeerDied, _R.FAILED),
+        row(_R.FAILED, AbortRequested, _R.FAILED),
+        row(_R.FAILED, ChecksumResult, _R.FAILED),
+        row(_R.FAILED, Tick, _R.FAILED),
+    ],
+)  # fmt: skip
+
+
+class ReceiverRoom(TableMachine[ReceiverState]):
+    """One room on one decode rank. Drive it with :meth:`handle`."""
+
+    table = RECEIVER_TABLE
+
+    def __init__(
+        self,
+        room: int,
+        generation: int,
+        me: PeerId,
+        now: float,
+        *,
+        policy: AllocationPolicy = AllocationPolicy.EARLY,
+        timeouts: Timeouts = Timeouts(),  # noqa: B008 - immutable
+        verify_checksums: bool = False,
+    ) -> None:
+        self.key = room
+        self.generation = generation
+        self.me = me
+        self.policy = policy
+        self.timeouts = timeouts
+        self.verify_checksums = verify_checksums
+        self.state = RECEIVER_TABLE.initial
+        self.targets: tuple[PrefillTarget, ...] = ()
+        self.required_responses = 0
+        self.required_dst_info_num = 1
+        self.succeeded: dict[PeerId, int | None] = {}
+        self.published: PagesPublished | None = None
+        self.reason = ""
+        self.wait_deadline: float | None = now + timeouts.waiting_timeout
+        self.transfer_deadline: float | None = None
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def poll(self) -> KVPoll:
+        return RECEIVER_POLL[self.state]
+
+    @property
+    def writers(self) -> tuple[PeerId, ...]:
+        """Prefill ranks that may write into this room's pages (dummies never write)."""
+        return tuple(t.peer for t in self.targets if not t.is_dummy)
+
+    def timer_at(self) -> float | None:
+        if self.state in (
+            ReceiverState.BOOTSTRAPPING,
+            ReceiverState.AWAITING_READY,
+            ReceiverState.AWAITING_PAGES,
+        ):
+            return self.wait_deadline
+        if self.state is ReceiverState.TRANSFERRING:
+            return self.transfer_deadline
+        return None
+
+    def handle(self, inp: Input, now: float) -> Step:
+        outputs, fired = self.fire(inp, now)
+        return Step(tuple(outputs), self.timer_at(), (fired,))
+
+    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        return self.fire(inp, now)
+
+    # ---- validation ----------------------------------------------------------------------------
+    def _validate(self, inp: Input, now: float) -> None:
+        if isinstance(inp, PeersResolved):
+            if not inp.targets:
+                raise InvalidInput(f"room {self.key}: PeersResolved needs at least one target")
+            writers = sum(1 for t in inp.targets if not t.is_dummy)
+            if not 1 <= inp.required_responses <= max(writers, 1):
+                raise InvalidInput(
+                    f"room {self.key}: required_responses={inp.required_responses} but "
+                    f"{writers} non-dummy targets"
+                )
+        elif isinstance(inp, PagesPublished) and self.state is ReceiverState.AWAITING_PAGES:
+            if len(set(inp.dst_pages)) != len(inp.dst_pages):
+                raise InvalidInput(f"room {self.key}: destination pages must be distinct")
+        elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)):
+            if self.targets and inp.prefill not in {t.peer for t in self.targets}:
+                raise RemoteProtocolError(
+                    f"room {self.key}: status from {inp.prefill.address}"
+                    f"/{inp.prefill.incarnation}, which is not a prefill rank of this room",
+                    hint="a stale incarnation or a misrouted message; drop it",
+                )
+
+    # ---- guards --------------------------------------------------------------------------------
+    def _guard_prefill_complete_policy(self, inp: Input, now: float) -> bool:
+        return self.policy is AllocationPolicy.PREFILL_COMPLETE
+
+    def _guard_wait_expired(self, inp: Input, now: float) -> bool:
+        return self.wait_deadline is not None and now >= self.wait_deadline
+
+    def _guard_transfer_expired(self, inp: Input, now: float) -> bool:
+        return self.transfer_deadline is not None and now >= self.transfer_deadline
+
+    def _completes(self, inp: Input) -> bool:
+        success = cast(SuccessArrived, inp)
+        if success.prefill in self.writers:
+            distinct = len(self.succeeded) + (0 if success.prefill in self.succeeded else 1)
+        else:
+            distinct = len(self.succeeded)
+        return distinct >= self.required_responses
+
+    def _guard_completes_with_checksums(self, inp: Input, now: float) -> bool:
+        return self.verify_checksums and self._completes(inp)
+
+    def _guard_completes(self, inp: Input, now: float) -> bool:
+        return self._completes(inp)
+
+    def _guard_checksum_ok(self, inp: Input, now: float) -> bool:
+        return cast(ChecksumResult, inp).ok
+
+    # ---- actions -------------------------------------------------------------------------------
+    def _act_resolve(self, inp: Input, now: float) -> list[Output]:
+        resolved = cast(PeersResolved, inp)
+        self.targets = resolved.targets
+        self.required_responses = resolved.required_responses
+        self.required_dst_info_num = resolved.required_dst_info_num
+        if self.policy is AllocationPolicy.PREFILL_COMPLETE:
+            self.wait_deadline = now + self.timeouts.waiting_timeout
+            return [
+                SendMessage(
+                    to=t.peer,
+                    message=BootstrapRequest(
+                        room=self.key, generation=self.generation, decode=self.me, prefill=t.peer
+                    ),
+                )
+                for t in self.targets
+            ]
+        # Under the early policy the engine's wait for memory is admission's business: the
+        # prefill has computed nothing yet, and its own bootstrap clock bounds the wait.
+        self.wait_deadline = None
+        return []
+
+    def _act_restart_wait_clock(self, inp: Input, now: float) -> list[Output]:
+        # The prefill holds finished KV for us now: a fresh budget to reserve pages.
+        self.wait_deadline = now + self.timeouts.waiting_timeout
+        return []
+
+    def _act_publish(self, inp: Input, now: float) -> list[Output]:
+        pages = cast(PagesPublished, inp)
+        self.published = pages
+        self.transfer_deadline = now + self.timeouts.waiting_timeout
+        outputs: list[Output] = []
+        for target in self.targets:
+            outputs.append(
+                SendMessage(
+                    to=target.peer,
+                    message=RoomMetadata(
+                        room=self.key,
+                        generation=self.generation,
+                        decode=self.me,
+                        prefill=target.peer,
+                        session_id=pages.session_id,
+                        dst_pages=() if target.is_dummy else pages.dst_pages,
+                        aux_index=None if target.is_dummy else pages.aux_index,
+                        required_dst_info_num=self.required_dst_info_num,
+                        decode_prefix_len=pages.decode_prefix_len,
+                        is_dummy=target.is_dummy,
+                        staging_offset=None if target.is_dummy else pages.staging_offset,
+                    ),
+                )
+            )
+        return outputs
+
+    def _act_count_success(self, inp: Input, now: float) -> list[Output]:
+        success = cast(SuccessArrived, inp)
+        if success.prefill in self.writers:
+            self.succeeded.setdefault(success.prefill, success.checksum)
+        return []
+
+    def _act_verify(self, inp: Input, now: float) -> list[Output]:
+        self._act_count_success(inp, now)
+        expected = tuple(
+            (peer, checksum) for peer, checksum in self.succeeded.items() if checksum is not None
+        )
+        return [VerifyChecksums(self.key, self.generation, expected)]
+
+    def _act_fail(self, inp: Input, now: float) -> list[Output]:
+        self.reason = _reason_of(inp)
+        return []
+
+    def _act_fail_and_abort(self, inp: Input, now: float) -> list[Output]:
+        self.reason = _reason_of(inp)
+        return self._aborts()
+
+    def _act_fail_waiting_timeout(self, inp: Input, now: float) -> list[Output]:
+        self.reason = (
+            f"timed out after {self.timeouts.waiting_timeout:g}s waiting for the prefill in "
+            f"{self.state.name}"
+        )
+        return self._aborts() if self.state is not ReceiverState.BOOTSTRAPPING else []
+
+    def _act_fail_fenced(self, inp: Input, now: float) -> list[Output]:
+        self.reason = _reason_of(inp)
+        return self._fence_then_abort()
+
+    def _act_fail_transfer_timeout(self, inp: Input, now: float) -> list[Output]:
+        self.reason = (
+            f"timed out after {self.timeouts.waiting_timeout:g}s waiting for the transfer "
+            f"({len(self.succeeded)} of {self.required_responses} prefill ranks done)"
+        )
+        return self._fence_then_abort()
+
+    def _act_fail_checksum(self, inp: Input, now: float) -> list[Output]:
+        self.reason = f"KV checksum mismatch: {cast(ChecksumResult, inp).reason}"
+        return []
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _fence_then_abort(self) -> list[Output]:
+        # The fence is armed before any ABORT leaves, so an early ACK can never be missed.
+        fence: list[Output] = [ArmFence(self.key, self.generation, self.writers)]
+        return fence + self._aborts()
+
+    def _aborts(self) -> list[Output]:
+        return [
+            SendMessage(
+                to=t.peer,
+                message=Abort(
+                    room=self.key,
+                    generation=self.generation,
+                    decode=self.me,
+                    prefill=t.peer,
+                    reason=self.reason,
+                ),
+            )
+            for t in self.targets
+        ]
+
+
+def _reason_of(inp: Input) -> str:
+    if isinstance(inp, (ResolveFailed, AbortRequested, FailureArrived, ChecksumResult)):
+        return inp.reason or type(inp).__name__
+    if isinstance(inp, PeerDied):
+        return f"lost connection with prefill {inp.peer.address} (incarnation {inp.peer.incarnation})"
+    return type(inp).__name__

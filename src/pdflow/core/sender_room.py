@@ -1,0 +1,469 @@
+"""SenderRoom: one room on one prefill rank, from the first metadata to a terminal poll.
+
+The prefill learns where to write from ``RoomMetadata`` sent by ``required_dst_info_num`` distinct
+decode ranks, then the engine feeds page chunks in order. A failure stops new writes at once,
+but the room only becomes quiescent (``FAILED``) when every write already started has
+completed: only then may the prefill ACK an abort, because only then can the decode safely
+reuse the pages. See spec/protocol.toml ``[machines.SenderRoom]``.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import cast
+
+from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.inputs import (
+    AbortArrived,
+    AbortRequested,
+    InitTransfer,
+    Input,
+    MetadataArrived,
+    PrefillCompleted,
+    SendChunk,
+    Tick,
+    TransferCompleted,
+)
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport
+from pdflow.core.outputs import Output, SendMessage, StartTransfer
+from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.step import Step
+from pdflow.core.table import STATUS_CHANGED, Fired, Table, TableMachine, row
+
+CHECKSUM_MODULUS = 1 << 64
+
+
+class SenderState(enum.Enum):
+    BOOTSTRAPPING = "BOOTSTRAPPING"
+    WAITING_FOR_INPUT = "WAITING_FOR_INPUT"
+    TRANSFERRING = "TRANSFERRING"
+    SUCCESS = "SUCCESS"
+    DRAINING = "DRAINING"
+    FAILED = "FAILED"
+
+
+SENDER_POLL = {
+    SenderState.BOOTSTRAPPING: KVPoll.Bootstrapping,
+    SenderState.WAITING_FOR_INPUT: KVPoll.WaitingForInput,
+    SenderState.TRANSFERRING: KVPoll.Transferring,
+    SenderState.SUCCESS: KVPoll.Success,
+    SenderState.DRAINING: KVPoll.Failed,
+    SenderState.FAILED: KVPoll.Failed,
+}
+
+_S = SenderState
+_STATUS = "send.status"
+_ACK = "send.abort_ack"
+_CHANGED = STATUS_CHANGED
+_START = "start_transfer"
+
+SENDER_TABLE: Table[SenderState] = Table(
+    machine="SenderRoom",
+    states=SenderState,
+    initial=SenderState.BOOTSTRAPPING,
+    inputs=(
+        MetadataArrived,
+        InitTransfer,
+        SendChunk,
+        TransferCompleted,
+        AbortArrived,
+        AbortRequested,
+        PrefillCompleted,
+        Tick,
+    ),
+    remote_inputs=(MetadataArrived, AbortArrived),
+    poll_of=SENDER_POLL.__getitem__,
+    rows=[
+        # -- BOOTSTRAPPING: collecting destination metadata --------------------------------------
+        row(_S.BOOTSTRAPPING, MetadataArrived, _S.WAITING_FOR_INPUT,
+            guard="completes_metadata", emits=[_CHANGED], action="add_peer"),
+        row(_S.BOOTSTRAPPING, MetadataArrived, _S.BOOTSTRAPPING, action="add_peer"),
+        row(_S.BOOTSTRAPPING, AbortArrived, _S.FAILED,
+            emits=[_ACK, _STATUS, _CHANGED], action="fail_quiescent_on_abort"),
+        row(_S.BOOTSTRAPPING, AbortRequested, _S.FAILED,
+            emits=[_STATUS, _CHANGED], action="fail_quiescent"),
+        row(_S.BOOTSTRAPPING, PrefillCompleted, _S.BOOTSTRAPPING, action="arm_bootstrap_clock"),
+        row(_S.BOOTSTRAPPING, Tick, _S.FAILED,
+            guard="bootstrap_expired", emits=[_STATUS, _CHANGED], action="fail_bootstrap_timeout"),
+        row(_S.BOOTSTRAPPING, Tick, _S.BOOTSTRAPPING),
+        # -- WAITING_FOR_INPUT: every destination known, waiting for the engine -------------------
+        row(_S.WAITING_FOR_INPUT, MetadataArrived, _S.WAITING_FOR_INPUT, action="add_peer"),
+        row(_S.WAITING_FOR_INPUT, InitTransfer, _S.WAITING_FOR_INPUT, action="init"),
+        row(_S.WAITING_FOR_INPUT, SendChunk, _S.SUCCESS,
+            guard="finishes_without_writes", emits=[_CHANGED], action="send_chunk"),
+        row(_S.WAITING_FOR_INPUT, SendChunk, _S.TRANSFERRING,
+            emits=[_START, _CHANGED], action="send_chunk"),
+        row(_S.WAITING_FOR_INPUT, AbortArrived, _S.FAILED,
+            emits=[_ACK, _STATUS, _CHANGED], action="fail_quiescent_on_abort"),
+        row(_S.WAITING_FOR_INPUT, AbortRequested, _S.FAILED,
+            emits=[_STATUS, _CHANGED], action="fail_quiescent"),
+        row(_S.WAITING_FOR_INPUT, PrefillCompleted, _S.WAITING_FOR_INPUT),
+        row(_S.WAITING_FOR_INPUT, Tick, _S.WAITING_FOR_INPUT),
+        # -- TRANSFERRING: chunks in flight ------------------------------------------------------
+        row(_S.TRANSFERRING, MetadataArrived, _S.TRANSFERRING, action="add_peer"),
+        row(_S.TRANSFERRING, SendChunk, _S.SUCCESS,
+            guard="finishes_without_writes", emits=[_CHANGED], action="send_chunk"),
+        row(_S.TRANSFERRING, SendChunk, _S.TRANSFERRING, emits=[_START], action="send_chunk"),
+        row(_S.TRANSFERRING, TransferCompleted, _S.DRAINING,
+            guard="write_failed_others_pending", emits=[_STATUS, _CHANGED],
+            action="fail_on_write_error"),
+        row(_S.TRANSFERRING, TransferCompleted, _S.FAILED,
+            guard="write_failed", emits=[_STATUS, _CHANGED], action="fail_on_write_error"),
+        row(_S.TRANSFERRING, TransferCompleted, _S.SUCCESS,
+            guard="all_written", emits=[_STATUS, _CHANGED], action="succeed"),
+        row(_S.TRANSFERRING, TransferCompleted, _S.TRANSFERRING, action="complete_write"),
+        row(_S.TRANSFERRING, AbortArrived, _S.DRAINING,
+            guard="writes_outstanding", emits=[_STATUS, _CHANGED], action="start_drain_on_abort"),
+        row(_S.TRANSFERRING, AbortArrived, _S.FAILED,
+            emits=[_ACK, _STATUS, _CHANGED], action="fail_quiescent_on_abort"),
+        row(_S.TRANSFERRING, AbortRequested, _S.DRAINING,
+            guard="writes_outstanding", emits=[_STATUS, _CHANGED], action="fail_quiescent"),
+        row(_S.TRANSFERRING, AbortRequested, _S.FAILED,
+            emits=[_STATUS, _CHANGED], action="fail_quiescent"),
+        row(_S.TRANSFERRING, PrefillCompleted, _S.TRANSFERRING),
+        row(_S.TRANSFERRING, Tick, _S.TRANSFERRING),
+        # -- SUCCESS: terminal and quiescent -----------------------------------------------------
+        row(_S.SUCCESS, MetadataArrived, _S.SUCCESS, action="ignore_duplicate_peer"),
+        row(_S.SUCCESS, AbortArrived, _S.SUCCESS, emits=[_ACK], action="ack_requester"),
+        row(_S.SUCCESS, AbortRequested, _S.SUCCESS),
+        row(_S.SUCCESS, PrefillCompleted, _S.SUCCESS),
+        row(_S.SUCCESS, Tick, _S.SUCCESS),
+        # -- DRAINING: failed, writes still landing; no new write, ACK only once drained ---------
+        row(_S.DRAINING, MetadataArrived, _S.DRAINING, emits=[_STATUS], action="refuse_peer"),
+        row(_S.DRAINING, InitTransfer, _S.DRAINING),
+        row(_S.DRAINING, SendChunk, _S.DRAINING),
+        row(_S.DRAINING, TransferCompleted, _S.FAILED,
+            guard="drains_last_write", emits=[_ACK], action="finish_drain"),
+        row(_S.DRAINING, TransferCompleted, _S.DRAINING, action="complete_write"),
+        row(_S.DRAINING, AbortArrived, _S.DRAINING, action="owe_ack"),
+        row(_S.DRAINING, AbortRequested, _S.DRAINING),
+        row(_S.DRAINING, PrefillCompleted, _S.DRAINING),
+        row(_S.DRAINING, Tick, _S.DRAINING),
+        # -- FAILED: terminal and quiescent; every abort is ACKed at once ------------------------
+        row(_S.FAILED, MetadataArrived, _S.FAILED, emits=[_STATUS], action="refuse_peer"),
+        row(_S.FAILED, InitTransfer, _S.FAILED),
+        row(_S.FAILED, SendChunk, _S.FAILED),
+        row(_S.FAILED, AbortArrived, _S.FAILED, emits=[_ACK], action="ack_requester"),
+        row(_S.FAILED, AbortRequested, _S.FAILED),
+        row(_S.FAILED, PrefillCompleted, _S.FAILED),
+        row(_S.FAILED, Tick, _S.FAILED),
+    ],
+)  # fmt: skip
+
+
+class SenderRoom(TableMachine[SenderState]):
+    """One room on one prefill rank. Drive it with :meth:`handle`."""
+
+    table = SENDER_TABLE
+
+    def __init__(
+        self,
+        room: int,
+        generation: int,
+        me: PeerId,
+        now: float,
+        *,
+        policy: AllocationPolicy = AllocationPolicy.EARLY,
+        timeouts: Timeouts = Timeouts(),  # noqa: B008 - immutable
+    ) -> None:
+        self.key = room
+        self.generation = generation
+        self.me = me
+        self.policy = policy
+        self.timeouts = timeouts
+        self.state = SENDER_TABLE.initial
+        self.peers: dict[PeerId, RoomMetadata] = {}
+        self.required_dst: int | None = None
+        self.num_pages: int | None = None
+        self.next_page = 0
+        self.last_submitted = False
+        self.outstanding: dict[int, PeerId] = {}
+        self.next_seq = 0
+        self.acks_owed: set[PeerId] = set()
+        self.checksums: dict[PeerId, int | None] = {}
+        self.reason = ""
+        self.bootstrap_deadline: float | None = (
+            now + timeouts.bootstrap_timeout if policy is AllocationPolicy.EARLY else None
+        )
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def poll(self) -> KVPoll:
+        return SENDER_POLL[self.state]
+
+    @property
+    def quiescent(self) -> bool:
+        """No write of this room can still land anywhere."""
+        return not self.outstanding
+
+    def timer_at(self) -> float | None:
+        return self.bootstrap_deadline if self.state is SenderState.BOOTSTRAPPING else None
+
+    def handle(self, inp: Input, now: float) -> Step:
+        outputs, fired = self.fire(inp, now)
+        return Step(tuple(outputs), self.timer_at(), (fired,))
+
+    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        """Like :meth:`handle`, for endpoints that assemble one Step from several machines."""
+        return self.fire(inp, now)
+
+    # ---- validation: raise before anything changes -------------------------------------------
+    def _validate(self, inp: Input, now: float) -> None:
+        if isinstance(inp, MetadataArrived):
+            self._validate_metadata(inp.metadata)
+        elif isinstance(inp, InitTransfer):
+            self._validate_init(inp)
+        elif isinstance(inp, SendChunk) and self.state in (
+            SenderState.WAITING_FOR_INPUT,
+            SenderState.TRANSFERRING,
+        ):
+            self._validate_chunk(inp)
+        elif isinstance(inp, TransferCompleted) and inp.seq not in self.outstanding:
+            raise LocalProtocolError(
+                f"room {self.key}: no outstanding transfer with seq {inp.seq}",
+                hint="report each StartTransfer exactly once",
+            )
+        elif isinstance(inp, AbortArrived) and (
+            inp.abort.room != self.key or inp.abort.generation != self.generation
+        ):
+            raise RemoteProtocolError(f"abort for room {inp.abort.room} routed to {self.key}")
+
+    def _validate_metadata(self, md: RoomMetadata) -> None:
+        if md.room != self.key or md.generation != self.generation:
+            raise RemoteProtocolError(
+                f"metadata for room {md.room}/{md.generation} routed to {self.key}/"
+                f"{self.generation}"
+            )
+        if md.required_dst_info_num < 1:
+            raise RemoteProtocolError("required_dst_info_num must be at least 1")
+        if self.required_dst is not None and md.required_dst_info_num != self.required_dst:
+            raise RemoteProtocolError(
+                f"room {self.key}: decode peers disagree on required_dst_info_num "
+                f"({self.required_dst} vs {md.required_dst_info_num})"
+            )
+        known = md.decode in self.peers
+        full = self.required_dst is not None and len(self.peers) >= self.required_dst
+        if not known and full and self.state not in (SenderState.DRAINING, SenderState.FAILED):
+            raise RemoteProtocolError(
+                f"room {self.key}: metadata from an extra decode peer {md.decode.address} "
+                f"beyond required_dst_info_num={self.required_dst}"
+            )
+
+    def _validate_init(self, inp: InitTransfer) -> None:
+        if self.state is not SenderState.WAITING_FOR_INPUT:
+            return
+        if self.num_pages is not None:
+            raise LocalProtocolError(f"room {self.key}: InitTransfer was already called")
+        if inp.num_pages < 0:
+            raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
+        for md in self.peers.values():
+            if not md.is_dummy and len(md.dst_pages) < inp.num_pages:
+                raise InvalidInput(
+                    f"room {self.key}: {inp.num_pages} pages to send but decode peer "
+                    f"{md.decode.address} published only {len(md.dst_pages)}; "
+                    "send fewer pages (check decode_prefix_len) or abort the room"
+                )
+
+    def _validate_chunk(self, inp: SendChunk) -> None:
+        if self.num_pages is None:
+            raise LocalProtocolError(
+                f"room {self.key}: SendChunk before InitTransfer", hint="call InitTransfer first"
+            )
+        if self.last_submitted:
+            raise LocalProtocolError(f"room {self.key}: chunk after the last chunk")
+        end = self.next_page + len(inp.src_pages)
+        if end > self.num_pages:
+            raise InvalidInput(
+                f"room {self.key}: chunk ends at page {end}, past num_pages={self.num_pages}"
+            )
+        if inp.is_last != (end == self.num_pages):
+            raise InvalidInput(
+                f"room {self.key}: is_last={inp.is_last} but the chunk ends at page {end} of "
+                f"{self.num_pages}; exactly the chunk reaching num_pages is last"
+            )
+
+    # ---- guards ------------------------------------------------------------------------------
+    def _guard_completes_metadata(self, inp: Input, now: float) -> bool:
+        md = cast(MetadataArrived, inp).metadata
+        distinct = len(self.peers) + (0 if md.decode in self.peers else 1)
+        return distinct >= md.required_dst_info_num
+
+    def _guard_bootstrap_expired(self, inp: Input, now: float) -> bool:
+        return self.bootstrap_deadline is not None and now >= self.bootstrap_deadline
+
+    def _guard_finishes_without_writes(self, inp: Input, now: float) -> bool:
+        return (
+            cast(SendChunk, inp).is_last
+            and not self._writable_peers()
+            and not self.outstanding
+        )
+
+    def _guard_write_failed_others_pending(self, inp: Input, now: float) -> bool:
+        return not cast(TransferCompleted, inp).ok and len(self.outstanding) > 1
+
+    def _guard_write_failed(self, inp: Input, now: float) -> bool:
+        return not cast(TransferCompleted, inp).ok
+
+    def _guard_all_written(self, inp: Input, now: float) -> bool:
+        return self.last_submitted and len(self.outstanding) == 1
+
+    def _guard_writes_outstanding(self, inp: Input, now: float) -> bool:
+        return bool(self.outstanding)
+
+    def _guard_drains_last_write(self, inp: Input, now: float) -> bool:
+        return len(self.outstanding) == 1
+
+    # ---- actions -----------------------------------------------------------------------------
+    def _act_add_peer(self, inp: Input, now: float) -> list[Output]:
+        md = cast(MetadataArrived, inp).metadata
+        self.required_dst = md.required_dst_info_num
+        self.peers.setdefault(md.decode, md)
+        return []
+
+    def _act_ignore_duplicate_peer(self, inp: Input, now: float) -> list[Output]:
+        return []
+
+    def _act_arm_bootstrap_clock(self, inp: Input, now: float) -> list[Output]:
+        if self.bootstrap_deadline is None:
+            self.bootstrap_deadline = now + self.timeouts.bootstrap_timeout
+        return []
+
+    def _act_init(self, inp: Input, now: float) -> list[Output]:
+        self.num_pages = cast(InitTransfer, inp).num_pages
+        return []
+
+    def _act_send_chunk(self, inp: Input, now: float) -> list[Output]:
+        chunk = cast(SendChunk, inp)
+        start = self.next_page
+        self.next_page += len(chunk.src_pages)
+        self.last_submitted = chunk.is_last
+        outputs: list[Output] = []
+        for peer, md in self._writable_peers().items():
+            if not chunk.src_pages and not chunk.is_last:
+                continue
+            seq = self.next_seq
+            self.next_seq += 1
+            self.outstanding[seq] = peer
+            outputs.append(
+                StartTransfer(
+                    room=self.key,
+                    generation=self.generation,
+                    seq=seq,
+                    peer=peer,
+                    session_id=md.session_id,
+                    src_pages=chunk.src_pages,
+                    dst_pages=md.dst_pages[start : self.next_page],
+                    is_last=chunk.is_last,
+                    aux_index=md.aux_index if chunk.is_last else None,
+                    staging_offset=md.staging_offset,
+                )
+            )
+        return outputs
+
+    def _act_complete_write(self, inp: Input, now: float) -> list[Output]:
+        done = cast(TransferCompleted, inp)
+        peer = self.outstanding.pop(done.seq)
+        self._fold_checksum(peer, done.checksum)
+        return []
+
+    def _act_succeed(self, inp: Input, now: float) -> list[Output]:
+        self._act_complete_write(inp, now)
+        outputs: list[Output] = [
+            SendMessage(
+                to=peer,
+                message=StatusReport(
+                    room=self.key,
+                    generation=self.generation,
+                    status=KVPoll.Success,
+                    prefill=self.me,
+                    checksum=self.checksums.get(peer),
+                ),
+            )
+            for peer in self._writable_peers()
+        ]
+        return outputs
+
+    def _act_fail_on_write_error(self, inp: Input, now: float) -> list[Output]:
+        done = cast(TransferCompleted, inp)
+        self.outstanding.pop(done.seq)
+        return self._fail(f"transfer failed: {done.reason or 'unknown transport error'}")
+
+    def _act_fail_quiescent(self, inp: Input, now: float) -> list[Output]:
+        reason = inp.reason if isinstance(inp, AbortRequested) else "aborted"
+        return self._fail(reason)
+
+    def _act_fail_quiescent_on_abort(self, inp: Input, now: float) -> list[Output]:
+        abort = cast(AbortArrived, inp).abort
+        self.acks_owed.add(abort.decode)
+        outputs = self._fail(f"aborted by decode {abort.decode.address}: {abort.reason}")
+        return outputs + self._ack_everyone()
+
+    def _act_start_drain_on_abort(self, inp: Input, now: float) -> list[Output]:
+        abort = cast(AbortArrived, inp).abort
+        self.acks_owed.add(abort.decode)
+        return self._fail(f"aborted by decode {abort.decode.address}: {abort.reason}")
+
+    def _act_fail_bootstrap_timeout(self, inp: Input, now: float) -> list[Output]:
+        return self._fail(
+            f"timed out after {self.timeouts.bootstrap_timeout:g}s waiting for decode metadata "
+            f"({len(self.peers)} of {self.required_dst or '?'} peers) in KVPoll.Bootstrapping"
+        )
+
+    def _act_owe_ack(self, inp: Input, now: float) -> list[Output]:
+        self.acks_owed.add(cast(AbortArrived, inp).abort.decode)
+        return []
+
+    def _act_finish_drain(self, inp: Input, now: float) -> list[Output]:
+        self._act_complete_write(inp, now)
+        return self._ack_everyone()
+
+    def _act_ack_requester(self, inp: Input, now: float) -> list[Output]:
+        return [self._ack(cast(AbortArrived, inp).abort.decode)]
+
+    def _act_refuse_peer(self, inp: Input, now: float) -> list[Output]:
+        md = cast(MetadataArrived, inp).metadata
+        return [self._status_to(md.decode, KVPoll.Failed)]
+
+    # ---- helpers -----------------------------------------------------------------------------
+    def _writable_peers(self) -> dict[PeerId, RoomMetadata]:
+        return {peer: md for peer, md in self.peers.items() if not md.is_dummy}
+
+    def _fold_checksum(self, peer: PeerId, checksum: int | None) -> None:
+        current = self.checksums.get(peer, 0)
+        if current is None or checksum is None:
+            self.checksums[peer] = None
+        else:
+            self.checksums[peer] = (current + checksum) % CHECKSUM_MODULUS
+
+    def _fail(self, reason: str) -> list[Output]:
+        self.reason = reason
+        return [self._status_to(peer, KVPoll.Failed) for peer in self._writable_peers()]
+
+    def _ack_everyone(self) -> list[Output]:
+        everyone = dict.fromkeys([*self.peers, *sorted(self.acks_owed, key=_peer_order)])
+        self.acks_owed.clear()
+        return [self._ack(peer) for peer in everyone]
+
+    def _ack(self, peer: PeerId) -> SendMessage:
+        return SendMessage(
+            to=peer,
+            message=AbortAck(room=self.key, generation=self.generation, prefill=self.me,
+                             decode=peer),
+        )
+
+    def _status_to(self, peer: PeerId, status: KVPoll) -> SendMessage:
+        return SendMessage(
+            to=peer,
+            message=StatusReport(
+                room=self.key,
+                generation=self.generation,
+                status=status,
+                prefill=self.me,
+                reason=self.reason,
+            ),
+        )
+
+
+def _peer_order(peer: PeerId) -> tuple[str, str, int]:
+    return (peer.address, peer.incarnation, peer.rank)

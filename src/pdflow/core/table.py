@@ -1,0 +1,192 @@
+"""Table-driven machines: every transition is a row; anything else is a typed ProtocolError.
+
+A row is ``(source, on, guard) -> target`` plus the names of the outputs it may emit and the
+action that computes them. Rows of one cell (same source and input) are tried in order; only the
+last row of a cell may be unguarded. After every step the machine checks itself against the row
+it took: the state it reached, the outputs it emitted and the KVPoll monotonicity rule.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Generic, TypeVar
+
+import msgspec
+
+from pdflow.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from pdflow.core.inputs import Input
+from pdflow.core.kvpoll import KVPoll, poll_may_follow
+from pdflow.core.outputs import Output, StatusChanged, emit_name
+
+S = TypeVar("S", bound=enum.Enum)
+
+
+STATUS_CHANGED = "status_changed"
+
+
+class ConformanceError(RuntimeError):
+    """The code did something its own table does not allow: a bug in pdflow, never in the caller."""
+
+
+@dataclass(frozen=True)
+class Row(Generic[S]):
+    source: S
+    on: str
+    target: S
+    guard: str | None = None
+    emits: frozenset[str] = field(default_factory=frozenset)
+    action: str = "nothing"
+
+
+class Fired(msgspec.Struct, frozen=True):
+    """One transition taken, as recorded in steps, traces and coverage."""
+
+    machine: str
+    key: int
+    source: str
+    on: str
+    guard: str | None
+    target: str
+
+
+def row(
+    source: S,
+    on: type[Input],
+    target: S,
+    *,
+    guard: str | None = None,
+    emits: Iterable[str] = (),
+    action: str = "nothing",
+) -> Row[S]:
+    return Row(source, on.__name__, target, guard, frozenset(emits), action)
+
+
+class Table(Generic[S]):
+    def __init__(
+        self,
+        machine: str,
+        states: type[S],
+        initial: S,
+        inputs: Sequence[type[Input]],
+        remote_inputs: Sequence[type[Input]],
+        rows: Sequence[Row[S]],
+        poll_of: Callable[[S], KVPoll] | None = None,
+    ) -> None:
+        self.machine = machine
+        self.states = states
+        self.initial = initial
+        self.inputs = tuple(cls.__name__ for cls in inputs)
+        self.remote_inputs = frozenset(cls.__name__ for cls in remote_inputs)
+        self.rows = tuple(rows)
+        self.poll_of = poll_of
+        cells: dict[tuple[S, str], list[Row[S]]] = {}
+        for r in self.rows:
+            if r.on not in self.inputs:
+                raise ValueError(f"{machine}: row uses unknown input {r.on}")
+            cells.setdefault((r.source, r.on), []).append(r)
+        for (source, on), cell in cells.items():
+            unguarded = [r for r in cell if r.guard is None]
+            if len(unguarded) > 1 or (unguarded and cell[-1].guard is not None):
+                raise ValueError(
+                    f"{machine}: cell ({source.name}, {on}) needs at most one unguarded row, last"
+                )
+        self._cells = {key: tuple(value) for key, value in cells.items()}
+        self._check_status_rows(poll_of)
+
+    def _check_status_rows(self, poll_of: Callable[[S], KVPoll] | None) -> None:
+        if poll_of is None:
+            return
+        for r in self.rows:
+            changes_poll = poll_of(r.source) is not poll_of(r.target)
+            if changes_poll != (STATUS_CHANGED in r.emits):
+                raise ValueError(
+                    f"{self.machine}: row {r.source.name} --{r.on}--> {r.target.name} must list "
+                    f"{STATUS_CHANGED!r} in emits exactly when the KVPoll changes"
+                )
+
+    def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
+        return self._cells.get((state, on), ())
+
+    def transitions(self) -> set[tuple[str, str, str | None, str]]:
+        return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
+
+    def refusal(self, state: S, on: str) -> ProtocolError:
+        kind = RemoteProtocolError if on in self.remote_inputs else LocalProtocolError
+        hint = (
+            "drop the message and count it"
+            if on in self.remote_inputs
+            else "this call is not valid in this state; poll the room first"
+        )
+        return kind(
+            "no transition for this input in this state",
+            machine=self.machine,
+            state=state.name,
+            input_name=on,
+            hint=hint,
+        )
+
+
+class TableMachine(Generic[S]):
+    """Drives a table: find the cell, pick the first row whose guard holds, act, self-check."""
+
+    table: Table[S]
+    state: S
+    key: int
+    generation: int = 0
+    reason: str = ""
+
+    def _guard(self, name: str, inp: Input, now: float) -> bool:
+        check: Callable[[Input, float], bool] = getattr(self, f"_guard_{name}")
+        return check(inp, now)
+
+    def _act(self, name: str, inp: Input, now: float) -> list[Output]:
+        action: Callable[[Input, float], list[Output]] = getattr(self, f"_act_{name}")
+        return action(inp, now)
+
+    def _act_nothing(self, inp: Input, now: float) -> list[Output]:
+        return []
+
+    def _validate(self, inp: Input, now: float) -> None:
+        """Raise InvalidInput or RemoteProtocolError before anything changes. Override."""
+
+    def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        on = type(inp).__name__
+        cell = self.table.cell(self.state, on)
+        if not cell:
+            raise self.table.refusal(self.state, on)
+        self._validate(inp, now)
+        chosen = next((r for r in cell if r.guard is None or self._guard(r.guard, inp, now)), None)
+        if chosen is None:
+            raise self.table.refusal(self.state, on)
+        before = self.state
+        outputs = self._act(chosen.action, inp, now)
+        self.state = chosen.target
+        poll_of = self.table.poll_of
+        if poll_of is not None and poll_of(chosen.target) is not poll_of(before):
+            # The driver, not each action, reports poll changes: one place, never forgotten.
+            outputs.append(
+                StatusChanged(self.key, self.generation, poll_of(chosen.target), self.reason)
+            )
+        self._self_check(before, chosen, outputs)
+        fired = Fired(
+            self.table.machine, self.key, before.name, on, chosen.guard, chosen.target.name
+        )
+        return outputs, fired
+
+    def _self_check(self, before: S, chosen: Row[S], outputs: list[Output]) -> None:
+        for output in outputs:
+            name = emit_name(output)
+            if name not in chosen.emits:
+                raise ConformanceError(
+                    f"{self.table.machine}: {before.name} --{chosen.on}--> "
+                    f"{chosen.target.name} emitted {name}, not in its row"
+                )
+        if self.table.poll_of is None:
+            return
+        poll_before, poll_after = self.table.poll_of(before), self.table.poll_of(self.state)
+        if not poll_may_follow(poll_before, poll_after):
+            raise ConformanceError(
+                f"{self.table.machine}: KVPoll went {poll_before.name} -> {poll_after.name}"
+            )

@@ -1,0 +1,113 @@
+"""Load spec/protocol.toml into typed structures."""
+
+from __future__ import annotations
+
+import hashlib
+import tomllib
+from importlib import resources
+from pathlib import Path
+
+import msgspec
+
+
+class SpecTransition(msgspec.Struct, frozen=True, rename={"source": "from"}):
+    source: str
+    on: str
+    to: str
+    emits: tuple[str, ...] = ()
+    guard: str | None = None
+
+
+class SpecTable(msgspec.Struct, frozen=True):
+    transitions: tuple[SpecTransition, ...]
+
+
+class SpecMachine(msgspec.Struct, frozen=True):
+    role: str
+    description: str
+    initial: str
+    inputs: tuple[str, ...]
+    remote_inputs: tuple[str, ...]
+    states: dict[str, str]
+    guards: dict[str, str]
+    outputs: dict[str, str]
+    table: SpecTable
+
+
+class SpecTimer(msgspec.Struct, frozen=True):
+    machine: str
+    default_s: float
+    env: tuple[str, ...]
+    runs_in: tuple[str, ...]
+    starts: str
+    expires: str
+    same_budget_as: str | None = None
+
+
+class SpecInvariant(msgspec.Struct, frozen=True):
+    name: str
+    text: str
+
+
+class RegistryAnswer(msgspec.Struct, frozen=True):
+    status: int
+    when: str
+
+
+class SpecRegistry(msgspec.Struct, frozen=True):
+    ready_when: str
+    answers: tuple[RegistryAnswer, ...]
+
+
+class Spec(msgspec.Struct, frozen=True):
+    spec_version: str
+    kvpoll: dict[str, int]
+    policies: dict[str, str]
+    timers: dict[str, SpecTimer]
+    invariants: tuple[SpecInvariant, ...]
+    registry: SpecRegistry
+    machines: dict[str, SpecMachine]
+
+
+def spec_path() -> Path:
+    """The spec of this checkout when run from source, else the copy shipped in the wheel."""
+    source_tree = Path(__file__).resolve().parents[3] / "spec" / "protocol.toml"
+    if source_tree.is_file():
+        return source_tree
+    shipped = resources.files("pdflow") / "_spec" / "protocol.toml"
+    return Path(str(shipped))
+
+
+def spec_files(path: Path | None = None) -> list[Path]:
+    """protocol.toml first, then every machine file under machines/, in name order."""
+    main = path or spec_path()
+    machine_dir = main.parent / "machines"
+    extra = sorted(machine_dir.glob("*.toml")) if machine_dir.is_dir() else []
+    return [main, *extra]
+
+
+def spec_sha256(path: Path | None = None) -> str:
+    digest = hashlib.sha256()
+    for file in spec_files(path):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes())
+    return digest.hexdigest()
+
+
+def load_spec(path: Path | None = None) -> Spec:
+    files = spec_files(path)
+    try:
+        raw = tomllib.loads(files[0].read_text(encoding="utf-8"))
+        for extra in files[1:]:
+            part = tomllib.loads(extra.read_text(encoding="utf-8"))
+            for name, machine in part.get("machines", {}).items():
+                if name in raw.setdefault("machines", {}):
+                    raise ValueError(f"{extra}: machine {name} is defined twice")
+                raw["machines"][name] = machine
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"no protocol spec at {files[0]}") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"malformed TOML in the spec: {exc}") from exc
+    try:
+        return msgspec.convert(raw, type=Spec)
+    except msgspec.ValidationError as exc:
+        raise ValueError(f"{files[0]}: malformed spec: {exc}") from exc
