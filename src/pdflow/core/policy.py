@@ -7,7 +7,7 @@ import enum
 import msgspec
 
 
-class AllocationPolicy(str, enum.Enum):
+class AllocationPolicy(enum.StrEnum):
     """When the decode reserves destination pages."""
 
     EARLY = "early"

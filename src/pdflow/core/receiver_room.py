@@ -225,13 +225,14 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         elif isinstance(inp, PagesPublished) and self.state is ReceiverState.AWAITING_PAGES:
             if len(set(inp.dst_pages)) != len(inp.dst_pages):
                 raise InvalidInput(f"room {self.key}: destination pages must be distinct")
-        elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)):
-            if self.targets and inp.prefill not in {t.peer for t in self.targets}:
-                raise RemoteProtocolError(
-                    f"room {self.key}: status from {inp.prefill.address}"
-                    f"/{inp.prefill.incarnation}, which is not a prefill rank of this room",
-                    hint="a stale incarnation or a misrouted message; drop it",
-                )
+        elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)) and (
+            self.targets and inp.prefill not in {t.peer for t in self.targets}
+        ):
+            raise RemoteProtocolError(
+                f"room {self.key}: status from {inp.prefill.address}"
+                f"/{inp.prefill.incarnation}, which is not a prefill rank of this room",
+                hint="a stale incarnation or a misrouted message; drop it",
+            )
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_prefill_complete_policy(self, inp: Input, now: float) -> bool:
@@ -382,5 +383,6 @@ def _reason_of(inp: Input) -> str:
     if isinstance(inp, (ResolveFailed, AbortRequested, FailureArrived, ChecksumResult)):
         return inp.reason or type(inp).__name__
     if isinstance(inp, PeerDied):
-        return f"lost connection with prefill {inp.peer.address} (incarnation {inp.peer.incarnation})"
+        peer = inp.peer
+        return f"lost connection with prefill {peer.address} (incarnation {peer.incarnation})"
     return type(inp).__name__

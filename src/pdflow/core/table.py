@@ -77,6 +77,8 @@ class Table(Generic[S]):
         self.machine = machine
         self.states = states
         self.initial = initial
+        self.input_types = tuple(inputs)
+        self.remote_input_types = tuple(remote_inputs)
         self.inputs = tuple(cls.__name__ for cls in inputs)
         self.remote_inputs = frozenset(cls.__name__ for cls in remote_inputs)
         self.rows = tuple(rows)
@@ -105,6 +107,11 @@ class Table(Generic[S]):
                     f"{self.machine}: row {r.source.name} --{r.on}--> {r.target.name} must list "
                     f"{STATUS_CHANGED!r} in emits exactly when the KVPoll changes"
                 )
+
+    def with_rows(self, rows: Sequence[Row[S]]) -> Table[S]:
+        """The same machine with other rows (used to show that drift is caught)."""
+        return Table(self.machine, self.states, self.initial, self.input_types,
+                     self.remote_input_types, rows, self.poll_of)
 
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
         return self._cells.get((state, on), ())

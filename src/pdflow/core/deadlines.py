@@ -1,0 +1,43 @@
+"""A deadline queue for many keys: O(log n) re-arming, stale heap entries skipped lazily."""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Hashable
+from typing import Generic, TypeVar
+
+K = TypeVar("K", bound=Hashable)
+
+
+class DeadlineQueue(Generic[K]):
+    def __init__(self) -> None:
+        self._heap: list[tuple[float, int, K]] = []
+        self._current: dict[K, float] = {}
+        self._pushes = 0  # tie-breaker: equal deadlines pop in arming order, deterministically
+
+    def arm(self, key: K, deadline: float | None) -> None:
+        if deadline is None:
+            self._current.pop(key, None)
+            return
+        if self._current.get(key) == deadline:
+            return
+        self._current[key] = deadline
+        self._pushes += 1
+        heapq.heappush(self._heap, (deadline, self._pushes, key))
+
+    def pop_due(self, now: float) -> list[K]:
+        due: list[K] = []
+        while self._heap and self._heap[0][0] <= now:
+            deadline, _, key = heapq.heappop(self._heap)
+            if self._current.get(key) == deadline:
+                del self._current[key]
+                due.append(key)
+        return due
+
+    def next_deadline(self) -> float | None:
+        while self._heap and self._current.get(self._heap[0][2]) != self._heap[0][0]:
+            heapq.heappop(self._heap)
+        return self._heap[0][0] if self._heap else None
+
+    def __len__(self) -> int:
+        return len(self._current)

@@ -1,0 +1,187 @@
+"""Inputs and outputs of the endpoints (one endpoint per rank, hosting many rooms).
+
+Endpoint inputs wrap everything that can happen to a rank: an engine API call, a control
+message off the wire, a transport completion, a heartbeat result, a timer. They are what the
+trace records and what replay feeds back.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.messages import AnyMessage, PeerId
+from pdflow.core.outputs import Output
+from pdflow.core.policy import AllocationPolicy, Timeouts
+
+
+class EndpointInput(msgspec.Struct, frozen=True, tag_field="type"):
+    """Base of every endpoint input."""
+
+
+class OpenRoom(EndpointInput, frozen=True, tag="OpenRoom"):
+    """The engine starts a request on this rank. A room id already open is refused."""
+
+    room: int
+    generation: int
+
+
+EngineCall = InitTransfer | SendChunk | AbortRequested | PrefillCompleted
+
+
+class RoomCall(EndpointInput, frozen=True, tag="RoomCall"):
+    """An engine call addressed to one open room (InitTransfer, SendChunk, AbortRequested...)."""
+
+    room: int
+    call: EngineCall
+
+
+class ClearRoom(EndpointInput, frozen=True, tag="ClearRoom"):
+    """The engine is done with a terminal room. A failed room still draining is removed later."""
+
+    room: int
+
+
+class Received(EndpointInput, frozen=True, tag="Received"):
+    """A control message arrived from a peer."""
+
+    message: AnyMessage
+
+
+class TransferDone(EndpointInput, frozen=True, tag="TransferDone"):
+    """The transport finished a StartTransfer (prefill)."""
+
+    room: int
+    generation: int
+    seq: int
+    ok: bool
+    reason: str = ""
+    checksum: int | None = None
+
+
+class TimerFired(EndpointInput, frozen=True, tag="TimerFired"):
+    """Time has passed; every deadline at or before ``now`` fires."""
+
+
+# ---- decode-only ------------------------------------------------------------------------------
+class PrefillRank(msgspec.Struct, frozen=True):
+    """One prefill rank as the bootstrap registry describes it."""
+
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+    peer: PeerId
+
+
+class PrefillInfo(msgspec.Struct, frozen=True):
+    """A prefill instance's topology, as fetched from its bootstrap registry."""
+
+    bootstrap: str
+    tp_size: int
+    cp_size: int
+    pp_size: int
+    dp_size: int
+    page_size: int
+    kv_cache_dtype: str
+    policy: AllocationPolicy
+    ranks: tuple[PrefillRank, ...]
+    is_mla: bool = False
+    follow_bootstrap_room: bool = True
+
+
+class OpenReceiver(EndpointInput, frozen=True, tag="OpenReceiver"):
+    """The engine starts receiving a room from the prefill instance behind ``bootstrap``."""
+
+    room: int
+    generation: int
+    bootstrap: str
+    prefill_dp_rank: int | None = None
+
+
+class TopologyKnown(EndpointInput, frozen=True, tag="TopologyKnown"):
+    info: PrefillInfo
+
+
+class TopologyFailed(EndpointInput, frozen=True, tag="TopologyFailed"):
+    bootstrap: str
+    reason: str
+
+
+class PublishPages(EndpointInput, frozen=True, tag="PublishPages"):
+    """The engine reserved destination pages for a room (they must be free in the ledger)."""
+
+    room: int
+    dst_pages: tuple[int, ...]
+    aux_index: int | None
+    decode_prefix_len: int = 0
+    staging_offset: int | None = None
+
+
+class HeartbeatResult(EndpointInput, frozen=True, tag="HeartbeatResult"):
+    """One /health probe of a prefill instance: ok, and the incarnation it reported if any."""
+
+    bootstrap: str
+    ok: bool
+    incarnation: str | None = None
+
+
+class SessionClosed(EndpointInput, frozen=True, tag="SessionClosed"):
+    """The shell closed the transport session to a dead writer: nothing it sent can land now."""
+
+    peer: PeerId
+
+
+class ChecksumChecked(EndpointInput, frozen=True, tag="ChecksumChecked"):
+    room: int
+    generation: int
+    ok: bool
+    reason: str = ""
+
+
+# ---- endpoint outputs --------------------------------------------------------------------------
+class Dropped(Output, frozen=True, tag="dropped"):
+    """A message or input was refused and counted; nothing changed."""
+
+    kind: str
+    reason: str
+
+
+class NeedTopology(Output, frozen=True, tag="need_topology"):
+    """Fetch the topology of the prefill instance behind this bootstrap address."""
+
+    bootstrap: str
+
+
+class CloseSession(Output, frozen=True, tag="close_session"):
+    """Close the transport session to this dead writer, then report SessionClosed."""
+
+    peer: PeerId
+
+
+class RoomRemoved(Output, frozen=True, tag="room_removed"):
+    room: int
+    generation: int
+
+
+class PrefillEndpointConfig(msgspec.Struct, frozen=True):
+    me: PeerId
+    policy: AllocationPolicy = AllocationPolicy.EARLY
+    timeouts: Timeouts = Timeouts()
+
+
+class DecodeEndpointConfig(msgspec.Struct, frozen=True):
+    me: PeerId
+    tp_size: int = 1
+    tp_rank: int = 0
+    dp_size: int = 1
+    pp_size: int = 1
+    num_pages: int = 1024
+    page_size: int = 16
+    kv_cache_dtype: str = "auto"
+    is_mla: bool = False
+    session_id: str = ""
+    policy: AllocationPolicy = AllocationPolicy.EARLY
+    timeouts: Timeouts = Timeouts()
+    heartbeat_max_failure: int = 2
+    verify_checksums: bool = False

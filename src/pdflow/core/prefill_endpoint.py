@@ -1,0 +1,290 @@
+"""PrefillEndpoint: one prefill rank hosting many SenderRooms.
+
+It routes every input to its room, keeps what arrives before the engine opens a room (metadata,
+and aborts, so a cancel is never lost), drops stale messages (another incarnation, another
+generation of the room id) with a counted reason, and removes a failed room only once its last
+write has drained.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from pdflow.core.deadlines import DeadlineQueue
+from pdflow.core.endpoint_io import (
+    ClearRoom,
+    Dropped,
+    EndpointInput,
+    OpenRoom,
+    PrefillEndpointConfig,
+    Received,
+    RoomCall,
+    RoomRemoved,
+    TimerFired,
+    TransferDone,
+)
+from pdflow.core.errors import LocalProtocolError, RemoteProtocolError
+from pdflow.core.inputs import AbortArrived, Input, MetadataArrived, Tick, TransferCompleted
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    AnyMessage,
+    BootstrapRequest,
+    RoomMetadata,
+    StatusReport,
+)
+from pdflow.core.outputs import Output, SendMessage
+from pdflow.core.sender_room import SenderRoom, SenderState
+from pdflow.core.step import Step
+from pdflow.core.table import Fired
+
+
+class EarlyArrivals(msgspec.Struct):
+    """Messages for a (room, generation) the engine has not opened yet."""
+
+    expires_at: float
+    metadata: list[RoomMetadata] = msgspec.field(default_factory=list)
+    aborts: list[Abort] = msgspec.field(default_factory=list)
+
+
+class SenderSummary(msgspec.Struct, frozen=True):
+    room: int
+    generation: int
+    state: str
+    poll: KVPoll
+    outstanding: int
+    peers: int
+    reason: str
+
+
+class PrefillSnapshot(msgspec.Struct, frozen=True):
+    me: str
+    rooms: tuple[SenderSummary, ...]
+    early: int
+    counters: dict[str, int]
+
+
+class PrefillEndpoint:
+    role = "prefill"
+
+    def __init__(self, config: PrefillEndpointConfig) -> None:
+        self.config = config
+        self.me = config.me
+        self.rooms: dict[int, SenderRoom] = {}
+        self.early: dict[tuple[int, int], EarlyArrivals] = {}
+        self.remove_when_drained: set[int] = set()
+        self.deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self.early_deadlines: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
+        self.counters: Counter[str] = Counter()
+
+    # ---- the one entry point ---------------------------------------------------------------------
+    def handle(self, inp: EndpointInput, now: float) -> Step:
+        outputs: list[Output] = []
+        fired: list[Fired] = []
+        if isinstance(inp, OpenRoom):
+            self._open(inp, now, outputs, fired)
+        elif isinstance(inp, RoomCall):
+            self._room_input(self._known_room(inp.room), inp.call, now, outputs, fired)
+        elif isinstance(inp, ClearRoom):
+            self._clear(inp, outputs)
+        elif isinstance(inp, Received):
+            self._receive(inp.message, now, outputs, fired)
+        elif isinstance(inp, TransferDone):
+            self._transfer_done(inp, now, outputs, fired)
+        elif isinstance(inp, TimerFired):
+            self._timers(now, outputs, fired)
+        else:
+            raise LocalProtocolError(
+                f"a prefill endpoint does not take {type(inp).__name__}",
+                hint="decode-side inputs go to a DecodeEndpoint",
+            )
+        return Step(tuple(outputs), self.timer_at(), tuple(fired))
+
+    def timer_at(self) -> float | None:
+        deadlines = [self.deadlines.next_deadline(), self.early_deadlines.next_deadline()]
+        present = [d for d in deadlines if d is not None]
+        return min(present) if present else None
+
+    # ---- inputs ----------------------------------------------------------------------------------
+    def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
+        if inp.room in self.rooms:
+            existing = self.rooms[inp.room]
+            raise LocalProtocolError(
+                f"room {inp.room} is already open (generation {existing.generation}, "
+                f"{existing.state.name}); a duplicate claim fails",
+                hint="fail this request; the router assigned a room id twice",
+            )
+        room = SenderRoom(
+            inp.room, inp.generation, self.me, now,
+            policy=self.config.policy, timeouts=self.config.timeouts,
+        )  # fmt: skip
+        self.rooms[inp.room] = room
+        self._arm(room)
+        early = self.early.pop((inp.room, inp.generation), None)
+        self.early_deadlines.arm((inp.room, inp.generation), None)
+        if early is None:
+            return
+        for md in early.metadata:
+            self._room_input(room, MetadataArrived(md), now, outputs, fired)
+        for abort in early.aborts:
+            self._room_input(room, AbortArrived(abort), now, outputs, fired)
+
+    def _clear(self, inp: ClearRoom, outputs: list[Output]) -> None:
+        room = self._known_room(inp.room)
+        if room.state is SenderState.DRAINING:
+            self.remove_when_drained.add(inp.room)
+            return
+        if not room.poll.is_terminal:
+            raise LocalProtocolError(
+                f"room {inp.room} is {room.poll.name}; only a terminal room can be cleared",
+                hint="abort the room first (RoomCall with AbortRequested)",
+            )
+        self._remove(room, outputs)
+
+    def _receive(
+        self, message: AnyMessage, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
+        if isinstance(message, (StatusReport, AbortAck)):
+            self._drop(outputs, "wrong_direction", f"{type(message).__name__} sent to a prefill")
+            return
+        if isinstance(message, (RoomMetadata, BootstrapRequest)) and (
+            message.version != PROTOCOL_VERSION
+        ):
+            self._drop(outputs, "bad_version", f"protocol version {message.version}")
+            return
+        if message.prefill != self.me:
+            self._drop(
+                outputs, "stale_incarnation",
+                f"{type(message).__name__} for {message.prefill.address}/"
+                f"{message.prefill.incarnation} rank {message.prefill.rank}",
+            )  # fmt: skip
+            return
+        if isinstance(message, BootstrapRequest):
+            # The ready notice of prefill_complete is sent by the engine-facing shell once the
+            # room's PrefillCompleted arrives; the request itself needs no state here.
+            self.counters["bootstrap_requests"] += 1
+            return
+        room = self.rooms.get(message.room)
+        if room is None or room.generation != message.generation:
+            if room is not None and room.generation != message.generation:
+                if isinstance(message, Abort):
+                    outputs.append(self._ack(message))
+                    return
+                self._drop(outputs, "stale_generation", f"room {message.room}")
+                return
+            self._park(message, now, outputs)
+            return
+        wrapped: Input = (
+            MetadataArrived(message) if isinstance(message, RoomMetadata) else AbortArrived(message)
+        )
+        try:
+            self._room_input(room, wrapped, now, outputs, fired)
+        except RemoteProtocolError as exc:
+            self._drop(outputs, "protocol_error", str(exc))
+
+    def _park(self, message: RoomMetadata | Abort, now: float, outputs: list[Output]) -> None:
+        key = (message.room, message.generation)
+        entry = self.early.get(key)
+        if entry is None:
+            entry = EarlyArrivals(expires_at=now + self.config.timeouts.bootstrap_timeout)
+            self.early[key] = entry
+            self.early_deadlines.arm(key, entry.expires_at)
+        if isinstance(message, Abort):
+            # Nothing of an unopened room can be writing: ACK now, and remember the cancel so
+            # that a later OpenRoom of this generation fails at once.
+            entry.aborts.append(message)
+            outputs.append(self._ack(message))
+        else:
+            entry.metadata.append(message)
+
+    def _transfer_done(
+        self, inp: TransferDone, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
+        room = self._known_room(inp.room)
+        if room.generation != inp.generation:
+            raise LocalProtocolError(
+                f"transfer completion for room {inp.room} generation {inp.generation}, "
+                f"but the room is generation {room.generation}"
+            )
+        done = TransferCompleted(inp.seq, inp.ok, inp.reason, inp.checksum)
+        self._room_input(room, done, now, outputs, fired)
+        if inp.room in self.remove_when_drained and room.quiescent:
+            self.remove_when_drained.discard(inp.room)
+            self._remove(room, outputs)
+
+    def _timers(self, now: float, outputs: list[Output], fired: list[Fired]) -> None:
+        for key in self.early_deadlines.pop_due(now):
+            self.early.pop(key, None)
+            self.counters["early_arrivals_expired"] += 1
+        for room_id in self.deadlines.pop_due(now):
+            room = self.rooms.get(room_id)
+            if room is not None:
+                self._room_input(room, Tick(), now, outputs, fired)
+
+    # ---- helpers ---------------------------------------------------------------------------------
+    def _room_input(
+        self, room: SenderRoom, inp: Input, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
+        produced, transition = room.step(inp, now)
+        outputs.extend(produced)
+        fired.append(transition)
+        self._arm(room)
+
+    def _arm(self, room: SenderRoom) -> None:
+        self.deadlines.arm(room.key, room.timer_at())
+
+    def _known_room(self, room_id: int) -> SenderRoom:
+        room = self.rooms.get(room_id)
+        if room is None:
+            raise LocalProtocolError(
+                f"room {room_id} is not open on {self.me.address}",
+                hint="OpenRoom first; a cleared room cannot be used again without OpenRoom",
+            )
+        return room
+
+    def _remove(self, room: SenderRoom, outputs: list[Output]) -> None:
+        del self.rooms[room.key]
+        self.deadlines.arm(room.key, None)
+        self.counters[f"rooms_{room.poll.name.lower()}"] += 1
+        outputs.append(RoomRemoved(room.key, room.generation))
+
+    def _drop(self, outputs: list[Output], kind: str, reason: str) -> None:
+        self.counters[f"dropped_{kind}"] += 1
+        outputs.append(Dropped(kind, reason))
+
+    def _ack(self, abort: Abort) -> SendMessage:
+        return SendMessage(
+            to=abort.decode,
+            message=AbortAck(
+                room=abort.room, generation=abort.generation, prefill=self.me, decode=abort.decode
+            ),
+        )
+
+    # ---- read-only views -------------------------------------------------------------------------
+    def summary(self, room_id: int) -> SenderSummary | None:
+        room = self.rooms.get(room_id)
+        if room is None:
+            return None
+        return SenderSummary(
+            room.key, room.generation, room.state.name, room.poll, len(room.outstanding),
+            len(room.peers), room.reason,
+        )  # fmt: skip
+
+    def snapshot(self) -> PrefillSnapshot:
+        summaries = tuple(
+            s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None
+        )
+        return PrefillSnapshot(
+            f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
+            summaries,
+            len(self.early),
+            dict(sorted(self.counters.items())),
+        )
+
+    @property
+    def outstanding_writes(self) -> int:
+        return sum(len(room.outstanding) for room in self.rooms.values())

@@ -1,0 +1,248 @@
+"""Room lifecycles driven by inputs and a virtual clock (no I/O, no real time)."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.inputs import (
+    AbortRequested,
+    ChecksumResult,
+    FailureArrived,
+    InitTransfer,
+    MetadataArrived,
+    PrefillCompleted,
+    ReadyArrived,
+    SendChunk,
+    SuccessArrived,
+    Tick,
+    TransferCompleted,
+)
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import AbortAck, BootstrapRequest, RoomMetadata, StatusReport
+from pdflow.core.outputs import ArmFence, SendMessage, StartTransfer, StatusChanged
+from pdflow.core.policy import AllocationPolicy
+from pdflow.core.receiver_room import ReceiverState
+from pdflow.core.sender_room import SenderState
+from tests.unit.room_fixtures import (
+    DECODE,
+    DECODE_B,
+    PREFILL,
+    PREFILL_B,
+    PUBLISH,
+    abort,
+    metadata,
+    new_receiver,
+    new_sender,
+    resolved,
+)
+
+PC = AllocationPolicy.PREFILL_COMPLETE
+
+
+def sent(step, kind):  # type: ignore[no-untyped-def]
+    return [o.message for o in step.outputs
+            if isinstance(o, SendMessage) and isinstance(o.message, kind)]
+
+
+def polls(step):  # type: ignore[no-untyped-def]
+    return [o.poll for o in step.outputs if isinstance(o, StatusChanged)]
+
+
+# ---- happy paths, both policies ------------------------------------------------------------------
+def test_early_policy_happy_path() -> None:
+    receiver, sender = new_receiver(), new_sender()
+    assert polls(receiver.handle(resolved(), 1.0)) == [KVPoll.WaitingForInput]
+    step = receiver.handle(PUBLISH, 2.0)
+    [md] = sent(step, RoomMetadata)
+    assert polls(step) == [KVPoll.Transferring]
+    assert polls(sender.handle(MetadataArrived(md), 2.1)) == [KVPoll.WaitingForInput]
+    sender.handle(InitTransfer(3), 3.0)
+    first = sender.handle(SendChunk((7, 8), False), 3.0)
+    [write1] = [o for o in first.outputs if isinstance(o, StartTransfer)]
+    assert write1.dst_pages == (100, 101) and not write1.is_last
+    last = sender.handle(SendChunk((9,), True), 3.1)
+    [write2] = [o for o in last.outputs if isinstance(o, StartTransfer)]
+    assert write2.dst_pages == (102,) and write2.is_last and write2.aux_index == 3
+    assert sender.handle(TransferCompleted(write1.seq, True, checksum=5), 3.2).outputs == ()
+    done = sender.handle(TransferCompleted(write2.seq, True, checksum=6), 3.3)
+    [status] = sent(done, StatusReport)
+    assert status.status is KVPoll.Success and status.checksum == 11
+    assert sender.poll is KVPoll.Success
+    final = receiver.handle(SuccessArrived(status.prefill, status.checksum), 3.4)
+    assert polls(final) == [KVPoll.Success] and receiver.poll is KVPoll.Success
+
+
+def test_prefill_complete_policy_happy_path() -> None:
+    receiver, sender = new_receiver(PC), new_sender(PC)
+    step = receiver.handle(resolved(), 1.0)
+    assert sent(step, BootstrapRequest) and receiver.state is ReceiverState.AWAITING_READY
+    assert receiver.poll is KVPoll.Bootstrapping
+    assert sender.timer_at() is None, "bootstrap clock starts only when the prefill completes"
+    sender.handle(PrefillCompleted(), 50.0)
+    assert sender.timer_at() == 350.0
+    assert polls(receiver.handle(ReadyArrived(PREFILL), 60.0)) == [KVPoll.WaitingForInput]
+    [md] = sent(receiver.handle(PUBLISH, 61.0), RoomMetadata)
+    sender.handle(MetadataArrived(md), 61.0)
+    sender.handle(InitTransfer(3), 61.0)
+    [write] = [o for o in sender.handle(SendChunk((1, 2, 3), True), 61.0).outputs
+               if isinstance(o, StartTransfer)]
+    [status] = sent(sender.handle(TransferCompleted(write.seq, True), 62.0), StatusReport)
+    receiver.handle(SuccessArrived(status.prefill), 62.0)
+    assert receiver.poll is KVPoll.Success and sender.poll is KVPoll.Success
+
+
+# ---- timeouts: just before and exactly at the deadline -------------------------------------------
+def test_sender_bootstrap_timeout_early_policy() -> None:
+    sender = new_sender(now=10.0)
+    sender.handle(Tick(), 309.999)
+    assert sender.state is SenderState.BOOTSTRAPPING
+    sender.handle(Tick(), 310.0)
+    assert sender.state is SenderState.FAILED and "Bootstrapping" in sender.reason
+
+
+def test_sender_bootstrap_timeout_prefill_complete_counts_from_completion() -> None:
+    sender = new_sender(PC, now=0.0)
+    sender.handle(Tick(), 1000.0)
+    assert sender.state is SenderState.BOOTSTRAPPING, "queue and compute time are not counted"
+    sender.handle(PrefillCompleted(), 1000.0)
+    sender.handle(Tick(), 1299.999)
+    assert sender.state is SenderState.BOOTSTRAPPING
+    sender.handle(Tick(), 1300.0)
+    assert sender.state is SenderState.FAILED
+
+
+def test_receiver_waiting_timeout_while_bootstrapping() -> None:
+    receiver = new_receiver(now=5.0)
+    receiver.handle(Tick(), 304.999)
+    assert receiver.state is ReceiverState.BOOTSTRAPPING
+    receiver.handle(Tick(), 305.0)
+    assert receiver.poll is KVPoll.Failed and "waiting for the prefill" in receiver.reason
+
+
+def test_receiver_waiting_timeout_for_ready_then_abort() -> None:
+    receiver = new_receiver(PC)
+    receiver.handle(resolved(), 100.0)
+    receiver.handle(Tick(), 399.999)
+    assert receiver.state is ReceiverState.AWAITING_READY
+    step = receiver.handle(Tick(), 400.0)
+    assert receiver.poll is KVPoll.Failed and sent(step, type(abort().abort))
+
+
+def test_ready_resets_the_waiting_clock() -> None:
+    receiver = new_receiver(PC)
+    receiver.handle(resolved(), 0.0)
+    receiver.handle(ReadyArrived(PREFILL), 250.0)
+    assert receiver.timer_at() == 550.0
+    receiver.handle(Tick(), 549.999)
+    assert receiver.state is ReceiverState.AWAITING_PAGES
+    receiver.handle(Tick(), 550.0)
+    assert receiver.poll is KVPoll.Failed
+
+
+def test_transfer_budget_is_a_separate_clock_started_at_publish() -> None:
+    receiver = new_receiver()
+    receiver.handle(resolved(), 0.0)
+    assert receiver.timer_at() is None, "early policy: waiting for memory is admission's job"
+    receiver.handle(Tick(), 10_000.0)
+    assert receiver.state is ReceiverState.AWAITING_PAGES
+    receiver.handle(PUBLISH, 10_000.0)
+    receiver.handle(Tick(), 10_299.999)
+    assert receiver.state is ReceiverState.TRANSFERRING
+    step = receiver.handle(Tick(), 10_300.0)
+    assert receiver.poll is KVPoll.Failed
+    fence = [o for o in step.outputs if isinstance(o, ArmFence)]
+    assert fence and step.outputs.index(fence[0]) < next(
+        i for i, o in enumerate(step.outputs) if isinstance(o, SendMessage)
+    ), "the fence is armed before any ABORT leaves"
+
+
+# ---- failure ordering, duplicates, several peers -----------------------------------------------
+def test_failure_beats_a_late_ready() -> None:
+    receiver = new_receiver(PC)
+    receiver.handle(resolved(), 0.0)
+    receiver.handle(FailureArrived(PREFILL, "prefill aborted"), 1.0)
+    step = receiver.handle(ReadyArrived(PREFILL), 2.0)
+    assert receiver.poll is KVPoll.Failed and step.outputs == ()
+
+
+def test_success_needs_the_last_distinct_peer_and_duplicates_do_not_count() -> None:
+    receiver = new_receiver()
+    receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
+    receiver.handle(PUBLISH, 0.0)
+    receiver.handle(SuccessArrived(PREFILL), 1.0)
+    receiver.handle(SuccessArrived(PREFILL), 1.5)
+    assert receiver.poll is KVPoll.Transferring, "a duplicate report counts once"
+    receiver.handle(SuccessArrived(PREFILL_B), 2.0)
+    assert receiver.poll is KVPoll.Success
+
+
+def test_sender_waits_for_every_required_decode_peer() -> None:
+    sender = new_sender()
+    sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.0)
+    sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.1)
+    assert sender.poll is KVPoll.Bootstrapping, "the same decode peer twice is one peer"
+    sender.handle(MetadataArrived(metadata(DECODE_B, required=2)), 0.2)
+    assert sender.poll is KVPoll.WaitingForInput
+    sender.handle(InitTransfer(4), 1.0)
+    step = sender.handle(SendChunk((1, 2, 3, 4), True), 1.0)
+    writes = [o for o in step.outputs if isinstance(o, StartTransfer)]
+    assert {w.peer for w in writes} == {DECODE, DECODE_B}
+    sender.handle(TransferCompleted(writes[0].seq, True), 2.0)
+    assert sender.poll is KVPoll.Transferring
+    sender.handle(TransferCompleted(writes[1].seq, True), 2.0)
+    assert sender.poll is KVPoll.Success
+
+
+def test_terminal_states_are_sticky() -> None:
+    receiver = new_receiver()
+    receiver.handle(resolved(), 0.0)
+    receiver.handle(PUBLISH, 0.0)
+    receiver.handle(SuccessArrived(PREFILL), 1.0)
+    with pytest.raises(RemoteProtocolError):
+        receiver.handle(FailureArrived(PREFILL, "a failure after Success is a peer bug"), 1.5)
+    receiver.handle(AbortRequested("too late"), 2.0)
+    receiver.handle(Tick(), 10_000.0)
+    assert receiver.poll is KVPoll.Success
+
+
+def test_checksum_mismatch_fails_closed() -> None:
+    receiver = new_receiver(verify=True)
+    receiver.handle(resolved(), 0.0)
+    receiver.handle(PUBLISH, 0.0)
+    receiver.handle(SuccessArrived(PREFILL, 1234), 1.0)
+    assert receiver.poll is KVPoll.Transferring, "Success waits for verification"
+    receiver.handle(ChecksumResult(False, "page 101 differs"), 1.1)
+    assert receiver.poll is KVPoll.Failed and "page 101 differs" in receiver.reason
+
+
+# ---- abort with drain --------------------------------------------------------------------------
+def test_abort_drains_before_ack_and_acks_every_peer_once() -> None:
+    sender = new_sender()
+    sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.0)
+    sender.handle(MetadataArrived(metadata(DECODE_B, required=2)), 0.0)
+    sender.handle(InitTransfer(4), 0.0)
+    writes = [o for o in sender.handle(SendChunk((1, 2), False), 0.0).outputs
+              if isinstance(o, StartTransfer)]
+    step = sender.handle(abort(DECODE), 1.0)
+    assert sender.poll is KVPoll.Failed and sender.state is SenderState.DRAINING
+    assert not sent(step, AbortAck), "no ACK while writes are outstanding"
+    assert sender.handle(SendChunk((3, 4), True), 1.1).outputs == (), "no new write after abort"
+    assert not sent(sender.handle(TransferCompleted(writes[0].seq, True), 2.0), AbortAck)
+    acks = sent(sender.handle(TransferCompleted(writes[1].seq, False, "late"), 3.0), AbortAck)
+    assert sorted(a.decode.address for a in acks) == sorted([DECODE.address, DECODE_B.address])
+    assert sender.state is SenderState.FAILED
+    assert len(sent(sender.handle(abort(DECODE_B), 4.0), AbortAck)) == 1, "quiescent: ACK now"
+
+
+def test_bad_chunks_are_refused_without_change() -> None:
+    sender = new_sender()
+    sender.handle(MetadataArrived(metadata()), 0.0)
+    with pytest.raises(LocalProtocolError):
+        sender.handle(SendChunk((1,), False), 0.0)
+    sender.handle(InitTransfer(2), 0.0)
+    with pytest.raises(InvalidInput, match="exactly the chunk reaching num_pages is last"):
+        sender.handle(SendChunk((1, 2), False), 0.0)
+    with pytest.raises(InvalidInput):
+        sender.handle(SendChunk((1, 2, 3), True), 0.0)
+    assert sender.next_page == 0 and sender.state is SenderState.WAITING_FOR_INPUT

@@ -1,0 +1,82 @@
+"""The code's tables and spec/protocol.toml agree in both directions; drift is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import pytest
+
+from pdflow.cli import main
+from pdflow.core.machines import MACHINES
+from pdflow.core.table import Table
+from pdflow.spec import check_spec, load_spec, spec_path
+from pdflow.spec.render import render_markdown
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_code_and_spec_agree() -> None:
+    assert check_spec(load_spec()) == []
+
+
+def test_every_code_machine_is_in_the_spec_and_back() -> None:
+    assert set(load_spec().machines) == set(MACHINES)
+
+
+def _mutated(table: Table, index: int, **changes: object) -> Table:
+    rows = list(table.rows)
+    rows[index] = dataclasses.replace(rows[index], **changes)
+    return table.with_rows(rows)
+
+
+@pytest.mark.parametrize("machine", sorted(MACHINES))
+def test_changing_one_code_transition_is_caught(machine: str) -> None:
+    table = MACHINES[machine]
+    # Retarget one transition to another state with the same KVPoll, so the table stays valid.
+    index, other = next(
+        (i, s)
+        for i, r in enumerate(table.rows)
+        for s in table.states
+        if s is not r.target
+        and (table.poll_of is None or table.poll_of(s) is table.poll_of(r.target))
+    )
+    broken = _mutated(table, index, target=other)
+    diffs = check_spec(load_spec(), {**MACHINES, machine: broken})
+    assert diffs, "a retargeted transition must be reported"
+    assert any(table.rows[index].source.name in d.where for d in diffs)
+
+
+def test_changing_one_spec_transition_is_caught(tmp_path: Path) -> None:
+    source = spec_path()
+    shutil.copytree(source.parent, tmp_path / "spec")
+    edited = tmp_path / "spec" / "protocol.toml"
+    text = edited.read_text()
+    needle = '{ from = "TRANSFERRING", on = "Tick", guard = "transfer_expired", to = "FAILED"'
+    assert needle in text
+    edited.write_text(text.replace(needle, needle.replace('to = "FAILED"', 'to = "SUCCESS"')))
+    diffs = check_spec(load_spec(edited))
+    assert [d.where for d in diffs] == ["cell TRANSFERRING x Tick"]
+    assert main(["spec", "check", "--spec", str(edited)]) == 1
+
+
+def test_spec_check_cli_passes(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["spec", "check"]) == 0
+    out = capsys.readouterr().out
+    assert "spec check OK" in out and "transitions=" in out
+
+
+def test_protocol_doc_is_not_stale() -> None:
+    committed = (REPO / "docs" / "protocol.md").read_text(encoding="utf-8")
+    assert committed == render_markdown(load_spec()), "run `pdflow spec render`"
+
+
+def test_spec_defaults_match_the_code_defaults() -> None:
+    from pdflow.core.policy import Timeouts
+
+    spec = load_spec()
+    assert spec.timers["bootstrap_timeout"].default_s == Timeouts().bootstrap_timeout == 300.0
+    assert spec.timers["waiting_timeout"].default_s == Timeouts().waiting_timeout == 300.0
+    assert spec.kvpoll == {"Failed": 0, "Bootstrapping": 1, "WaitingForInput": 2,
+                           "Transferring": 3, "Success": 4}
