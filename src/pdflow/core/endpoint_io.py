@@ -43,9 +43,11 @@ class ClearRoom(EndpointInput, frozen=True, tag="ClearRoom"):
 
 
 class Received(EndpointInput, frozen=True, tag="Received"):
-    """A control message arrived from a peer."""
+    """A control message arrived from a peer. ``msg_id`` names the sending trace record's output
+    (``"<endpoint>:<seq>:<index>"``) when the sender put it on the wire; it only orders traces."""
 
     message: AnyMessage
+    msg_id: str | None = None
 
 
 class TransferDone(EndpointInput, frozen=True, tag="TransferDone"):
@@ -164,18 +166,24 @@ class RoomRemoved(Output, frozen=True, tag="room_removed"):
     generation: int
 
 
-class PrefillEndpointConfig(msgspec.Struct, frozen=True):
+PrefillEndpointInput = OpenRoom | RoomCall | ClearRoom | Received | TransferDone | TimerFired
+
+
+class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_field="role"):
     me: PeerId
     policy: AllocationPolicy = AllocationPolicy.EARLY
     timeouts: Timeouts = Timeouts()
 
 
-class DecodeEndpointConfig(msgspec.Struct, frozen=True):
+class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field="role"):
     me: PeerId
     tp_size: int = 1
     tp_rank: int = 0
     dp_size: int = 1
+    dp_rank: int = 0
     pp_size: int = 1
+    pp_rank: int = 0
+    num_kv_heads: int = 8
     num_pages: int = 1024
     page_size: int = 16
     kv_cache_dtype: str = "auto"
@@ -185,3 +193,19 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True):
     timeouts: Timeouts = Timeouts()
     heartbeat_max_failure: int = 2
     verify_checksums: bool = False
+
+
+DecodeEndpointInput = (
+    OpenReceiver
+    | TopologyKnown
+    | TopologyFailed
+    | PublishPages
+    | RoomCall
+    | ClearRoom
+    | Received
+    | HeartbeatResult
+    | SessionClosed
+    | ChecksumChecked
+    | TimerFired
+)
+AnyEndpointInput = PrefillEndpointInput | DecodeEndpointInput

@@ -61,6 +61,7 @@ class StatusReport(Message, frozen=True, tag="status"):
     generation: int
     status: KVPoll
     prefill: PeerId
+    decode: PeerId
     reason: str = ""
     checksum: int | None = None
 

@@ -293,11 +293,7 @@ class SenderRoom(TableMachine[SenderState]):
         return self.bootstrap_deadline is not None and now >= self.bootstrap_deadline
 
     def _guard_finishes_without_writes(self, inp: Input, now: float) -> bool:
-        return (
-            cast(SendChunk, inp).is_last
-            and not self._writable_peers()
-            and not self.outstanding
-        )
+        return cast(SendChunk, inp).is_last and not self._writable_peers() and not self.outstanding
 
     def _guard_write_failed_others_pending(self, inp: Input, now: float) -> bool:
         return not cast(TransferCompleted, inp).ok and len(self.outstanding) > 1
@@ -377,6 +373,7 @@ class SenderRoom(TableMachine[SenderState]):
                     generation=self.generation,
                     status=KVPoll.Success,
                     prefill=self.me,
+                    decode=peer,
                     checksum=self.checksums.get(peer),
                 ),
             )
@@ -448,8 +445,9 @@ class SenderRoom(TableMachine[SenderState]):
     def _ack(self, peer: PeerId) -> SendMessage:
         return SendMessage(
             to=peer,
-            message=AbortAck(room=self.key, generation=self.generation, prefill=self.me,
-                             decode=peer),
+            message=AbortAck(
+                room=self.key, generation=self.generation, prefill=self.me, decode=peer
+            ),
         )
 
     def _status_to(self, peer: PeerId, status: KVPoll) -> SendMessage:
@@ -460,6 +458,7 @@ class SenderRoom(TableMachine[SenderState]):
                 generation=self.generation,
                 status=status,
                 prefill=self.me,
+                decode=peer,
                 reason=self.reason,
             ),
         )

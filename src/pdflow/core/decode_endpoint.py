@@ -1,0 +1,458 @@
+"""DecodeEndpoint: one decode rank hosting many ReceiverRooms and the page ledger.
+
+It resolves each room's prefill ranks from the registry's topology (cached per incarnation),
+routes status reports to rooms and drain ACKs to the ledger, counts heartbeat failures per
+prefill instance, and on a dead instance fails its rooms, marks its writers dead and asks the
+shell to close their transport sessions: the ledger frees a dead writer's pages only after that.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import msgspec
+
+from pdflow.core.deadlines import DeadlineQueue
+from pdflow.core.endpoint_io import (
+    ChecksumChecked,
+    ClearRoom,
+    CloseSession,
+    DecodeEndpointConfig,
+    Dropped,
+    EndpointInput,
+    HeartbeatResult,
+    NeedTopology,
+    OpenReceiver,
+    PrefillInfo,
+    PublishPages,
+    Received,
+    RoomCall,
+    RoomRemoved,
+    SessionClosed,
+    TimerFired,
+    TopologyFailed,
+    TopologyKnown,
+)
+from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.inputs import (
+    AbortRequested,
+    ChecksumResult,
+    FailureArrived,
+    Input,
+    PagesPublished,
+    PeerDied,
+    PeersResolved,
+    PrefillTarget,
+    ReadyArrived,
+    ResolveFailed,
+    SuccessArrived,
+    Tick,
+)
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import AbortAck, PeerId, StatusReport
+from pdflow.core.outputs import ArmFence, Output
+from pdflow.core.page_ledger import (
+    AckArrived,
+    Fence,
+    LedgerInput,
+    LedgerSnapshot,
+    PageLedger,
+    PagesFreed,
+    ReleaseAfterSuccess,
+    Reserve,
+    RoomPagesState,
+    WriterDead,
+)
+from pdflow.core.page_ledger import SessionClosed as LedgerSessionClosed
+from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.step import Step
+from pdflow.core.table import Fired
+from pdflow.core.topology import (
+    AttentionKind,
+    Parallelism,
+    PdTopology,
+    TopologyOptions,
+    resolve_rank_mapping,
+)
+from pdflow.core.topology import PrefillRank as RankCoordinates
+
+
+class ReceiverSummary(msgspec.Struct, frozen=True):
+    room: int
+    generation: int
+    state: str
+    poll: KVPoll
+    bootstrap: str
+    succeeded: int
+    required: int
+    reason: str
+
+
+class DecodeSnapshot(msgspec.Struct, frozen=True):
+    me: str
+    rooms: tuple[ReceiverSummary, ...]
+    ledger: LedgerSnapshot
+    heartbeat_failures: dict[str, int]
+    counters: dict[str, int]
+
+
+class DecodeEndpoint:
+    role = "decode"
+
+    def __init__(self, config: DecodeEndpointConfig) -> None:
+        self.config = config
+        self.me = config.me
+        self.rooms: dict[int, ReceiverRoom] = {}
+        self.room_bootstrap: dict[int, str] = {}
+        self.room_dp_rank: dict[int, int | None] = {}
+        self.topologies: dict[str, PrefillInfo] = {}
+        self.awaiting_topology: dict[str, list[int]] = {}
+        self.heartbeat_failures: Counter[str] = Counter()
+        self.ledger = PageLedger(config.num_pages)
+        self.deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self.counters: Counter[str] = Counter()
+
+    # ---- the one entry point ---------------------------------------------------------------------
+    def handle(self, inp: EndpointInput, now: float) -> Step:
+        out: list[Output] = []
+        fired: list[Fired] = []
+        if isinstance(inp, OpenReceiver):
+            self._open(inp, now, out, fired)
+        elif isinstance(inp, TopologyKnown):
+            self._topology_known(inp.info, now, out, fired)
+        elif isinstance(inp, TopologyFailed):
+            self._fail_waiting(inp.bootstrap, inp.reason, now, out, fired)
+        elif isinstance(inp, PublishPages):
+            self._publish(inp, now, out, fired)
+        elif isinstance(inp, RoomCall):
+            if not isinstance(inp.call, AbortRequested):
+                raise LocalProtocolError(
+                    f"a decode room takes AbortRequested calls, not {type(inp.call).__name__}",
+                    hint="publish pages with PublishPages",
+                )
+            self._room_input(self._known_room(inp.room), inp.call, now, out, fired)
+        elif isinstance(inp, ClearRoom):
+            self._clear(inp.room, now, out, fired)
+        elif isinstance(inp, Received):
+            self._receive(inp, now, out, fired)
+        elif isinstance(inp, HeartbeatResult):
+            self._heartbeat(inp, now, out, fired)
+        elif isinstance(inp, SessionClosed):
+            self._ledger(LedgerSessionClosed(inp.peer), now, out, fired)
+        elif isinstance(inp, ChecksumChecked):
+            room = self._known_room(inp.room)
+            if room.generation == inp.generation:
+                self._room_input(room, ChecksumResult(inp.ok, inp.reason), now, out, fired)
+            else:
+                self._drop(out, "stale_generation", f"checksum result for room {inp.room}")
+        elif isinstance(inp, TimerFired):
+            for room_id in self.deadlines.pop_due(now):
+                if room_id in self.rooms:
+                    self._room_input(self.rooms[room_id], Tick(), now, out, fired)
+        else:
+            raise LocalProtocolError(
+                f"a decode endpoint does not take {type(inp).__name__}",
+                hint="prefill-side inputs go to a PrefillEndpoint",
+            )
+        return Step(tuple(out), self.deadlines.next_deadline(), tuple(fired))
+
+    def timer_at(self) -> float | None:
+        return self.deadlines.next_deadline()
+
+    # ---- rooms -----------------------------------------------------------------------------------
+    def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:
+        if inp.room in self.rooms:
+            existing = self.rooms[inp.room]
+            raise LocalProtocolError(
+                f"room {inp.room} is already open (generation {existing.generation}, "
+                f"{existing.state.name}); a duplicate claim fails",
+                hint="fail this request; the router assigned a room id twice",
+            )
+        cfg = self.config
+        room = ReceiverRoom(
+            inp.room, inp.generation, self.me, now,
+            policy=cfg.policy, timeouts=cfg.timeouts, verify_checksums=cfg.verify_checksums,
+        )  # fmt: skip
+        self.rooms[inp.room] = room
+        self.room_bootstrap[inp.room] = inp.bootstrap
+        self.room_dp_rank[inp.room] = inp.prefill_dp_rank
+        self._arm(room)
+        info = self.topologies.get(inp.bootstrap)
+        if info is not None:
+            self._resolve(room, info, now, out, fired)
+            return
+        waiting = self.awaiting_topology.setdefault(inp.bootstrap, [])
+        if not waiting:
+            out.append(NeedTopology(inp.bootstrap))
+        waiting.append(inp.room)
+
+    def _topology_known(
+        self, info: PrefillInfo, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        problem = self._incompatibility(info)
+        if problem:
+            self._fail_waiting(info.bootstrap, problem, now, out, fired)
+            return
+        self.topologies[info.bootstrap] = info
+        self.heartbeat_failures.pop(info.bootstrap, None)
+        for room_id in self.awaiting_topology.pop(info.bootstrap, []):
+            room = self.rooms.get(room_id)
+            if room is not None and room.state is ReceiverState.BOOTSTRAPPING:
+                self._resolve(room, info, now, out, fired)
+
+    def _incompatibility(self, info: PrefillInfo) -> str:
+        cfg = self.config
+        if info.page_size != cfg.page_size:
+            return f"page size mismatch: prefill {info.page_size}, decode {cfg.page_size}"
+        if info.kv_cache_dtype != cfg.kv_cache_dtype:
+            return f"KV dtype mismatch: prefill {info.kv_cache_dtype}, decode {cfg.kv_cache_dtype}"
+        if info.policy is not cfg.policy:
+            return (
+                f"allocation policy mismatch: prefill {info.policy.value}, "
+                f"decode {cfg.policy.value}; configure both sides alike"
+            )
+        if info.is_mla != cfg.is_mla:
+            return "attention kind mismatch (MLA on one side only)"
+        return ""
+
+    def _fail_waiting(
+        self, bootstrap: str, reason: str, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        for room_id in self.awaiting_topology.pop(bootstrap, []):
+            room = self.rooms.get(room_id)
+            if room is not None and room.state is ReceiverState.BOOTSTRAPPING:
+                self._room_input(room, ResolveFailed(reason), now, out, fired)
+
+    def _resolve(
+        self, room: ReceiverRoom, info: PrefillInfo, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        try:
+            resolved = self._targets(room.key, info)
+        except InvalidInput as exc:
+            self._room_input(room, ResolveFailed(str(exc)), now, out, fired)
+            return
+        self._room_input(room, resolved, now, out, fired)
+
+    def _targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
+        cfg = self.config
+        topology = PdTopology(
+            prefill=Parallelism(tp=info.tp_size, cp=info.cp_size, pp=info.pp_size,
+                                dp=info.dp_size),
+            decode=Parallelism(tp=cfg.tp_size, pp=cfg.pp_size, dp=cfg.dp_size),
+            attention=AttentionKind.MLA if cfg.is_mla else AttentionKind.MHA,
+            num_kv_heads=1 if cfg.is_mla else cfg.num_kv_heads,
+            options=TopologyOptions(prefill_dp_rank=self.room_dp_rank.get(room_id)),
+        )
+        mapping = resolve_rank_mapping(
+            topology,
+            decode_engine_rank=cfg.dp_rank * cfg.tp_size + cfg.tp_rank,
+            room=room_id,
+            decode_pp_rank=cfg.pp_rank,
+        )
+        by_coordinates = {
+            RankCoordinates(dp=r.dp, cp=r.cp, tp=r.tp, pp=r.pp): r.peer for r in info.ranks
+        }
+        targets = []
+        for target in mapping.targets:
+            peer = by_coordinates.get(target.rank)
+            if peer is None:
+                raise InvalidInput(
+                    f"prefill rank {target.rank} is not registered at {info.bootstrap}"
+                )
+            targets.append(PrefillTarget(peer, target.is_dummy))
+        return PeersResolved(
+            tuple(targets), mapping.required_prefill_response_num, mapping.required_dst_info_num
+        )
+
+    def _publish(
+        self, inp: PublishPages, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        room = self._known_room(inp.room)
+        if room.state is ReceiverState.FAILED:
+            # Failed before its pages were exposed: no writer knows them, hand them back now.
+            self._room_input(room, self._pages_input(inp), now, out, fired)
+            out.append(PagesFreed(room.key, room.generation, inp.dst_pages))
+            return
+        if room.state is not ReceiverState.AWAITING_PAGES:
+            raise LocalProtocolError(
+                f"room {inp.room} is {room.state.name}; pages are published once, "
+                "in AWAITING_PAGES (KVPoll.WaitingForInput)",
+                hint="poll the room and publish when it reports WaitingForInput",
+            )
+        # The ledger refuses pages that are not free (e.g. still quarantined) before any change.
+        self._ledger(Reserve(room.key, room.generation, inp.dst_pages), now, out, fired)
+        self._room_input(room, self._pages_input(inp), now, out, fired)
+
+    def _pages_input(self, inp: PublishPages) -> PagesPublished:
+        return PagesPublished(
+            session_id=self.config.session_id or self.me.address,
+            dst_pages=inp.dst_pages,
+            aux_index=inp.aux_index,
+            decode_prefix_len=inp.decode_prefix_len,
+            staging_offset=inp.staging_offset,
+        )
+
+    def _clear(self, room_id: int, now: float, out: list[Output], fired: list[Fired]) -> None:
+        room = self._known_room(room_id)
+        if not room.poll.is_terminal:
+            raise LocalProtocolError(
+                f"room {room_id} is {room.poll.name}; only a terminal room can be cleared",
+                hint="abort the room first (RoomCall with AbortRequested)",
+            )
+        if self.ledger.state_of(room.key, room.generation) is RoomPagesState.RESERVED:
+            # Reserved but never fenced: every writer reported Success (a success, or a failed
+            # checksum), so no write can still land.
+            self._ledger(ReleaseAfterSuccess(room.key, room.generation), now, out, fired)
+        del self.rooms[room_id]
+        self.room_bootstrap.pop(room_id, None)
+        self.room_dp_rank.pop(room_id, None)
+        self.deadlines.arm(room_id, None)
+        self.counters[f"rooms_{room.poll.name.lower()}"] += 1
+        out.append(RoomRemoved(room.key, room.generation))
+
+    # ---- messages --------------------------------------------------------------------------------
+    def _receive(self, inp: Received, now: float, out: list[Output], fired: list[Fired]) -> None:
+        message = inp.message
+        if not isinstance(message, (StatusReport, AbortAck)):
+            self._drop(out, "wrong_direction", f"{type(message).__name__} sent to a decode")
+            return
+        if message.decode != self.me:
+            # Meant for an earlier life of this rank (or misrouted): nothing here can match it.
+            self._drop(out, "stale_incarnation", f"{type(message).__name__} for "
+                       f"{message.decode.address}/{message.decode.incarnation}")
+            return
+        if isinstance(message, AbortAck):
+            self._ledger(
+                AckArrived(message.room, message.generation, message.prefill), now, out, fired
+            )
+            return
+        room = self.rooms.get(message.room)
+        if room is None or room.generation != message.generation:
+            # A late status for a cleared room, or for another use of the room id: no effect.
+            self._drop(out, "unknown_room", f"status for room {message.room}/{message.generation}")
+            return
+        translated: Input
+        if message.status is KVPoll.WaitingForInput:
+            translated = ReadyArrived(message.prefill)
+        elif message.status is KVPoll.Success:
+            translated = SuccessArrived(message.prefill, message.checksum)
+        elif message.status is KVPoll.Failed:
+            translated = FailureArrived(message.prefill, message.reason)
+        else:
+            self._drop(out, "bad_status", f"status {message.status.name} is not reportable")
+            return
+        try:
+            self._room_input(room, translated, now, out, fired)
+        except RemoteProtocolError as exc:
+            self._drop(out, "protocol_error", str(exc))
+
+    def _heartbeat(
+        self, inp: HeartbeatResult, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        info = self.topologies.get(inp.bootstrap)
+        known = {r.peer.incarnation for r in info.ranks} if info else set()
+        restarted = bool(inp.ok and known and inp.incarnation not in (None, *known))
+        if inp.ok and not restarted:
+            self.heartbeat_failures.pop(inp.bootstrap, None)
+            return
+        if not inp.ok:
+            self.heartbeat_failures[inp.bootstrap] += 1
+            self.counters["heartbeat_failures"] += 1
+            if self.heartbeat_failures[inp.bootstrap] < self.config.heartbeat_max_failure:
+                return
+        self._instance_lost(inp.bootstrap, now, out, fired)
+
+    def _instance_lost(
+        self, bootstrap: str, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        """Every rank of this prefill instance (as we knew it) is gone."""
+        info = self.topologies.pop(bootstrap, None)
+        self.heartbeat_failures.pop(bootstrap, None)
+        self.counters["prefill_instances_lost"] += 1
+        peers = sorted({r.peer for r in info.ranks}, key=_peer_order) if info else []
+        for room_id in sorted(self.rooms):
+            room = self.rooms[room_id]
+            if self.room_bootstrap.get(room_id) != bootstrap or room.poll.is_terminal:
+                continue
+            dead = next((t.peer for t in room.targets), None)
+            if dead is None:
+                self._room_input(room, ResolveFailed("prefill instance lost"), now, out, fired)
+                self._forget_waiting(bootstrap, room_id)
+            else:
+                self._room_input(room, PeerDied(dead), now, out, fired)
+        for peer in peers:
+            self._ledger(WriterDead(peer), now, out, fired)
+            out.append(CloseSession(peer))
+
+    def _forget_waiting(self, bootstrap: str, room_id: int) -> None:
+        waiting = self.awaiting_topology.get(bootstrap)
+        if waiting and room_id in waiting:
+            waiting.remove(room_id)
+            if not waiting:
+                del self.awaiting_topology[bootstrap]
+
+    # ---- plumbing --------------------------------------------------------------------------------
+    def _room_input(
+        self, room: ReceiverRoom, inp: Input, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        produced, transition = room.step(inp, now)
+        fired.append(transition)
+        for output in produced:
+            out.append(output)
+            if isinstance(output, ArmFence):
+                # The ledger learns of the fence in the same step, before any ABORT is sent.
+                self._ledger(
+                    Fence(output.room, output.generation, output.writers), now, out, fired
+                )
+        self._arm(room)
+
+    def _ledger(
+        self, inp: LedgerInput, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        step = self.ledger.handle(inp, now)
+        out.extend(step.outputs)
+        fired.extend(step.fired)
+
+    def _arm(self, room: ReceiverRoom) -> None:
+        self.deadlines.arm(room.key, room.timer_at())
+
+    def _known_room(self, room_id: int) -> ReceiverRoom:
+        room = self.rooms.get(room_id)
+        if room is None:
+            raise LocalProtocolError(
+                f"room {room_id} is not open on {self.me.address}",
+                hint="OpenReceiver first; a cleared room needs a new OpenReceiver",
+            )
+        return room
+
+    def _drop(self, out: list[Output], kind: str, reason: str) -> None:
+        self.counters[f"dropped_{kind}"] += 1
+        out.append(Dropped(kind, reason))
+
+    # ---- read-only views -------------------------------------------------------------------------
+    def summary(self, room_id: int) -> ReceiverSummary | None:
+        room = self.rooms.get(room_id)
+        if room is None:
+            return None
+        return ReceiverSummary(
+            room.key, room.generation, room.state.name, room.poll,
+            self.room_bootstrap.get(room_id, ""), len(room.succeeded), room.required_responses,
+            room.reason,
+        )  # fmt: skip
+
+    def snapshot(self) -> DecodeSnapshot:
+        summaries = tuple(
+            s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None
+        )
+        return DecodeSnapshot(
+            f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
+            summaries,
+            self.ledger.snapshot(),
+            dict(sorted(self.heartbeat_failures.items())),
+            dict(sorted(self.counters.items())),
+        )
+
+
+def _peer_order(peer: PeerId) -> tuple[str, str, int]:
+    return (peer.address, peer.incarnation, peer.rank)
