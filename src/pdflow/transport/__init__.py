@@ -1,0 +1,28 @@
+"""Transports move bytes between registered buffers of engines: in-process or Mooncake."""
+
+from pdflow.transport.base import (
+    InvalidWriteError,
+    RegistrationError,
+    TransferOutcome,
+    Transport,
+    TransportClosedError,
+    TransportError,
+    WriteOpLike,
+)
+from pdflow.transport.inprocess import InProcessFabric, InProcessTransport, WriteHold
+from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
+
+__all__ = [
+    "InProcessFabric",
+    "InProcessTransport",
+    "InvalidWriteError",
+    "MooncakeConfig",
+    "MooncakeTransport",
+    "RegistrationError",
+    "TransferOutcome",
+    "Transport",
+    "TransportClosedError",
+    "TransportError",
+    "WriteHold",
+    "WriteOpLike",
+]

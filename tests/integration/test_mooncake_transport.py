@@ -1,0 +1,266 @@
+"""Real Mooncake Transfer Engine over TCP on loopback: two processes, and two engines in one."""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import NamedTuple
+
+import anyio
+import pytest
+from anyio.abc import Process
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from pdflow.transport import (
+    InvalidWriteError,
+    MooncakeConfig,
+    MooncakeTransport,
+    TransportClosedError,
+    TransportError,
+)
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(90)]
+
+RECEIVER_SCRIPT = Path(__file__).with_name("mooncake_receiver.py")
+REMOTE_SIZE = 32 << 20
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+class Op(NamedTuple):
+    src_addr: int
+    dst_addr: int
+    length: int
+
+
+class LocalBuffer:
+    """A ctypes buffer with a deterministic, position-dependent byte pattern."""
+
+    def __init__(self, size: int, seed: int = 1) -> None:
+        pattern = hashlib.sha256(seed.to_bytes(4, "little")).digest() * 8  # 256 bytes
+        self.size = size
+        self.raw = ctypes.create_string_buffer(pattern * (size // len(pattern)), size)
+        self.addr = ctypes.addressof(self.raw)
+
+    def sha256(self, offset: int, length: int) -> str:
+        return hashlib.sha256(ctypes.string_at(self.addr + offset, length)).hexdigest()
+
+    def read(self, offset: int, length: int) -> bytes:
+        return ctypes.string_at(self.addr + offset, length)
+
+
+class RemoteReceiver:
+    """The receiver subprocess and its registered buffer."""
+
+    def __init__(self, process: Process, reader: BufferedByteReceiveStream) -> None:
+        self.process = process
+        self._reader = reader
+        self.session_id = ""
+        self.addr = 0
+
+    async def read_reply(self) -> dict[str, object]:
+        with anyio.fail_after(30):
+            line = await self._reader.receive_until(b"\n", 1 << 16)
+        reply: dict[str, object] = json.loads(line)
+        return reply
+
+    async def command(self, text: str) -> dict[str, object]:
+        assert self.process.stdin is not None
+        await self.process.stdin.send(f"{text}\n".encode())
+        return await self.read_reply()
+
+    async def sha256(self, offset: int, length: int) -> object:
+        return (await self.command(f"sha256 {offset} {length}"))["sha256"]
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[RemoteReceiver]:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    process = await anyio.open_process(
+        [sys.executable, str(RECEIVER_SCRIPT), "--size", str(REMOTE_SIZE)], env=env
+    )
+    assert process.stdout is not None
+    remote = RemoteReceiver(process, BufferedByteReceiveStream(process.stdout))
+    try:
+        hello = await remote.read_reply()
+        remote.session_id = str(hello["session_id"])
+        remote.addr = int(str(hello["addr"]))
+        yield remote
+    finally:
+        if process.returncode is None:
+            process.kill()
+        with anyio.fail_after(10):
+            await process.wait()
+
+
+@pytest.fixture
+async def sender() -> AsyncIterator[tuple[MooncakeTransport, LocalBuffer]]:
+    local = LocalBuffer(REMOTE_SIZE)
+    async with MooncakeTransport.open(MooncakeConfig(host="127.0.0.1", protocol="tcp")) as sender:
+        sender.register_buffer(local.addr, local.size)
+        yield sender, local
+
+
+async def test_two_processes_scattered_writes_land_exactly(
+    receiver: RemoteReceiver, sender: tuple[MooncakeTransport, LocalBuffer]
+) -> None:
+    transport, local = sender
+    assert transport.session_id.startswith("127.0.0.1:")
+    assert receiver.session_id.startswith("127.0.0.1:")
+    page = 4096
+    # 300 pages in reverse order (non-contiguous), then one 8 MiB op at the buffer's far end.
+    ops = [Op(local.addr + i * page, receiver.addr + (299 - i) * page, page) for i in range(300)]
+    big = 8 << 20
+    ops.append(Op(local.addr + (16 << 20), receiver.addr + REMOTE_SIZE - big, big))
+    with anyio.fail_after(60):
+        outcome = await transport.batch_write(receiver.session_id, ops)
+    assert outcome.ok, outcome.error
+    assert (outcome.nops, outcome.nbytes) == (301, 300 * page + big)
+    assert outcome.seconds is not None and outcome.seconds > 0
+    for i in (0, 1, 150, 299):
+        assert await receiver.sha256((299 - i) * page, page) == local.sha256(i * page, page)
+    assert await receiver.sha256(REMOTE_SIZE - big, big) == local.sha256(16 << 20, big)
+    untouched = REMOTE_SIZE - big - 300 * page
+    assert await receiver.sha256(300 * page, untouched) == hashlib.sha256(
+        bytes(untouched)
+    ).hexdigest()
+    await transport.aclose()
+
+
+async def test_two_processes_unregistered_remote_range_fails_cleanly(
+    receiver: RemoteReceiver, sender: tuple[MooncakeTransport, LocalBuffer]
+) -> None:
+    transport, local = sender
+    beyond = Op(local.addr, receiver.addr + REMOTE_SIZE - 100, 4096)
+    with anyio.fail_after(30):
+        outcome = await transport.batch_write(receiver.session_id, [beyond])
+    assert not outcome.ok
+    assert outcome.error is not None and "not registered there" in outcome.error
+    assert receiver.process.returncode is None, "the receiver must survive a bad write"
+    with anyio.fail_after(30):
+        retry = await transport.batch_write(
+            receiver.session_id, [Op(local.addr, receiver.addr, 4096)]
+        )
+    assert retry.ok, retry.error
+    assert await receiver.sha256(0, 4096) == local.sha256(0, 4096)
+    assert await receiver.command("exit") == {"bye": True}
+    await transport.aclose()
+
+
+async def test_two_processes_killed_peer_fails_without_hanging(
+    receiver: RemoteReceiver, sender: tuple[MooncakeTransport, LocalBuffer]
+) -> None:
+    transport, local = sender
+    first = await transport.batch_write(receiver.session_id, [Op(local.addr, receiver.addr, 64)])
+    assert first.ok, first.error
+    receiver.process.send_signal(signal.SIGKILL)
+    await receiver.process.wait()
+    with anyio.fail_after(30):
+        outcome = await transport.batch_write(
+            receiver.session_id, [Op(local.addr, receiver.addr, 1 << 20)]
+        )
+        await transport.close_session(receiver.session_id)
+    assert not outcome.ok and outcome.error is not None
+    await transport.aclose()
+
+
+@pytest.fixture
+async def engine_pair() -> AsyncIterator[tuple[MooncakeTransport, MooncakeTransport]]:
+    config = MooncakeConfig(host="127.0.0.1", protocol="tcp")
+    async with MooncakeTransport.open(config) as first, MooncakeTransport.open(config) as second:
+        yield first, second
+
+
+async def test_one_process_batch_beyond_engine_queue_succeeds(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    # 4096 ops exceed the TCP transport's per-peer queue as one engine batch; the window must
+    # keep the transport under it.
+    sender, receiver = engine_pair
+    count, page = 4096, 4096
+    src, dst = LocalBuffer(count * page, seed=2), LocalBuffer(count * page, seed=3)
+    sender.register_buffer(src.addr, src.size)
+    receiver.register_buffer(dst.addr, dst.size)
+    ops = [Op(src.addr + i * page, dst.addr + i * page, page) for i in range(count)]
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert outcome.ok, outcome.error
+    assert (outcome.nops, outcome.nbytes) == (count, count * page)
+    assert dst.sha256(0, dst.size) == src.sha256(0, src.size)
+
+
+async def test_one_process_partial_failure_settles_before_returning(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    sender, receiver = engine_pair
+    size = 16 << 20
+    src, dst = LocalBuffer(size, seed=4), LocalBuffer(size, seed=5)
+    sender.register_buffer(src.addr, size)
+    receiver.register_buffer(dst.addr, size)
+    half = size // 2
+    ops = [
+        Op(src.addr, dst.addr, half),
+        Op(src.addr, dst.addr + size - 10, 4096),  # crosses the end of the registered buffer
+        Op(src.addr + half, dst.addr + half, half),
+    ]
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert not outcome.ok
+    assert outcome.error is not None and "first failed op 1" in outcome.error
+    # The window submits all three ops before polling, so both valid halves land and are
+    # counted, and the rejected op writes nothing.
+    assert (outcome.nops, outcome.nbytes) == (2, size)
+    assert dst.sha256(0, size) == src.sha256(0, size)
+    snapshot = dst.sha256(0, size)
+    await anyio.sleep(0.3)
+    assert dst.sha256(0, size) == snapshot, "bytes landed after batch_write returned"
+
+
+async def test_one_process_close_session_fences_concurrent_writes(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    sender, receiver = engine_pair
+    chunk, writers = 8 << 20, 4
+    src, dst = LocalBuffer(chunk * writers, seed=6), LocalBuffer(chunk * writers, seed=7)
+    sender.register_buffer(src.addr, src.size)
+    receiver.register_buffer(dst.addr, dst.size)
+    results: list[bool] = []
+
+    async def write(index: int) -> None:
+        op = Op(src.addr + index * chunk, dst.addr + index * chunk, chunk)
+        results.append((await sender.batch_write(receiver.session_id, [op])).ok)
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for index in range(writers):
+                tg.start_soon(write, index)
+            await anyio.wait_all_tasks_blocked()  # every writer is inside the engine now
+            await sender.close_session(receiver.session_id)
+            fenced = dst.sha256(0, dst.size)
+            during = await sender.batch_write(receiver.session_id, [Op(src.addr, dst.addr, 8)])
+    assert results == [True] * writers, "writes issued before the close must complete"
+    assert fenced == src.sha256(0, src.size), "close_session returned before writes settled"
+    assert during.ok, "after close_session returns, a new write opens a fresh session"
+
+
+async def test_one_process_rejects_misuse_with_clear_errors(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    sender, receiver = engine_pair
+    local = LocalBuffer(4096)
+    with pytest.raises(InvalidWriteError, match="register_buffer"):
+        await sender.batch_write(receiver.session_id, [Op(local.addr, local.addr, 16)])
+    with pytest.raises(TransportError, match="unsupported Mooncake protocol"):
+        MooncakeTransport.open(MooncakeConfig(protocol="carrier-pigeon"))
+    await sender.aclose()
+    with pytest.raises(TransportClosedError):
+        sender.register_buffer(local.addr, 4096)
