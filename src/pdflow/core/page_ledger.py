@@ -1,0 +1,406 @@
+"""PageLedger: who owns each decode destination page, and when a failed room's pages may be reused.
+
+A page is FREE, RESERVED by one room instance ``(room, generation)``, or QUARANTINED by a fenced
+room. A room that failed after publishing its pages is fenced: each prefill rank that may still
+write into them (a *writer*) must be cleared first, by its drain ACK, or by being declared dead
+*and* having its transport session closed (then no write can land). No timeout ever frees a
+quarantined page; :meth:`PageLedger.report` shows how long each has been held instead, and
+:attr:`PageLedger.allocatable` leaves quarantined pages out so admission sees the smaller pool.
+
+Each room instance is a table machine (``[machines.PageLedger]`` in spec/machines/page_ledger.toml);
+the ledger routes inputs to them. Instances are keyed by ``(room, generation)``, so an ACK of an
+earlier use of a room id can only ever reach that earlier instance, never the new one's pages.
+"""
+
+from __future__ import annotations
+
+import enum
+from typing import cast
+
+import msgspec
+
+from pdflow.core.errors import InvalidInput
+from pdflow.core.inputs import Input
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import Output
+from pdflow.core.step import Step
+from pdflow.core.table import Fired, Table, TableMachine, row
+
+
+class RoomPagesState(enum.Enum):
+    FREE = "FREE"
+    RESERVED = "RESERVED"
+    FENCED = "FENCED"
+
+
+# ---- inputs ------------------------------------------------------------------------------------
+class Reserve(Input, frozen=True, tag="Reserve"):
+    """The engine takes these free pages for one room instance."""
+
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+
+
+class ReleaseAfterSuccess(Input, frozen=True, tag="ReleaseAfterSuccess"):
+    """The engine is done with a room whose transfer succeeded: every writer has finished."""
+
+    room: int
+    generation: int
+
+
+class ReleaseUnpublished(Input, frozen=True, tag="ReleaseUnpublished"):
+    """The room failed before its pages were published: no writer knows them."""
+
+    room: int
+    generation: int
+
+
+class Fence(Input, frozen=True, tag="Fence"):
+    """The room failed after publishing: hold its pages until every writer is cleared."""
+
+    room: int
+    generation: int
+    writers: tuple[PeerId, ...]
+
+
+class AckArrived(Input, frozen=True, tag="AckArrived"):
+    """A prefill rank's drain ACK: none of its writes into this room can still land."""
+
+    room: int
+    generation: int
+    writer: PeerId
+
+
+class WriterDead(Input, frozen=True, tag="WriterDead"):
+    """The heartbeat declared this prefill rank (one process life) dead."""
+
+    writer: PeerId
+
+
+class SessionClosed(Input, frozen=True, tag="SessionClosed"):
+    """The shell closed this writer's transport session: nothing it sends can land any more.
+
+    The shell never reopens a session for a PeerId it closed (a restarted process has a new
+    incarnation, hence a new PeerId), so the fact is permanent.
+    """
+
+    writer: PeerId
+
+
+LedgerInput = (
+    Reserve
+    | ReleaseAfterSuccess
+    | ReleaseUnpublished
+    | Fence
+    | AckArrived
+    | WriterDead
+    | SessionClosed
+)
+
+
+# ---- outputs -----------------------------------------------------------------------------------
+class PagesFreed(Output, frozen=True, tag="pages_freed"):
+    """These pages went back to FREE: the engine may hand them to another room."""
+
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+
+
+class PagesQuarantined(Output, frozen=True, tag="pages_quarantined"):
+    """These pages are held until each writer listed is cleared (never by a timeout)."""
+
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+    writers: tuple[PeerId, ...]
+
+
+# ---- observable state ----------------------------------------------------------------------
+class RoomPagesSnapshot(msgspec.Struct, frozen=True):
+    room: int
+    generation: int
+    state: str
+    pages: tuple[int, ...]
+    writers: tuple[PeerId, ...]
+    acked: tuple[PeerId, ...]
+    fenced_at: float | None
+
+
+class LedgerSnapshot(msgspec.Struct, frozen=True):
+    pool_size: int
+    free: int
+    reserved: int
+    quarantined: int
+    rooms: tuple[RoomPagesSnapshot, ...]
+    dead_writers: tuple[PeerId, ...]
+    closed_sessions: tuple[PeerId, ...]
+
+
+class QuarantinedRoom(msgspec.Struct, frozen=True):
+    """One fenced room as an operator sees it: what it holds, for whom, for how long."""
+
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+    waiting_on: tuple[PeerId, ...]
+    age_s: float
+
+
+_P = RoomPagesState
+_FREED = "pages_freed"
+_QUARANTINED = "pages_quarantined"
+
+PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
+    machine="PageLedger",
+    states=RoomPagesState,
+    initial=RoomPagesState.FREE,
+    inputs=(
+        Reserve,
+        ReleaseAfterSuccess,
+        ReleaseUnpublished,
+        Fence,
+        AckArrived,
+        WriterDead,
+        SessionClosed,
+    ),
+    remote_inputs=(AckArrived,),
+    rows=[
+        # -- FREE: the instance holds nothing (unknown, or already released) ---------------------
+        row(_P.FREE, Reserve, _P.RESERVED, action="reserve"),
+        row(_P.FREE, AckArrived, _P.FREE),  # late, duplicate or for an unknown room: harmless
+        # -- RESERVED: the room owns its pages; writers may know them ---------------------------
+        row(_P.RESERVED, ReleaseAfterSuccess, _P.FREE, emits=[_FREED], action="free"),
+        row(_P.RESERVED, ReleaseUnpublished, _P.FREE, emits=[_FREED], action="free"),
+        row(_P.RESERVED, Fence, _P.FREE,
+            guard="no_writer_can_land", emits=[_FREED], action="free"),
+        row(_P.RESERVED, Fence, _P.FENCED, emits=[_QUARANTINED], action="quarantine"),
+        row(_P.RESERVED, AckArrived, _P.RESERVED),  # the fence precedes every ABORT: stale news
+        # -- FENCED: pages quarantined until every writer is cleared -----------------------------
+        row(_P.FENCED, AckArrived, _P.FREE,
+            guard="clears_last_writer", emits=[_FREED], action="ack_and_free"),
+        row(_P.FENCED, AckArrived, _P.FENCED, guard="owed_by_writer", action="record_ack"),
+        row(_P.FENCED, AckArrived, _P.FENCED),  # duplicate, or not a writer of this room
+        row(_P.FENCED, WriterDead, _P.FREE,
+            guard="all_writers_cleared", emits=[_FREED], action="free"),
+        row(_P.FENCED, WriterDead, _P.FENCED),
+        row(_P.FENCED, SessionClosed, _P.FREE,
+            guard="all_writers_cleared", emits=[_FREED], action="free"),
+        row(_P.FENCED, SessionClosed, _P.FENCED),
+    ],
+)  # fmt: skip
+
+
+class PagePool:
+    """Page ownership shared by every room instance of one ledger."""
+
+    def __init__(self, size: int) -> None:
+        if size < 0:
+            raise InvalidInput(f"pool size must be >= 0, got {size}")
+        self.size = size
+        self.owner: dict[int, tuple[int, int]] = {}
+
+    def check_free(self, pages: tuple[int, ...]) -> None:
+        if len(set(pages)) != len(pages):
+            raise InvalidInput(f"pages must be distinct, got {pages}")
+        outside = [p for p in pages if not 0 <= p < self.size]
+        if outside:
+            raise InvalidInput(f"pages {outside} are outside the pool [0, {self.size})")
+        taken = {p: self.owner[p] for p in pages if p in self.owner}
+        if taken:
+            raise InvalidInput(
+                f"pages not free (page -> (room, generation)): {taken}; "
+                "reserve only pages the ledger reports free"
+            )
+
+
+class WriterHealth:
+    """What the shell told the ledger about writers: permanent facts about one process life."""
+
+    def __init__(self) -> None:
+        self.dead: set[PeerId] = set()
+        self.closed: set[PeerId] = set()
+
+    def cannot_write(self, writer: PeerId) -> bool:
+        return writer in self.dead and writer in self.closed
+
+
+class RoomPages(TableMachine[RoomPagesState]):
+    """The pages of one room instance. The ledger creates, routes to and forgets these."""
+
+    table = PAGE_LEDGER_TABLE
+
+    def __init__(self, room: int, generation: int, pool: PagePool, health: WriterHealth) -> None:
+        self.key = room
+        self.generation = generation
+        self.state = PAGE_LEDGER_TABLE.initial
+        self._pool = pool
+        self._health = health
+        self.pages: tuple[int, ...] = ()
+        self.writers: tuple[PeerId, ...] = ()
+        self.acked: set[PeerId] = set()
+        self.fenced_at: float | None = None
+
+    def holds_pages(self) -> bool:
+        return self.state is not RoomPagesState.FREE
+
+    def pending_writers(self) -> tuple[PeerId, ...]:
+        """Writers of a fenced room not yet cleared."""
+        return tuple(
+            w for w in self.writers if w not in self.acked and not self._health.cannot_write(w)
+        )
+
+    def snapshot(self) -> RoomPagesSnapshot:
+        return RoomPagesSnapshot(
+            room=self.key,
+            generation=self.generation,
+            state=self.state.name,
+            pages=self.pages,
+            writers=self.writers,
+            acked=tuple(w for w in self.writers if w in self.acked),
+            fenced_at=self.fenced_at,
+        )
+
+    # ---- validation ----------------------------------------------------------------------------
+    def _validate(self, inp: Input, now: float) -> None:
+        if isinstance(inp, (WriterDead, SessionClosed)):
+            return
+        keyed = cast(Reserve | ReleaseAfterSuccess | ReleaseUnpublished | Fence | AckArrived, inp)
+        if (keyed.room, keyed.generation) != (self.key, self.generation):
+            raise InvalidInput(
+                f"input for room {keyed.room}/{keyed.generation} routed to "
+                f"{self.key}/{self.generation}"
+            )
+        if isinstance(inp, Reserve):
+            self._pool.check_free(inp.pages)
+        elif isinstance(inp, Fence) and len(set(inp.writers)) != len(inp.writers):
+            raise InvalidInput(f"room {self.key}: fence writers must be distinct: {inp.writers}")
+
+    # ---- guards --------------------------------------------------------------------------------
+    def _guard_no_writer_can_land(self, inp: Input, now: float) -> bool:
+        return all(self._health.cannot_write(w) for w in cast(Fence, inp).writers)
+
+    def _guard_clears_last_writer(self, inp: Input, now: float) -> bool:
+        return self.pending_writers() == (cast(AckArrived, inp).writer,)
+
+    def _guard_owed_by_writer(self, inp: Input, now: float) -> bool:
+        return cast(AckArrived, inp).writer in self.pending_writers()
+
+    def _guard_all_writers_cleared(self, inp: Input, now: float) -> bool:
+        return not self.pending_writers()
+
+    # ---- actions -------------------------------------------------------------------------------
+    def _act_reserve(self, inp: Input, now: float) -> list[Output]:
+        self.pages = cast(Reserve, inp).pages
+        for page in self.pages:
+            self._pool.owner[page] = (self.key, self.generation)
+        return []
+
+    def _act_quarantine(self, inp: Input, now: float) -> list[Output]:
+        self.writers = cast(Fence, inp).writers
+        self.fenced_at = now
+        return [PagesQuarantined(self.key, self.generation, self.pages, self.pending_writers())]
+
+    def _act_record_ack(self, inp: Input, now: float) -> list[Output]:
+        self.acked.add(cast(AckArrived, inp).writer)
+        return []
+
+    def _act_ack_and_free(self, inp: Input, now: float) -> list[Output]:
+        self._act_record_ack(inp, now)
+        return self._act_free(inp, now)
+
+    def _act_free(self, inp: Input, now: float) -> list[Output]:
+        for page in self.pages:
+            del self._pool.owner[page]
+        freed = PagesFreed(self.key, self.generation, self.pages)
+        self.pages = ()
+        return [freed]
+
+
+class PageLedger:
+    """Every destination page of one decode rank. Drive it with :meth:`handle`."""
+
+    def __init__(self, num_pages: int) -> None:
+        self._pool = PagePool(num_pages)
+        self._health = WriterHealth()
+        self._rooms: dict[tuple[int, int], RoomPages] = {}
+
+    # ---- queries -------------------------------------------------------------------------------
+    @property
+    def pool_size(self) -> int:
+        return self._pool.size
+
+    @property
+    def allocatable(self) -> int:
+        """Pages admission may hand out: neither reserved nor quarantined."""
+        return self._pool.size - len(self._pool.owner)
+
+    def is_free(self, page: int) -> bool:
+        return 0 <= page < self._pool.size and page not in self._pool.owner
+
+    def state_of(self, room: int, generation: int) -> RoomPagesState:
+        held = self._rooms.get((room, generation))
+        return held.state if held is not None else RoomPagesState.FREE
+
+    def snapshot(self) -> LedgerSnapshot:
+        rooms = tuple(self._rooms[key].snapshot() for key in sorted(self._rooms))
+        quarantined = sum(len(r.pages) for r in rooms if r.state == RoomPagesState.FENCED.name)
+        held = len(self._pool.owner)
+        return LedgerSnapshot(
+            pool_size=self._pool.size,
+            free=self._pool.size - held,
+            reserved=held - quarantined,
+            quarantined=quarantined,
+            rooms=rooms,
+            dead_writers=tuple(sorted(self._health.dead, key=_peer_order)),
+            closed_sessions=tuple(sorted(self._health.closed, key=_peer_order)),
+        )
+
+    def report(self, now: float) -> tuple[QuarantinedRoom, ...]:
+        """Fenced rooms, oldest first: what an operator should chase (a writer that never ACKs)."""
+        fenced = [r for r in self._rooms.values() if r.state is RoomPagesState.FENCED]
+        fenced.sort(key=lambda r: (cast(float, r.fenced_at), r.key, r.generation))
+        return tuple(
+            QuarantinedRoom(
+                room=r.key,
+                generation=r.generation,
+                pages=r.pages,
+                waiting_on=r.pending_writers(),
+                age_s=now - cast(float, r.fenced_at),
+            )
+            for r in fenced
+        )
+
+    # ---- driving -------------------------------------------------------------------------------
+    def handle(self, inp: LedgerInput, now: float) -> Step:
+        if isinstance(inp, (WriterDead, SessionClosed)):
+            return self._writer_news(inp, now)
+        key = (inp.room, inp.generation)
+        machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
+        outputs, fired = machine.fire(inp, now)
+        if not machine.holds_pages():
+            self._rooms.pop(key, None)
+        else:
+            self._rooms[key] = machine
+        return Step(tuple(outputs), None, (fired,))
+
+    def _writer_news(self, inp: WriterDead | SessionClosed, now: float) -> Step:
+        facts = self._health.dead if isinstance(inp, WriterDead) else self._health.closed
+        facts.add(inp.writer)
+        outputs: list[Output] = []
+        fired: list[Fired] = []
+        for key in sorted(self._rooms):
+            machine = self._rooms[key]
+            if machine.state is not RoomPagesState.FENCED or inp.writer not in machine.writers:
+                continue
+            out, one = machine.fire(inp, now)
+            outputs += out
+            fired.append(one)
+            if not machine.holds_pages():
+                del self._rooms[key]
+        return Step(tuple(outputs), None, tuple(fired))
+
+
+def _peer_order(peer: PeerId) -> tuple[str, str, int]:
+    return (peer.address, peer.incarnation, peer.rank)

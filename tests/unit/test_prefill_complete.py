@@ -1,0 +1,226 @@
+"""PrefillCompleteTable: every cell of its table, and the promises of the deferred bootstrap."""
+
+import pytest
+
+from pdflow.core.errors import InvalidInput, ProtocolError, RemoteProtocolError
+from pdflow.core.inputs import AbortRequested, Input, Tick
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import PeerId, StatusReport
+from pdflow.core.outputs import SendMessage, emit_name
+from pdflow.core.policy import Timeouts
+from pdflow.core.prefill_complete import (
+    DUPLICATE_ROOM,
+    PREFILL_COMPLETE_TABLE,
+    BootstrapArrived,
+    BootstrapRoom,
+    BootstrapRoomState,
+    CloseRoom,
+    FailRoom,
+    MarkComplete,
+    OpenRoom,
+    OwnerRefused,
+    PrefillCompleteTable,
+)
+from pdflow.core.step import Step
+
+ME = PeerId("10.0.1.1:8000", "p1")
+D1 = PeerId("10.0.2.1:9000", "d1")
+D2 = PeerId("10.0.2.2:9000", "d2")
+ROOM, GEN, OWNER = 5, 1, 7
+TIMEOUTS = Timeouts(bootstrap_timeout=4.0, waiting_timeout=3.0)
+TTL = 7.0
+
+
+# ---- exhaustive cells --------------------------------------------------------------------------
+SETUP: dict[BootstrapRoomState, list[Input]] = {
+    BootstrapRoomState.ABSENT: [],
+    BootstrapRoomState.UNOWNED: [BootstrapArrived(ROOM, GEN, D1)],
+    BootstrapRoomState.OWNED: [OpenRoom(ROOM, GEN, OWNER)],
+    BootstrapRoomState.READY: [OpenRoom(ROOM, GEN, OWNER), MarkComplete(ROOM, OWNER)],
+    BootstrapRoomState.FAILED: [OpenRoom(ROOM, GEN, OWNER), FailRoom(ROOM)],
+    BootstrapRoomState.TOMBSTONE: [FailRoom(ROOM)],
+}
+
+SAMPLES: dict[str, Input] = {
+    "OpenRoom": OpenRoom(ROOM, GEN, 8),
+    "BootstrapArrived": BootstrapArrived(ROOM, GEN, D1),
+    "MarkComplete": MarkComplete(ROOM, OWNER),
+    "FailRoom": FailRoom(ROOM),
+    "CloseRoom": CloseRoom(ROOM, OWNER, False),
+    "Tick": Tick(),
+}
+
+
+def _room_in(state: BootstrapRoomState) -> BootstrapRoom:
+    room = BootstrapRoom(ROOM, ME, TTL)
+    for inp in SETUP[state]:
+        room.fire(inp, 0.0)
+    assert room.state is state
+    return room
+
+
+def test_samples_cover_every_input_and_state() -> None:
+    assert set(SAMPLES) == set(PREFILL_COMPLETE_TABLE.inputs)
+    assert set(SETUP) == set(BootstrapRoomState)
+
+
+@pytest.mark.parametrize("state", list(BootstrapRoomState), ids=lambda s: s.name)
+@pytest.mark.parametrize("on", PREFILL_COMPLETE_TABLE.inputs)
+def test_every_cell(state: BootstrapRoomState, on: str) -> None:
+    room = _room_in(state)
+    cell = PREFILL_COMPLETE_TABLE.cell(state, on)
+    before = room.snapshot()
+    if cell:
+        _, fired = room.fire(SAMPLES[on], 1.0)
+        assert room.state in {r.target for r in cell}
+        assert fired.source == state.name
+    else:
+        with pytest.raises(ProtocolError) as refused:
+            room.fire(SAMPLES[on], 1.0)
+        assert refused.value.machine == "PrefillComplete"
+        assert room.snapshot() == before
+
+
+# ---- scenarios ---------------------------------------------------------------------------------
+def _notices(step: Step) -> list[tuple[PeerId, KVPoll]]:
+    found = []
+    for out in step.outputs:
+        assert emit_name(out) in ("send.status", "owner_refused")
+        if isinstance(out, SendMessage):
+            assert isinstance(out.message, StatusReport)
+            found.append((out.to, out.message.status))
+    return found
+
+
+def _table() -> PrefillCompleteTable:
+    return PrefillCompleteTable(ME, TIMEOUTS)
+
+
+def test_at_most_one_owner() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    step = table.handle(OpenRoom(ROOM, GEN, 8), 1.0)
+    assert step.outputs == (OwnerRefused(ROOM, 8, DUPLICATE_ROOM),)
+    table.handle(CloseRoom(ROOM, 8, False), 2.0)  # the refused sender cleans up
+    table.handle(MarkComplete(ROOM, 8), 2.0)
+    (room,) = table.snapshot().rooms
+    assert (room.owner, room.state) == (OWNER, "OWNED")
+
+
+def test_at_most_one_ready_notice() -> None:
+    table = _table()
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    sent = _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0))
+    sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
+    sent += _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 3.0))
+    assert sent == [(D1, KVPoll.WaitingForInput)]
+
+
+def test_ready_before_the_bootstrap_waits_for_the_endpoint() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    assert _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0)) == []
+    assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 2.0)) == [
+        (D1, KVPoll.WaitingForInput)
+    ]
+    assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 3.0)) == []
+
+
+def test_failure_beats_a_late_ready() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    sent = _notices(table.handle(FailRoom(ROOM, "aborted"), 1.0))
+    sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
+    sent += _notices(table.handle(FailRoom(ROOM), 3.0))
+    assert sent == [(D1, KVPoll.Failed)]
+    assert table.is_failed(ROOM)
+
+
+def test_failure_after_ready_is_still_notified_once() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    table.handle(MarkComplete(ROOM, OWNER), 1.0)
+    sent = _notices(table.handle(FailRoom(ROOM), 2.0))
+    sent += _notices(table.handle(CloseRoom(ROOM, OWNER, False), 3.0))
+    assert sent == [(D1, KVPoll.Failed)]
+
+
+def test_cancel_before_the_sender_exists_is_not_lost() -> None:
+    table = _table()
+    table.handle(FailRoom(ROOM, "aborted by the decode"), 0.0)
+    assert table.handle(OpenRoom(ROOM, GEN, OWNER), 1.0).outputs == (
+        OwnerRefused(ROOM, OWNER, DUPLICATE_ROOM),
+    )
+    step = table.handle(BootstrapArrived(ROOM, GEN, D1), 2.0)
+    ((to, message),) = [(o.to, o.message) for o in step.outputs if isinstance(o, SendMessage)]
+    assert to == D1 and isinstance(message, StatusReport)
+    assert (message.status, message.reason, message.generation) == (
+        KVPoll.Failed,
+        "aborted by the decode",
+        GEN,
+    )
+
+
+def test_tombstone_expires_at_exactly_ttl() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 100.0)
+    step = table.handle(CloseRoom(ROOM, OWNER, False), 100.0)
+    assert step.timer_at == 100.0 + TTL
+    table.handle(Tick(), 100.0 + TTL - 1e-6)
+    assert table.state_of(ROOM) is BootstrapRoomState.TOMBSTONE
+    step = table.handle(Tick(), 100.0 + TTL)
+    assert table.state_of(ROOM) is BootstrapRoomState.ABSENT and step.timer_at is None
+    assert table.handle(OpenRoom(ROOM, 2, OWNER), 200.0).outputs == ()
+
+
+def test_unowned_room_expires_at_ttl_but_owned_rooms_do_not() -> None:
+    table = _table()
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    table.handle(OpenRoom(6, GEN, OWNER), 0.0)
+    assert table.timer_at() == TTL
+    table.handle(Tick(), TTL)
+    assert table.state_of(ROOM) is BootstrapRoomState.ABSENT
+    assert table.state_of(6) is BootstrapRoomState.OWNED
+    assert table.timer_at() is None
+
+
+def test_success_close_deletes_the_room() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(MarkComplete(ROOM, OWNER), 1.0)
+    table.handle(CloseRoom(ROOM, OWNER, True), 2.0)
+    assert table.snapshot().rooms == ()
+
+
+def test_a_second_endpoint_is_refused_and_the_first_kept() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D2), 1.0)) == [(D2, KVPoll.Failed)]
+    assert _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0)) == [(D1, KVPoll.WaitingForInput)]
+
+
+def test_stale_generation_bootstrap_is_dropped_without_change() -> None:
+    table = _table()
+    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    before = table.snapshot()
+    with pytest.raises(RemoteProtocolError, match="stale"):
+        table.handle(BootstrapArrived(ROOM, GEN + 1, D1), 1.0)
+    assert table.snapshot() == before
+
+
+def test_opening_another_generation_than_the_waiting_endpoint_is_refused() -> None:
+    table = _table()
+    table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
+    before = table.snapshot()
+    with pytest.raises(InvalidInput, match="generation"):
+        table.handle(OpenRoom(ROOM, GEN + 1, OWNER), 1.0)
+    assert table.snapshot() == before
+
+
+def test_the_table_takes_only_its_own_inputs() -> None:
+    with pytest.raises(InvalidInput):
+        _table().handle(AbortRequested(), 0.0)
