@@ -26,7 +26,15 @@ from pdflow.core.endpoint_io import (
     TransferDone,
 )
 from pdflow.core.errors import LocalProtocolError, RemoteProtocolError
-from pdflow.core.inputs import AbortArrived, Input, MetadataArrived, Tick, TransferCompleted
+from pdflow.core.inputs import (
+    AbortArrived,
+    AbortRequested,
+    Input,
+    MetadataArrived,
+    PrefillCompleted,
+    Tick,
+    TransferCompleted,
+)
 from pdflow.core.kvpoll import KVPoll
 from pdflow.core.messages import (
     PROTOCOL_VERSION,
@@ -37,7 +45,17 @@ from pdflow.core.messages import (
     RoomMetadata,
     StatusReport,
 )
-from pdflow.core.outputs import Output, SendMessage
+from pdflow.core.outputs import Output, SendMessage, StatusChanged
+from pdflow.core.policy import AllocationPolicy
+from pdflow.core.prefill_complete import (
+    BootstrapArrived,
+    CloseRoom,
+    FailRoom,
+    MarkComplete,
+    OwnerRefused,
+    PrefillCompleteTable,
+)
+from pdflow.core.prefill_complete import OpenRoom as ClaimRoom
 from pdflow.core.sender_room import SenderRoom, SenderState
 from pdflow.core.step import Step
 from pdflow.core.table import Fired
@@ -80,6 +98,12 @@ class PrefillEndpoint:
         self.deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.early_deadlines: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
         self.counters: Counter[str] = Counter()
+        # Under prefill_complete the ready signal, and who may wait for it, live in this table.
+        self.ready_table: PrefillCompleteTable | None = (
+            PrefillCompleteTable(config.me, config.timeouts)
+            if config.policy is AllocationPolicy.PREFILL_COMPLETE
+            else None
+        )
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: EndpointInput, now: float) -> Step:
@@ -88,9 +112,12 @@ class PrefillEndpoint:
         if isinstance(inp, OpenRoom):
             self._open(inp, now, outputs, fired)
         elif isinstance(inp, RoomCall):
-            self._room_input(self._known_room(inp.room), inp.call, now, outputs, fired)
+            room = self._known_room(inp.room)
+            self._room_input(room, inp.call, now, outputs, fired)
+            if isinstance(inp.call, PrefillCompleted):
+                self._ready_table(MarkComplete(room.key, room.generation), now, outputs, fired)
         elif isinstance(inp, ClearRoom):
-            self._clear(inp, outputs)
+            self._clear(inp, now, outputs, fired)
         elif isinstance(inp, Received):
             self._receive(inp.message, now, outputs, fired)
         elif isinstance(inp, TransferDone):
@@ -106,6 +133,8 @@ class PrefillEndpoint:
 
     def timer_at(self) -> float | None:
         deadlines = [self.deadlines.next_deadline(), self.early_deadlines.next_deadline()]
+        if self.ready_table is not None:
+            deadlines.append(self.ready_table.timer_at())
         present = [d for d in deadlines if d is not None]
         return min(present) if present else None
 
@@ -124,6 +153,12 @@ class PrefillEndpoint:
         )  # fmt: skip
         self.rooms[inp.room] = room
         self._arm(room)
+        claim = self._ready_table(
+            ClaimRoom(inp.room, inp.generation, inp.generation), now, outputs, fired
+        )
+        refused = [o for o in claim if isinstance(o, OwnerRefused)]
+        if refused:
+            self._room_input(room, AbortRequested(refused[0].reason), now, outputs, fired)
         early = self.early.pop((inp.room, inp.generation), None)
         self.early_deadlines.arm((inp.room, inp.generation), None)
         if early is None:
@@ -133,7 +168,9 @@ class PrefillEndpoint:
         for abort in early.aborts:
             self._room_input(room, AbortArrived(abort), now, outputs, fired)
 
-    def _clear(self, inp: ClearRoom, outputs: list[Output]) -> None:
+    def _clear(
+        self, inp: ClearRoom, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
         room = self._known_room(inp.room)
         if room.state is SenderState.DRAINING:
             self.remove_when_drained.add(inp.room)
@@ -143,7 +180,17 @@ class PrefillEndpoint:
                 f"room {inp.room} is {room.poll.name}; only a terminal room can be cleared",
                 hint="abort the room first (RoomCall with AbortRequested)",
             )
-        self._remove(room, outputs)
+        self._remove(room, now, outputs, fired)
+
+    def _ready_table(
+        self, inp: Input, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> list[Output]:
+        if self.ready_table is None:
+            return []
+        step = self.ready_table.handle(inp, now)
+        outputs.extend(step.outputs)
+        fired.extend(step.fired)
+        return list(step.outputs)
 
     def _receive(
         self, message: AnyMessage, now: float, outputs: list[Output], fired: list[Fired]
@@ -164,9 +211,14 @@ class PrefillEndpoint:
             )  # fmt: skip
             return
         if isinstance(message, BootstrapRequest):
-            # The ready notice of prefill_complete is sent by the engine-facing shell once the
-            # room's PrefillCompleted arrives; the request itself needs no state here.
-            self.counters["bootstrap_requests"] += 1
+            if self.ready_table is None:
+                self._drop(outputs, "policy_mismatch", "BootstrapRequest under the early policy")
+                return
+            arrived = BootstrapArrived(message.room, message.generation, message.decode)
+            try:
+                self._ready_table(arrived, now, outputs, fired)
+            except RemoteProtocolError as exc:
+                self._drop(outputs, "protocol_error", str(exc))
             return
         room = self.rooms.get(message.room)
         if room is None or room.generation != message.generation:
@@ -176,7 +228,7 @@ class PrefillEndpoint:
                     return
                 self._drop(outputs, "stale_generation", f"room {message.room}")
                 return
-            self._park(message, now, outputs)
+            self._park(message, now, outputs, fired)
             return
         wrapped: Input = (
             MetadataArrived(message) if isinstance(message, RoomMetadata) else AbortArrived(message)
@@ -186,7 +238,9 @@ class PrefillEndpoint:
         except RemoteProtocolError as exc:
             self._drop(outputs, "protocol_error", str(exc))
 
-    def _park(self, message: RoomMetadata | Abort, now: float, outputs: list[Output]) -> None:
+    def _park(
+        self, message: RoomMetadata | Abort, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
         key = (message.room, message.generation)
         entry = self.early.get(key)
         if entry is None:
@@ -198,6 +252,7 @@ class PrefillEndpoint:
             # that a later OpenRoom of this generation fails at once.
             entry.aborts.append(message)
             outputs.append(self._ack(message))
+            self._ready_table(FailRoom(message.room, "aborted by decode"), now, outputs, fired)
         else:
             entry.metadata.append(message)
 
@@ -214,9 +269,12 @@ class PrefillEndpoint:
         self._room_input(room, done, now, outputs, fired)
         if inp.room in self.remove_when_drained and room.quiescent:
             self.remove_when_drained.discard(inp.room)
-            self._remove(room, outputs)
+            self._remove(room, now, outputs, fired)
 
     def _timers(self, now: float, outputs: list[Output], fired: list[Fired]) -> None:
+        ready_due = self.ready_table is not None and (self.ready_table.timer_at() or now + 1) <= now
+        if ready_due:
+            self._ready_table(Tick(), now, outputs, fired)
         for key in self.early_deadlines.pop_due(now):
             self.early.pop(key, None)
             self.counters["early_arrivals_expired"] += 1
@@ -233,6 +291,9 @@ class PrefillEndpoint:
         outputs.extend(produced)
         fired.append(transition)
         self._arm(room)
+        failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed for o in produced)
+        if failed:
+            self._ready_table(FailRoom(room.key, room.reason), now, outputs, fired)
 
     def _arm(self, room: SenderRoom) -> None:
         self.deadlines.arm(room.key, room.timer_at())
@@ -246,7 +307,11 @@ class PrefillEndpoint:
             )
         return room
 
-    def _remove(self, room: SenderRoom, outputs: list[Output]) -> None:
+    def _remove(
+        self, room: SenderRoom, now: float, outputs: list[Output], fired: list[Fired]
+    ) -> None:
+        success = room.poll is KVPoll.Success
+        self._ready_table(CloseRoom(room.key, room.generation, success), now, outputs, fired)
         del self.rooms[room.key]
         self.deadlines.arm(room.key, None)
         self.counters[f"rooms_{room.poll.name.lower()}"] += 1
@@ -275,9 +340,7 @@ class PrefillEndpoint:
         )  # fmt: skip
 
     def snapshot(self) -> PrefillSnapshot:
-        summaries = tuple(
-            s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None
-        )
+        summaries = tuple(s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None)
         return PrefillSnapshot(
             f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
             summaries,
