@@ -1,0 +1,86 @@
+"""`pdflow bootstrap`: run the bootstrap registry on its own until SIGINT or SIGTERM."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import uuid
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdflow.io.settings import Settings
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    parser = sub.add_parser(
+        "bootstrap",
+        help="run the HTTP bootstrap registry (SGLang-compatible routes) on its own",
+        description="Serve the bootstrap registry. Settings not given here come from PDFLOW_* "
+        "(and SGLang's) environment variables; PDFLOW_BOOTSTRAP_TOKEN makes registration "
+        "require that token.",
+    )
+    parser.add_argument("--host", default=None, help="address to bind (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None,
+                        help="port to bind (default 8998; 0 picks a free one)")
+    parser.add_argument("--dp-rank-ttl", type=float, default=None,
+                        help="seconds a room -> dp rank entry lives (default 120)")
+    parser.add_argument("--incarnation", default=None,
+                        help="this registry's incarnation id (default: a fresh random one)")
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    import anyio
+
+    from pdflow.io.settings import SettingsError, load_settings
+
+    try:
+        settings = load_settings(host=args.host, bootstrap_port=args.port,
+                                 dp_rank_ttl=args.dp_rank_ttl)
+    except SettingsError as exc:
+        print(f"pdflow bootstrap: {exc}", file=sys.stderr)
+        return 2
+    _log_json_to_stderr()
+    incarnation = args.incarnation or uuid.uuid4().hex[:16]
+    try:
+        anyio.run(_serve_until_signalled, settings, incarnation, backend="asyncio")
+    except OSError as exc:
+        print(f"pdflow bootstrap: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+async def _serve_until_signalled(settings: Settings, incarnation: str) -> None:
+    import anyio
+    import structlog
+
+    from pdflow.io.bootstrap_server import serve
+
+    log = structlog.get_logger("pdflow.bootstrap")
+    with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        async with serve(
+            settings.host,
+            settings.bootstrap_port,
+            token=settings.bootstrap_token,
+            incarnation=incarnation,
+            dp_rank_ttl=settings.dp_rank_ttl,
+            max_body=settings.bootstrap_max_body,
+        ) as server:
+            print(f"pdflow bootstrap listening on {server.url}", flush=True)
+            async for signum in signals:
+                log.info("bootstrap_stopping", signal=signal.Signals(signum).name)
+                break
+
+
+def _log_json_to_stderr() -> None:
+    import structlog
+
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+    )

@@ -1,0 +1,526 @@
+"""Registry: the pure part of the bootstrap server (prefill ranks, topology, room -> dp rank).
+
+Every HTTP request of the bootstrap server becomes one input; every input that asks something
+gets exactly one :class:`Reply` (status and body, texts as SGLang answers them). The registry
+collects the prefill ranks' registrations until ``dp * cp * tp * pp`` *distinct* ranks are known
+(a re-registration replaces its rank, e.g. a restarted prefill with a new incarnation, and is
+never counted twice), then answers topology and rank queries. A refused registration (no token,
+malformed, inconsistent with the first one) changes nothing. See spec/machines/registry.toml and
+``[registry]`` in spec/protocol.toml.
+"""
+
+from __future__ import annotations
+
+import enum
+import hmac
+from typing import Any, cast
+
+import msgspec
+
+from pdflow.core.inputs import Input, Tick
+from pdflow.core.outputs import Output
+from pdflow.core.policy import AllocationPolicy
+from pdflow.core.step import Step
+from pdflow.core.table import Fired, Table, TableMachine, row
+
+DEFAULT_DP_RANK_TTL_S = 120.0
+"""How long a room -> dp rank entry lives (SGLang's BOOTSTRAP_ENTRY_CLEANUP_INTERVAL)."""
+
+OK = "OK"
+MISSING_INPUTS = "Missing inputs for bootstrap server."
+"""SGLang's answer to a rank query lacking a parameter; the HTTP layer sends it."""
+
+
+class RegistryState(enum.Enum):
+    COLLECTING = "COLLECTING"
+    READY = "READY"
+
+
+# ---- inputs -------------------------------------------------------------------------------------
+class RegisterRank(Input, frozen=True, tag="RegisterRank"):
+    """``PUT /route``: one prefill rank announces itself (SGLang's fields, plus pdflow's)."""
+
+    attn_tp_size: int
+    attn_tp_rank: int
+    attn_cp_size: int
+    attn_cp_rank: int
+    attn_dp_size: int
+    attn_dp_rank: int
+    pp_size: int
+    pp_rank: int
+    system_dp_size: int
+    system_dp_rank: int
+    rank_ip: str
+    rank_port: int
+    page_size: int
+    kv_cache_dtype: str
+    load_balance_method: str | None = None
+    enable_dsa_cache_layer_split: bool = False
+    enable_kv_cache_sharding: bool = False
+    prefill_http_port: int | None = None
+    dsv41_spec_layout: dict[str, Any] | None = None
+    decode_allocation_policy: AllocationPolicy = AllocationPolicy.EARLY
+    incarnation: str | None = None
+    protocol_version: int | None = None
+    token: str | None = None
+    """From the HTTP header, never from the body."""
+
+    @property
+    def dp_size(self) -> int:
+        return self.attn_dp_size if self.system_dp_size == 1 else self.system_dp_size
+
+    @property
+    def dp_group(self) -> int:
+        """SGLang's rule: the attention dp rank unless the system runs several dp groups."""
+        return self.attn_dp_rank if self.system_dp_size == 1 else self.system_dp_rank
+
+    @property
+    def rank_key(self) -> tuple[int, int, int, int]:
+        return (self.dp_group, self.attn_cp_rank, self.attn_tp_rank, self.pp_rank)
+
+    @property
+    def world(self) -> int:
+        return self.dp_size * self.attn_cp_size * self.attn_tp_size * self.pp_size
+
+
+class QueryTopology(Input, frozen=True, tag="QueryTopology"):
+    """``GET /route`` with all four ranks -1: the prefill's parallel layout."""
+
+
+class QueryRank(Input, frozen=True, tag="QueryRank"):
+    """``GET /route`` for one prefill rank."""
+
+    dp: int
+    cp: int
+    tp: int
+    pp: int
+
+
+class RegisterDpRank(Input, frozen=True, tag="RegisterDpRank"):
+    """``POST /register_dp_rank``: the prefill dp rank that serves a room."""
+
+    room: int
+    dp_rank: int
+    token: str | None = None
+
+
+class QueryDpRanks(Input, frozen=True, tag="QueryDpRanks"):
+    """``POST /query_dp_ranks``: the dp rank of each room, for the rooms still known."""
+
+    rooms: tuple[int, ...]
+
+
+class CheckHealth(Input, frozen=True, tag="CheckHealth"):
+    """``GET /health``: the decode's heartbeat."""
+
+
+def route_query(dp: int, cp: int, tp: int, pp: int) -> QueryTopology | QueryRank:
+    """SGLang's sentinel: all four ranks -1 asks for the topology, anything else for a rank."""
+    if (dp, cp, tp, pp) == (-1, -1, -1, -1):
+        return QueryTopology()
+    return QueryRank(dp, cp, tp, pp)
+
+
+# ---- answers --------------------------------------------------------------------------------
+class Reply(Output, frozen=True, tag="reply"):
+    """The answer to one request: a text body (text/plain) or a JSON object."""
+
+    status: int
+    body: str | dict[str, Any]
+
+
+class PrefillServerInfo(msgspec.Struct, frozen=True):
+    """The topology answer, field for field SGLang's ``PrefillServerInfo``.
+
+    SGLang's decode builds its dataclass with ``PrefillServerInfo(**json)``, so no field may be
+    added here: pdflow's per-rank additions (incarnation) travel in :class:`PrefillRankInfo`.
+    The ``target_*`` and ``required_*`` fields are filled in by the decode's rank mapping.
+    """
+
+    attn_tp_size: int
+    attn_cp_size: int
+    dp_size: int
+    pp_size: int
+    page_size: int | None
+    kv_cache_dtype: str | None
+    follow_bootstrap_room: bool = True
+    enable_dsa_cache_layer_split: bool = False
+    decode_allocation_policy: AllocationPolicy = AllocationPolicy.EARLY
+    enable_kv_cache_sharding: bool = False
+    prefill_http_port: int | None = None
+    target_tp_rank: int | None = None
+    target_tp_ranks: list[int] | None = None
+    target_cp_ranks: list[int] | None = None
+    target_pp_ranks: list[int] | None = None
+    required_dst_info_num: int | None = None
+    required_prefill_response_num: int | None = None
+    dsv41_spec_layout: dict[str, Any] | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        body: dict[str, Any] = msgspec.to_builtins(self)
+        if body["dsv41_spec_layout"] is None:
+            del body["dsv41_spec_layout"]  # SGLang omits it when unset
+        return body
+
+
+class PrefillRankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
+    """The rank answer: SGLang's ``{rank_ip, rank_port}`` plus pdflow's identity of the rank."""
+
+    rank_ip: str
+    rank_port: int
+    incarnation: str | None = None
+    protocol_version: int | None = None
+
+
+class RegistrySnapshot(msgspec.Struct, frozen=True):
+    """Everything observable about the registry (tokens left out)."""
+
+    state: str
+    first: RegisterRank | None
+    ranks: tuple[tuple[tuple[int, int, int, int], PrefillRankInfo], ...]
+    room_dp_ranks: tuple[tuple[int, int, float], ...]
+
+
+# ---- the table ------------------------------------------------------------------------------
+_G = RegistryState
+_REPLY = ["reply"]
+
+_ALL_INPUTS = (
+    RegisterRank,
+    QueryTopology,
+    QueryRank,
+    RegisterDpRank,
+    QueryDpRanks,
+    Tick,
+    CheckHealth,
+)
+
+
+def _answers_in_every_state(state: RegistryState) -> list[Any]:
+    """The rows that read the same whatever the readiness."""
+    return [
+        row(
+            state,
+            RegisterRank,
+            state,
+            guard="unauthorized",
+            emits=_REPLY,
+            action="refuse_unauthorized",
+        ),
+        row(state, RegisterRank, state, guard="malformed", emits=_REPLY, action="refuse_malformed"),
+        row(
+            state,
+            RegisterRank,
+            state,
+            guard="inconsistent",
+            emits=_REPLY,
+            action="refuse_inconsistent",
+        ),
+    ]
+
+
+def _room_rows(state: RegistryState) -> list[Any]:
+    return [
+        row(
+            state,
+            RegisterDpRank,
+            state,
+            guard="unauthorized",
+            emits=_REPLY,
+            action="refuse_unauthorized",
+        ),
+        row(
+            state, RegisterDpRank, state, guard="bad_dp_rank", emits=_REPLY, action="refuse_dp_rank"
+        ),
+        row(state, RegisterDpRank, state, emits=_REPLY, action="record_dp_rank"),
+        row(state, QueryDpRanks, state, emits=_REPLY, action="answer_dp_ranks"),
+        row(state, Tick, state, action="expire_rooms"),
+        row(state, CheckHealth, state, emits=_REPLY, action="answer_health"),
+    ]
+
+
+REGISTRY_TABLE: Table[RegistryState] = Table(
+    machine="Registry",
+    states=RegistryState,
+    initial=RegistryState.COLLECTING,
+    inputs=_ALL_INPUTS,
+    remote_inputs=(RegisterRank, QueryTopology, QueryRank, RegisterDpRank, QueryDpRanks,
+                   CheckHealth),
+    rows=[
+        # -- COLLECTING: fewer distinct ranks than dp*cp*tp*pp -----------------------------------
+        *_answers_in_every_state(_G.COLLECTING),
+        row(_G.COLLECTING, RegisterRank, _G.READY, guard="completes_topology", emits=_REPLY,
+            action="register"),
+        row(_G.COLLECTING, RegisterRank, _G.COLLECTING, emits=_REPLY, action="register"),
+        row(_G.COLLECTING, QueryTopology, _G.COLLECTING, emits=_REPLY, action="answer_not_ready"),
+        row(_G.COLLECTING, QueryRank, _G.COLLECTING, emits=_REPLY, action="answer_not_ready"),
+        *_room_rows(_G.COLLECTING),
+        # -- READY: every rank known; re-registrations replace their rank -------------------------
+        *_answers_in_every_state(_G.READY),
+        row(_G.READY, RegisterRank, _G.READY, emits=_REPLY, action="register"),
+        row(_G.READY, QueryTopology, _G.READY, emits=_REPLY, action="answer_topology"),
+        row(_G.READY, QueryRank, _G.READY, guard="rank_registered", emits=_REPLY,
+            action="answer_rank"),
+        row(_G.READY, QueryRank, _G.READY, emits=_REPLY, action="answer_unknown_rank"),
+        *_room_rows(_G.READY),
+    ],
+)  # fmt: skip
+
+
+# Fields that must agree with the first registration: (field, headline of the 400 answer).
+# The two headlines that SGLang also checks are its own texts, so logs read the same.
+_CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("attn_tp_size", "Inconsistent prefill topology"),
+    ("attn_cp_size", "Inconsistent prefill topology"),
+    ("attn_dp_size", "Inconsistent prefill topology"),
+    ("system_dp_size", "Inconsistent prefill topology"),
+    ("pp_size", "Inconsistent prefill topology"),
+    ("page_size", "Inconsistent prefill page size"),
+    ("kv_cache_dtype", "Inconsistent prefill KV cache dtype"),
+    ("decode_allocation_policy", "Inconsistent prefill allocation policies"),
+    ("dsv41_spec_layout", "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
+    ("protocol_version", "Inconsistent pdflow protocol versions"),
+)
+_MAX_PORT = 65535
+
+
+class Registry(TableMachine[RegistryState]):
+    """The bootstrap registry of one prefill instance. Drive it with :meth:`handle`."""
+
+    table = REGISTRY_TABLE
+
+    def __init__(
+        self, *, token: str | None = None, dp_rank_ttl: float = DEFAULT_DP_RANK_TTL_S
+    ) -> None:
+        if token == "":
+            raise ValueError("the bootstrap token must be non-empty, or None for no token")
+        if dp_rank_ttl <= 0:
+            raise ValueError(f"dp_rank_ttl must be positive seconds, got {dp_rank_ttl}")
+        self.key = 0
+        self.state = REGISTRY_TABLE.initial
+        self._token = token
+        self.dp_rank_ttl = dp_rank_ttl
+        self.first: RegisterRank | None = None
+        self.ranks: dict[tuple[int, int, int, int], PrefillRankInfo] = {}
+        # Insertion order is registration order (a re-registration moves to the end), so with
+        # a non-decreasing ``now`` the oldest entry is first: expiry pops from the front.
+        self.room_dp_ranks: dict[int, tuple[int, float]] = {}
+
+    # ---- public API ----------------------------------------------------------------------------
+    @property
+    def requires_token(self) -> bool:
+        return self._token is not None
+
+    def handle(self, inp: Input, now: float) -> Step:
+        outputs, fired = self.fire(inp, now)
+        return Step(tuple(outputs), self.timer_at(), (fired,))
+
+    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        return self.fire(inp, now)
+
+    def reply_to(self, inp: Input, now: float) -> Reply:
+        """Handle a request and return its one answer (every input but ``Tick`` has one)."""
+        outputs, _ = self.fire(inp, now)
+        replies = [o for o in outputs if isinstance(o, Reply)]
+        if len(replies) != 1:
+            raise ValueError(f"{type(inp).__name__} is not a request: it gets no reply")
+        return replies[0]
+
+    def timer_at(self) -> float | None:
+        """When the oldest room -> dp rank entry expires."""
+        oldest = next(iter(self.room_dp_ranks.values()), None)
+        return None if oldest is None else oldest[1] + self.dp_rank_ttl
+
+    def snapshot(self) -> RegistrySnapshot:
+        first = None if self.first is None else msgspec.structs.replace(self.first, token=None)
+        return RegistrySnapshot(
+            state=self.state.name,
+            first=first,
+            ranks=tuple(sorted(self.ranks.items())),
+            room_dp_ranks=tuple(
+                sorted((room, dp, at) for room, (dp, at) in self.room_dp_ranks.items())
+            ),
+        )
+
+    # ---- guards --------------------------------------------------------------------------------
+    def _guard_unauthorized(self, inp: Input, now: float) -> bool:
+        if self._token is None:
+            return False
+        given = cast(RegisterRank | RegisterDpRank, inp).token
+        return given is None or not hmac.compare_digest(given.encode(), self._token.encode())
+
+    def _guard_malformed(self, inp: Input, now: float) -> bool:
+        return _malformation(cast(RegisterRank, inp)) is not None
+
+    def _guard_inconsistent(self, inp: Input, now: float) -> bool:
+        return self._inconsistency(cast(RegisterRank, inp)) is not None
+
+    def _guard_completes_topology(self, inp: Input, now: float) -> bool:
+        reg = cast(RegisterRank, inp)
+        return len(self.ranks.keys() | {reg.rank_key}) >= reg.world
+
+    def _guard_rank_registered(self, inp: Input, now: float) -> bool:
+        q = cast(QueryRank, inp)
+        return (q.dp, q.cp, q.tp, q.pp) in self.ranks
+
+    def _guard_bad_dp_rank(self, inp: Input, now: float) -> bool:
+        return self._dp_rank_problem(cast(RegisterDpRank, inp)) is not None
+
+    # ---- actions -------------------------------------------------------------------------------
+    def _act_refuse_unauthorized(self, inp: Input, now: float) -> list[Output]:
+        what = "registration" if isinstance(inp, RegisterRank) else "dp rank registration"
+        return [
+            Reply(
+                401,
+                f"Unauthorized: this bootstrap server requires the shared token "
+                f"(PDFLOW_BOOTSTRAP_TOKEN) for a {what}",
+            )
+        ]
+
+    def _act_refuse_malformed(self, inp: Input, now: float) -> list[Output]:
+        return [Reply(400, cast(str, _malformation(cast(RegisterRank, inp))))]
+
+    def _act_refuse_inconsistent(self, inp: Input, now: float) -> list[Output]:
+        return [Reply(400, cast(str, self._inconsistency(cast(RegisterRank, inp))))]
+
+    def _act_register(self, inp: Input, now: float) -> list[Output]:
+        reg = cast(RegisterRank, inp)
+        if self.first is None:
+            self.first = msgspec.structs.replace(reg, token=None)
+        self.ranks[reg.rank_key] = PrefillRankInfo(
+            reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version
+        )
+        return [Reply(200, OK)]
+
+    def _act_answer_not_ready(self, inp: Input, now: float) -> list[Output]:
+        count = len(self.ranks)
+        text = f"Prefill server not fully registered yet ({count} workers registered)."
+        return [Reply(503, text)]
+
+    def _act_answer_topology(self, inp: Input, now: float) -> list[Output]:
+        first = cast(RegisterRank, self.first)
+        info = PrefillServerInfo(
+            attn_tp_size=first.attn_tp_size,
+            attn_cp_size=first.attn_cp_size,
+            dp_size=first.dp_size,
+            pp_size=first.pp_size,
+            page_size=first.page_size,
+            kv_cache_dtype=first.kv_cache_dtype,
+            follow_bootstrap_room=first.load_balance_method in (None, "follow_bootstrap_room"),
+            enable_dsa_cache_layer_split=first.enable_dsa_cache_layer_split,
+            decode_allocation_policy=first.decode_allocation_policy,
+            enable_kv_cache_sharding=first.enable_kv_cache_sharding,
+            prefill_http_port=first.prefill_http_port,
+            dsv41_spec_layout=first.dsv41_spec_layout,
+        )
+        return [Reply(200, info.to_wire())]
+
+    def _act_answer_rank(self, inp: Input, now: float) -> list[Output]:
+        q = cast(QueryRank, inp)
+        info = self.ranks[(q.dp, q.cp, q.tp, q.pp)]
+        return [Reply(200, msgspec.to_builtins(info))]
+
+    def _act_answer_unknown_rank(self, inp: Input, now: float) -> list[Output]:
+        q = cast(QueryRank, inp)
+        return [
+            Reply(
+                404,
+                f"Bootstrap info not found for dp_rank={q.dp} cp_rank={q.cp} "
+                f"tp_rank={q.tp} pp_rank={q.pp}",
+            )
+        ]
+
+    def _act_refuse_dp_rank(self, inp: Input, now: float) -> list[Output]:
+        return [Reply(400, cast(str, self._dp_rank_problem(cast(RegisterDpRank, inp))))]
+
+    def _act_record_dp_rank(self, inp: Input, now: float) -> list[Output]:
+        reg = cast(RegisterDpRank, inp)
+        self.room_dp_ranks.pop(reg.room, None)
+        self.room_dp_ranks[reg.room] = (reg.dp_rank, now)
+        return [Reply(200, OK)]
+
+    def _act_answer_dp_ranks(self, inp: Input, now: float) -> list[Output]:
+        known: dict[str, Any] = {}
+        for room in cast(QueryDpRanks, inp).rooms:
+            entry = self.room_dp_ranks.get(room)
+            # Expiry is exact here, so answers never depend on when the last Tick ran.
+            if entry is not None and now < entry[1] + self.dp_rank_ttl:
+                known[str(room)] = entry[0]
+        return [Reply(200, known)]
+
+    def _act_expire_rooms(self, inp: Input, now: float) -> list[Output]:
+        expired = []
+        for room, (_, registered_at) in self.room_dp_ranks.items():
+            if now < registered_at + self.dp_rank_ttl:
+                break
+            expired.append(room)
+        for room in expired:
+            del self.room_dp_ranks[room]
+        return []
+
+    def _act_answer_health(self, inp: Input, now: float) -> list[Output]:
+        return [Reply(200, OK)]
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _inconsistency(self, reg: RegisterRank) -> str | None:
+        if self.first is None:
+            return None
+        for field, headline in _CONSISTENT_FIELDS:
+            mine, theirs = getattr(reg, field), getattr(self.first, field)
+            if mine != theirs:
+                return (
+                    f"{headline}: {field}={_shown(mine)} differs from {field}="
+                    f"{_shown(theirs)} registered first"
+                )
+        return None
+
+    def _dp_rank_problem(self, reg: RegisterDpRank) -> str | None:
+        if reg.room < 0:
+            return f"Malformed dp rank registration: bootstrap_room={reg.room} must be >= 0"
+        if reg.dp_rank < 0:
+            return f"Malformed dp rank registration: dp_rank={reg.dp_rank} must be >= 0"
+        if self.first is not None and reg.dp_rank >= self.first.dp_size:
+            return (
+                f"Malformed dp rank registration: dp_rank={reg.dp_rank} must be below the "
+                f"prefill's dp_size={self.first.dp_size}"
+            )
+        return None
+
+
+def _malformation(reg: RegisterRank) -> str | None:
+    """Why a registration cannot describe a real rank, or None."""
+    sizes = (
+        "attn_tp_size",
+        "attn_cp_size",
+        "attn_dp_size",
+        "system_dp_size",
+        "pp_size",
+        "page_size",
+    )
+    for name in sizes:
+        if getattr(reg, name) < 1:
+            return f"Malformed registration: {name}={getattr(reg, name)} must be >= 1"
+    ranks = (
+        ("attn_tp_rank", "attn_tp_size"),
+        ("attn_cp_rank", "attn_cp_size"),
+        ("attn_dp_rank", "attn_dp_size"),
+        ("system_dp_rank", "system_dp_size"),
+        ("pp_rank", "pp_size"),
+    )
+    for rank, size in ranks:
+        value, bound = getattr(reg, rank), getattr(reg, size)
+        if not 0 <= value < bound:
+            return f"Malformed registration: {rank}={value} must be in [0, {size}={bound})"
+    if not reg.rank_ip:
+        return "Malformed registration: rank_ip must be a non-empty address"
+    if not 1 <= reg.rank_port <= _MAX_PORT:
+        return f"Malformed registration: rank_port={reg.rank_port} must be in [1, {_MAX_PORT}]"
+    if not reg.kv_cache_dtype:
+        return "Malformed registration: kv_cache_dtype must be non-empty"
+    if reg.incarnation == "":
+        return "Malformed registration: incarnation, when given, must be non-empty"
+    return None
+
+
+def _shown(value: object) -> str:
+    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)

@@ -1,0 +1,365 @@
+"""The HTTP bootstrap server: SGLang's routes on Starlette + uvicorn, decisions in core.Registry.
+
+This module only parses requests into registry inputs and serialises the registry's replies; it
+passes ``now`` from a monotonic clock and the token from the request headers. Routes, fields,
+texts and status codes follow SGLang's bootstrap server, so either side's clients work against
+the other's server. Differences: readiness counts distinct ranks, and a malformed request gets
+400 with a message saying what is wrong (SGLang answers 500).
+
+uvicorn runs on asyncio, so :func:`serve` needs anyio's asyncio backend.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from contextlib import asynccontextmanager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pdflow.core.inputs import Input, Tick
+from pdflow.core.registry import (
+    DEFAULT_DP_RANK_TTL_S,
+    MISSING_INPUTS,
+    CheckHealth,
+    QueryDpRanks,
+    RegisterDpRank,
+    RegisterRank,
+    Registry,
+    Reply,
+    route_query,
+)
+
+DEFAULT_MAX_BODY = 64 * 1024
+DEFAULT_TICK_INTERVAL_S = 5.0
+INCARNATION_HEADER = "X-Pdflow-Incarnation"
+TOKEN_HEADER = "X-Pdflow-Token"
+ROUTE_QUERY = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+log = structlog.get_logger("pdflow.bootstrap")
+
+
+class _Refusal(Exception):
+    """A request the HTTP layer cannot turn into a registry input."""
+
+    def __init__(self, status: int, text: str) -> None:
+        super().__init__(text)
+        self.status = status
+        self.text = text
+
+
+class _DpRankBody(msgspec.Struct, frozen=True):
+    bootstrap_room: int
+    dp_rank: int
+
+
+class _DpQueryBody(msgspec.Struct, frozen=True):
+    bootstrap_rooms: list[int]
+
+
+# ---- request -> input ---------------------------------------------------------------------------
+def request_token(request: Request) -> str | None:
+    """The shared token: ``X-Pdflow-Token``, else ``Authorization: Bearer <token>``."""
+    direct = request.headers.get(TOKEN_HEADER)
+    if direct:
+        return direct
+    scheme, _, credentials = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() == "bearer" and credentials.strip():
+        return credentials.strip()
+    return None
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise _Refusal(413, f"Request body too large: {declared} bytes, the limit is {limit}")
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _Refusal(413, f"Request body too large: over the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def _json_object(request: Request, limit: int) -> dict[str, Any]:
+    body = await _read_body(request, limit)
+    try:
+        payload = msgspec.json.decode(body)
+    except msgspec.DecodeError as exc:
+        raise _Refusal(400, f"Malformed JSON body: {exc}") from None
+    if not isinstance(payload, dict):
+        raise _Refusal(400, f"The body must be a JSON object, got {type(payload).__name__}")
+    return payload
+
+
+def _convert(payload: dict[str, Any], kind: type[Any], what: str) -> Any:
+    try:
+        return msgspec.convert(payload, kind)
+    except msgspec.ValidationError as exc:
+        raise _Refusal(400, f"Malformed {what}: {exc}") from None
+
+
+async def registration_of(request: Request, limit: int) -> RegisterRank:
+    payload = await _json_object(request, limit)
+    # The token is a header; a body must not be able to claim one (nor pick the input type).
+    payload.pop("token", None)
+    payload.pop("type", None)
+    reg: RegisterRank = _convert(payload, RegisterRank, "registration")
+    return msgspec.structs.replace(reg, token=request_token(request))
+
+
+def rank_query_of(request: Request) -> Input:
+    values = [request.query_params.get(name, "") for name in ROUTE_QUERY]
+    if any(not value for value in values):
+        raise _Refusal(400, MISSING_INPUTS)
+    ranks: list[int] = []
+    for name, value in zip(ROUTE_QUERY, values, strict=True):
+        try:
+            ranks.append(int(value))
+        except ValueError:
+            raise _Refusal(400, f"Invalid inputs for bootstrap server: {name}={value!r} is not "
+                                "an integer.") from None
+    return route_query(*ranks)
+
+
+async def dp_rank_registration_of(request: Request, limit: int) -> RegisterDpRank:
+    body: _DpRankBody = _convert(await _json_object(request, limit), _DpRankBody,
+                                 "dp rank registration")
+    return RegisterDpRank(body.bootstrap_room, body.dp_rank, request_token(request))
+
+
+async def dp_rank_query_of(request: Request, limit: int) -> QueryDpRanks:
+    body: _DpQueryBody = _convert(await _json_object(request, limit), _DpQueryBody,
+                                  "dp rank query")
+    return QueryDpRanks(tuple(body.bootstrap_rooms))
+
+
+# ---- reply -> response ------------------------------------------------------------------------
+def response_of(reply: Reply) -> Response:
+    if isinstance(reply.body, str):
+        return PlainTextResponse(reply.body, status_code=reply.status)
+    return Response(msgspec.json.encode(reply.body), status_code=reply.status,
+                    media_type="application/json")
+
+
+# ---- the app --------------------------------------------------------------------------------
+def build_app(
+    registry: Registry,
+    *,
+    clock: Callable[[], float] = time.monotonic,
+    max_body: int = DEFAULT_MAX_BODY,
+    incarnation: str | None = None,
+) -> ASGIApp:
+    """The ASGI app serving ``registry``. Every request is answered by the registry."""
+    if max_body < 1:
+        raise ValueError(f"max_body must be at least 1 byte, got {max_body}")
+
+    def answering(
+        parse: Callable[[Request], Awaitable[Input]],
+    ) -> Callable[[Request], Awaitable[Response]]:
+        async def endpoint(request: Request) -> Response:
+            try:
+                inp = await parse(request)
+            except _Refusal as refusal:
+                return PlainTextResponse(refusal.text, status_code=refusal.status)
+            return response_of(registry.reply_to(inp, clock()))
+
+        return endpoint
+
+    async def parse_route(request: Request) -> Input:
+        if request.method == "PUT":
+            return await registration_of(request, max_body)
+        return rank_query_of(request)
+
+    async def parse_dp_registration(request: Request) -> Input:
+        return await dp_rank_registration_of(request, max_body)
+
+    async def parse_dp_query(request: Request) -> Input:
+        return await dp_rank_query_of(request, max_body)
+
+    async def parse_health(request: Request) -> Input:
+        return CheckHealth()
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("404: Not Found", status_code=404)
+
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("Method not allowed", status_code=405)
+
+    app = Starlette(
+        routes=[
+            Route("/route", answering(parse_route), methods=["GET", "PUT"]),
+            Route("/register_dp_rank", answering(parse_dp_registration), methods=["POST"]),
+            Route("/query_dp_ranks", answering(parse_dp_query), methods=["POST"]),
+            Route("/health", answering(parse_health), methods=["GET"]),
+        ],
+        exception_handlers={404: not_found, 405: not_allowed},
+    )
+    return _RequestLog(app, incarnation)
+
+
+class _RequestLog:
+    """One structured log line per request, and the incarnation header on every response."""
+
+    def __init__(self, app: ASGIApp, incarnation: str | None) -> None:
+        self.app = app
+        self.extra_headers = (
+            [(INCARNATION_HEADER.lower().encode(), incarnation.encode())] if incarnation else []
+        )
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = time.perf_counter()
+        status = 500
+
+        async def send_with_headers(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [*message.get("headers", []),
+                                                  *self.extra_headers]}
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_headers)
+        finally:
+            client = scope.get("client")
+            log.info(
+                "bootstrap_request",
+                method=scope["method"],
+                path=scope["path"],
+                status=status,
+                ms=round((time.perf_counter() - started) * 1000, 3),
+                peer=f"{client[0]}:{client[1]}" if client else None,
+            )
+
+
+# ---- running it -----------------------------------------------------------------------------
+class _ShellServer(uvicorn.Server):
+    """uvicorn without its signal handlers: the shell (e.g. ``pdflow bootstrap``) owns them."""
+
+    @contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+@dataclass(frozen=True)
+class RunningBootstrap:
+    """A bound, serving bootstrap server (as yielded by :func:`serve`)."""
+
+    host: str
+    port: int
+    registry: Registry
+    incarnation: str | None
+
+    @property
+    def address(self) -> str:
+        """``host:port``, the form SGLang calls a bootstrap address."""
+        host = f"[{self.host}]" if ":" in self.host else self.host
+        return f"{host}:{self.port}"
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.address}"
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening TCP socket; port 0 picks a free one (read it from ``getsockname``)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    try:
+        return socket.create_server((host, port), family=family, reuse_port=False)
+    except OSError as exc:
+        raise OSError(exc.errno, f"cannot bind the bootstrap server to {host}:{port}: "
+                                 f"{exc.strerror}; pick another --port or stop the other "
+                                 "server") from exc
+
+
+@asynccontextmanager
+async def serve(
+    host: str = "127.0.0.1",
+    port: int = 8998,
+    *,
+    token: str | None = None,
+    incarnation: str | None = None,
+    dp_rank_ttl: float = DEFAULT_DP_RANK_TTL_S,
+    max_body: int = DEFAULT_MAX_BODY,
+    tick_interval: float = DEFAULT_TICK_INTERVAL_S,
+    clock: Callable[[], float] = time.monotonic,
+    sock: socket.socket | None = None,
+    registry: Registry | None = None,
+) -> AsyncIterator[RunningBootstrap]:
+    """Serve the bootstrap registry until the ``async with`` block ends.
+
+    ``sock`` is an already bound socket to serve on instead of binding ``host:port`` (it is
+    closed on exit). Leaving the block stops accepting, finishes the requests in flight and
+    closes the socket; no task is left behind.
+    """
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        raise RuntimeError("the bootstrap server runs on uvicorn, which needs anyio's asyncio "
+                           "backend: anyio.run(main, backend='asyncio')") from None
+    if tick_interval <= 0:
+        raise ValueError(f"tick_interval must be positive seconds, got {tick_interval}")
+    registry = registry if registry is not None else Registry(token=token,
+                                                              dp_rank_ttl=dp_rank_ttl)
+    app = build_app(registry, clock=clock, max_body=max_body, incarnation=incarnation)
+    listener = sock if sock is not None else bind(host, port)
+    bound_host, bound_port = listener.getsockname()[:2]
+    config = uvicorn.Config(
+        app, lifespan="off", log_config=None, access_log=False, http="h11",
+        server_header=False, timeout_graceful_shutdown=2,
+    )
+    server = _ShellServer(config)
+    serving_ended = anyio.Event()
+    ticker = anyio.CancelScope()
+
+    async def run_server() -> None:
+        # Shielded: whatever cancels the caller, uvicorn still shuts down gracefully (stop
+        # accepting, finish requests in flight) once ``should_exit`` is set below.
+        try:
+            with anyio.CancelScope(shield=True):
+                await server.serve(sockets=[listener])
+        finally:
+            serving_ended.set()
+
+    async def tick_forever() -> None:
+        with ticker:
+            while True:
+                await anyio.sleep(tick_interval)
+                registry.handle(Tick(), clock())
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(run_server)
+            tasks.start_soon(tick_forever)
+            try:
+                while not server.started:
+                    if serving_ended.is_set():
+                        raise RuntimeError(f"the bootstrap server on {bound_host}:{bound_port} "
+                                           "stopped before it started; see the log above")
+                    await anyio.sleep(0.005)
+                log.info("bootstrap_listening", host=bound_host, port=bound_port,
+                         token_required=registry.requires_token, incarnation=incarnation)
+                yield RunningBootstrap(bound_host, bound_port, registry, incarnation)
+            finally:
+                server.should_exit = True
+                ticker.cancel()
+    finally:
+        listener.close()

@@ -1,0 +1,336 @@
+"""The pure bootstrap registry: every row of its table, and scenarios on a virtual clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+
+from pdflow.core.inputs import Input, Tick
+from pdflow.core.policy import AllocationPolicy
+from pdflow.core.registry import (
+    REGISTRY_TABLE,
+    CheckHealth,
+    PrefillServerInfo,
+    QueryDpRanks,
+    QueryRank,
+    QueryTopology,
+    RegisterDpRank,
+    Registry,
+    RegistryState,
+    Reply,
+    route_query,
+)
+from tests.unit.test_registry_support import TOKEN, rank, registry_in
+
+_C, _R = RegistryState.COLLECTING, RegistryState.READY
+NOT_READY_0 = "Prefill server not fully registered yet (0 workers registered)."
+NOT_READY_1 = "Prefill server not fully registered yet (1 workers registered)."
+
+# One probe per row of the table: (state, input, guard) -> (probe, status of the reply or None).
+ROW_PROBES: dict[tuple[RegistryState, str, str | None], tuple[Input, int | None]] = {}
+for _state in RegistryState:
+    ROW_PROBES |= {
+        (_state, "RegisterRank", "unauthorized"): (rank(1), 401),
+        (_state, "RegisterRank", "malformed"): (rank(1, attn_tp_rank=5, token=TOKEN), 400),
+        (_state, "RegisterRank", "inconsistent"): (rank(1, page_size=16, token=TOKEN), 400),
+        (_state, "RegisterDpRank", "unauthorized"): (RegisterDpRank(7, 0), 401),
+        (_state, "RegisterDpRank", "bad_dp_rank"): (RegisterDpRank(7, 3, TOKEN), 400),
+        (_state, "RegisterDpRank", None): (RegisterDpRank(7, 0, TOKEN), 200),
+        (_state, "QueryDpRanks", None): (QueryDpRanks((7,)), 200),
+        (_state, "Tick", None): (Tick(), None),
+        (_state, "CheckHealth", None): (CheckHealth(), 200),
+    }
+ROW_PROBES |= {
+    (_C, "RegisterRank", "completes_topology"): (rank(1, token=TOKEN), 200),
+    (_C, "RegisterRank", None): (rank(0, port=40009, token=TOKEN), 200),
+    (_C, "QueryTopology", None): (QueryTopology(), 503),
+    (_C, "QueryRank", None): (QueryRank(0, 0, 0, 0), 503),
+    (_R, "RegisterRank", None): (rank(0, port=40009, token=TOKEN), 200),
+    (_R, "QueryTopology", None): (QueryTopology(), 200),
+    (_R, "QueryRank", "rank_registered"): (QueryRank(0, 0, 1, 0), 200),
+    (_R, "QueryRank", None): (QueryRank(0, 0, 5, 0), 404),
+}
+
+
+def _reply(registry: Registry, inp: Input, now: float = 2.0) -> Reply:
+    return registry.reply_to(inp, now)
+
+
+def test_every_row_has_a_probe() -> None:
+    rows = {(r.source, r.on, r.guard) for r in REGISTRY_TABLE.rows}
+    assert rows == set(ROW_PROBES)
+
+
+@pytest.mark.parametrize(
+    "key", sorted(ROW_PROBES, key=str), ids=[f"{s.name}-{on}-{g or '-'}" for s, on, g in
+                                               sorted(ROW_PROBES, key=str)]
+)
+def test_every_row_answers_as_specified(key: tuple[RegistryState, str, str | None]) -> None:
+    state, on, guard = key
+    probe, status = ROW_PROBES[key]
+    registry = registry_in(state, token=TOKEN)
+    before = registry.snapshot()
+    step = registry.handle(probe, 2.0)
+    (fired,) = step.fired
+    (expected,) = [r for r in REGISTRY_TABLE.cell(state, on) if r.guard == guard]
+    assert (fired.source, fired.on, fired.guard, fired.target) == (
+        state.name, on, guard, expected.target.name
+    )
+    replies = [o for o in step.outputs if isinstance(o, Reply)]
+    assert [r.status for r in replies] == ([] if status is None else [status])
+    if status is not None and status >= 400:
+        assert registry.snapshot() == before, "a refused request must change nothing"
+
+
+@pytest.mark.parametrize("state", list(RegistryState))
+@pytest.mark.parametrize("on", REGISTRY_TABLE.inputs)
+def test_every_cell_is_defined(state: RegistryState, on: str) -> None:
+    # The registry answers every request in every state: no cell may raise a ProtocolError.
+    rows = REGISTRY_TABLE.cell(state, on)
+    assert rows and rows[-1].guard is None
+
+
+# ---- scenarios ----------------------------------------------------------------------------
+def test_fresh_registry_is_healthy_and_not_ready() -> None:
+    registry = Registry()
+    assert _reply(registry, CheckHealth()) == Reply(200, "OK")
+    assert _reply(registry, QueryTopology()) == Reply(503, NOT_READY_0)
+    assert _reply(registry, QueryRank(0, 0, 0, 0)) == Reply(503, NOT_READY_0)
+
+
+def test_ready_counts_distinct_ranks_and_reregistration_replaces() -> None:
+    registry = Registry()
+    assert _reply(registry, rank(0)) == Reply(200, "OK")
+    assert _reply(registry, QueryTopology()) == Reply(503, NOT_READY_1)
+    # SGLang counts this second PUT of rank 0 and reports ready; pdflow does not.
+    assert _reply(registry, rank(0, port=40003)) == Reply(200, "OK")
+    assert registry.snapshot().state == "COLLECTING"
+    assert _reply(registry, QueryTopology()) == Reply(503, NOT_READY_1)
+    assert _reply(registry, rank(1)) == Reply(200, "OK")
+    assert registry.snapshot().state == "READY"
+    assert _reply(registry, QueryRank(0, 0, 0, 0)) == Reply(
+        200, {"rank_ip": "127.0.0.1", "rank_port": 40003}
+    )
+    assert _reply(registry, QueryRank(0, 0, 1, 0)) == Reply(
+        200, {"rank_ip": "127.0.0.1", "rank_port": 40002}
+    )
+    assert _reply(registry, QueryRank(0, 0, 5, 0)) == Reply(
+        404, "Bootstrap info not found for dp_rank=0 cp_rank=0 tp_rank=5 pp_rank=0"
+    )
+
+
+def test_topology_answer_has_exactly_sglang_prefill_server_info_fields() -> None:
+    registry = registry_in(_R)
+    reply = _reply(registry, QueryTopology())
+    assert reply.status == 200
+    assert reply.body == {
+        "attn_tp_size": 2, "attn_cp_size": 1, "dp_size": 1, "pp_size": 1, "page_size": 1,
+        "kv_cache_dtype": "auto", "follow_bootstrap_room": True,
+        "enable_dsa_cache_layer_split": False, "decode_allocation_policy": "early",
+        "enable_kv_cache_sharding": False, "prefill_http_port": 30000, "target_tp_rank": None,
+        "target_tp_ranks": None, "target_cp_ranks": None, "target_pp_ranks": None,
+        "required_dst_info_num": None, "required_prefill_response_num": None,
+    }
+    assert msgspec.convert(reply.body, PrefillServerInfo).attn_tp_size == 2
+
+
+def test_topology_carries_layout_and_load_balance_method() -> None:
+    layout = {"block_size": 4}
+    registry = Registry()
+    for tp in (0, 1):
+        registry.handle(rank(tp, dsv41_spec_layout=layout, load_balance_method="total_tokens",
+                             decode_allocation_policy=AllocationPolicy.PREFILL_COMPLETE), 0.0)
+    body = _reply(registry, QueryTopology()).body
+    assert isinstance(body, dict)
+    assert body["dsv41_spec_layout"] == layout
+    assert body["follow_bootstrap_room"] is False
+    assert body["decode_allocation_policy"] == "prefill_complete"
+
+
+CONSISTENT: list[tuple[str, Any, str]] = [
+    ("attn_tp_size", 4, "Inconsistent prefill topology"),
+    ("attn_cp_size", 2, "Inconsistent prefill topology"),
+    ("attn_dp_size", 2, "Inconsistent prefill topology"),
+    ("system_dp_size", 2, "Inconsistent prefill topology"),
+    ("pp_size", 2, "Inconsistent prefill topology"),
+    ("page_size", 64, "Inconsistent prefill page size"),
+    ("kv_cache_dtype", "fp8_e4m3", "Inconsistent prefill KV cache dtype"),
+    ("decode_allocation_policy", AllocationPolicy.PREFILL_COMPLETE,
+     "Inconsistent prefill allocation policies"),
+    ("dsv41_spec_layout", {"block_size": 4},
+     "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
+    ("protocol_version", 2, "Inconsistent pdflow protocol versions"),
+]
+
+
+@pytest.mark.parametrize("state", list(RegistryState))
+@pytest.mark.parametrize(("field", "value", "headline"), CONSISTENT)
+def test_inconsistent_registration_is_refused_naming_field_and_values(
+    state: RegistryState, field: str, value: Any, headline: str
+) -> None:
+    registry = registry_in(state)
+    before = registry.snapshot()
+    reply = _reply(registry, rank(1, **{field: value}))
+    assert reply.status == 400
+    assert isinstance(reply.body, str) and reply.body.startswith(headline)
+    assert f"{field}=" in reply.body and "registered first" in reply.body
+    shown = value.value if isinstance(value, AllocationPolicy) else value
+    assert repr(shown) in reply.body
+    assert registry.snapshot() == before
+
+
+@pytest.mark.parametrize(
+    ("overrides", "needle"),
+    [
+        ({"attn_tp_rank": 2}, "attn_tp_rank=2 must be in [0, attn_tp_size=2)"),
+        ({"attn_tp_rank": -1}, "attn_tp_rank=-1"),
+        ({"attn_tp_size": 0}, "attn_tp_size=0 must be >= 1"),
+        ({"page_size": 0}, "page_size=0 must be >= 1"),
+        ({"pp_rank": 1}, "pp_rank=1 must be in [0, pp_size=1)"),
+        ({"attn_dp_rank": 1}, "attn_dp_rank=1"),
+        ({"system_dp_rank": 3, "system_dp_size": 2}, "system_dp_rank=3"),
+        ({"rank_port": 0}, "rank_port=0"),
+        ({"rank_port": 70000}, "rank_port=70000"),
+        ({"rank_ip": ""}, "rank_ip"),
+        ({"kv_cache_dtype": ""}, "kv_cache_dtype"),
+        ({"incarnation": ""}, "incarnation"),
+    ],
+)
+def test_malformed_registration_is_refused_and_changes_nothing(
+    overrides: dict[str, Any], needle: str
+) -> None:
+    for registry in (Registry(), registry_in(_C)):
+        before = registry.snapshot()
+        reply = _reply(registry, rank(0, **overrides))
+        assert reply.status == 400
+        assert isinstance(reply.body, str) and needle in reply.body
+        assert registry.snapshot() == before
+
+
+def test_token_guards_writes_only() -> None:
+    registry = Registry(token=TOKEN)
+    for bad in (None, "wrong", TOKEN + "x", ""):
+        reply = _reply(registry, rank(0, token=bad))
+        assert reply.status == 401 and "PDFLOW_BOOTSTRAP_TOKEN" in str(reply.body)
+        assert _reply(registry, RegisterDpRank(1, 0, bad)).status == 401
+    assert registry.snapshot() == Registry().snapshot()
+    assert _reply(registry, QueryTopology()) == Reply(503, NOT_READY_0)
+    assert _reply(registry, rank(0, token=TOKEN)) == Reply(200, "OK")
+    assert _reply(registry, RegisterDpRank(1, 0, TOKEN)) == Reply(200, "OK")
+    # The secret never shows in what the registry exposes.
+    assert TOKEN not in repr(registry.snapshot())
+
+
+def test_without_a_token_any_token_is_accepted() -> None:
+    registry = Registry()
+    assert _reply(registry, rank(0, token="anything")).status == 200
+    assert not registry.requires_token
+
+
+def test_restarted_rank_with_new_incarnation_replaces_the_old() -> None:
+    registry = Registry()
+    registry.handle(rank(0, incarnation="inc-a", protocol_version=1), 0.0)
+    registry.handle(rank(1, incarnation="inc-b", protocol_version=1), 0.0)
+    assert _reply(registry, QueryRank(0, 0, 0, 0)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 40001, "incarnation": "inc-a", "protocol_version": 1
+    }
+    reply = _reply(registry, rank(0, port=41001, incarnation="inc-a2", protocol_version=1))
+    assert reply == Reply(200, "OK")
+    assert registry.state is RegistryState.READY
+    assert len(registry.snapshot().ranks) == 2
+    assert _reply(registry, QueryRank(0, 0, 0, 0)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 41001, "incarnation": "inc-a2", "protocol_version": 1
+    }
+
+
+@pytest.mark.parametrize(
+    ("system_dp_size", "attn_dp_size"),
+    [(1, 2), (2, 1)],
+    ids=["attention-dp-group", "system-dp-group"],
+)
+def test_dp_group_rule(system_dp_size: int, attn_dp_size: int) -> None:
+    """dp_group is attn_dp_rank when system_dp_size == 1, else system_dp_rank."""
+    registry = Registry()
+    for group in range(2):
+        dp_fields = (
+            {"attn_dp_rank": group} if system_dp_size == 1 else {"system_dp_rank": group}
+        )
+        for tp in range(2):
+            assert registry.state is RegistryState.COLLECTING
+            registry.handle(rank(tp, port=40000 + 10 * group + tp, attn_dp_size=attn_dp_size,
+                                 system_dp_size=system_dp_size, **dp_fields), 0.0)
+    assert registry.state is RegistryState.READY
+    body = _reply(registry, QueryTopology()).body
+    assert isinstance(body, dict) and body["dp_size"] == 2
+    assert _reply(registry, QueryRank(1, 0, 1, 0)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 40011
+    }
+
+
+def test_cp_and_pp_ranks_all_count() -> None:
+    registry = Registry()
+    keys = [(cp, pp) for cp in range(2) for pp in range(3)]
+    for index, (cp, pp) in enumerate(keys):
+        assert registry.state is RegistryState.COLLECTING
+        registry.handle(rank(0, tp_size=1, attn_cp_size=2, attn_cp_rank=cp, pp_size=3,
+                             pp_rank=pp, port=40100 + index), 0.0)
+    assert registry.state is RegistryState.READY
+    assert _reply(registry, QueryRank(0, 1, 0, 2)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 40105
+    }
+
+
+def test_room_dp_ranks_expire_exactly_after_the_ttl() -> None:
+    registry = Registry(dp_rank_ttl=120.0)
+    assert registry.timer_at() is None
+    assert _reply(registry, RegisterDpRank(123456789, 0), now=10.0) == Reply(200, "OK")
+    assert registry.timer_at() == 130.0
+    query = QueryDpRanks((123456789, 42))
+    assert _reply(registry, query, now=129.9) == Reply(200, {"123456789": 0})
+    # Expired answers are never given, whether or not a Tick has purged them yet.
+    assert _reply(registry, query, now=130.0) == Reply(200, {})
+    registry.handle(Tick(), 129.0)
+    assert len(registry.snapshot().room_dp_ranks) == 1
+    registry.handle(Tick(), 130.0)
+    assert registry.snapshot().room_dp_ranks == ()
+    assert registry.timer_at() is None
+
+
+def test_reregistering_a_room_refreshes_its_entry() -> None:
+    registry = Registry(dp_rank_ttl=10.0)
+    registry.handle(RegisterDpRank(1, 0), 0.0)
+    registry.handle(RegisterDpRank(2, 0), 5.0)
+    registry.handle(RegisterDpRank(1, 1), 8.0)
+    assert registry.timer_at() == 15.0  # room 2 is now the oldest
+    registry.handle(Tick(), 16.0)
+    assert _reply(registry, QueryDpRanks((1, 2)), now=16.0) == Reply(200, {"1": 1})
+
+
+def test_dp_rank_registration_is_checked() -> None:
+    registry = registry_in(_R)  # dp_size 1
+    assert "dp_rank=1 must be below" in str(_reply(registry, RegisterDpRank(5, 1)).body)
+    assert "dp_rank=-1" in str(_reply(registry, RegisterDpRank(5, -1)).body)
+    assert "bootstrap_room=-5" in str(_reply(registry, RegisterDpRank(-5, 0)).body)
+    assert registry.snapshot().room_dp_ranks == ()
+    # Before any rank registered, the dp size is unknown: any dp rank >= 0 is taken.
+    assert _reply(Registry(), RegisterDpRank(5, 3)).status == 200
+
+
+def test_route_query_sentinel() -> None:
+    assert route_query(-1, -1, -1, -1) == QueryTopology()
+    assert route_query(-1, -1, -1, 0) == QueryRank(-1, -1, -1, 0)
+    assert _reply(registry_in(_R), route_query(-1, 0, 0, 0)).status == 404
+
+
+def test_tick_is_not_a_request() -> None:
+    with pytest.raises(ValueError, match="no reply"):
+        Registry().reply_to(Tick(), 0.0)
+
+
+def test_constructor_rejects_bad_settings() -> None:
+    with pytest.raises(ValueError, match="non-empty"):
+        Registry(token="")
+    with pytest.raises(ValueError, match="dp_rank_ttl"):
+        Registry(dp_rank_ttl=0.0)

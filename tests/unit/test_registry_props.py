@@ -1,0 +1,83 @@
+"""Property: under any order of registrations (duplicates, restarts, bad tokens, inconsistent or
+malformed ones), the registry is READY exactly when every distinct rank has registered, answers
+each rank with its latest accepted registration, and a refused request changes nothing."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pdflow.core.registry import QueryRank, QueryTopology, Registry, RegistryState
+from tests.unit.test_registry_support import TOKEN, rank
+
+EXAMPLES = settings(max_examples=int(os.environ.get("PDFLOW_EXAMPLES", "150")), deadline=None)
+
+Key = tuple[int, int, int, int]
+
+
+@st.composite
+def scenario(draw: st.DrawFn) -> tuple[dict[str, int], list[tuple[Key, int, str, str]]]:
+    sizes = {
+        "dp": draw(st.integers(1, 2)), "cp": draw(st.integers(1, 2)),
+        "tp": draw(st.integers(1, 3)), "pp": draw(st.integers(1, 2)),
+    }
+    key = st.tuples(*(st.integers(0, sizes[n] - 1) for n in ("dp", "cp", "tp", "pp")))
+    # kind: ok | no_token | inconsistent | malformed
+    kind = st.sampled_from(["ok", "ok", "ok", "no_token", "inconsistent", "malformed"])
+    steps = draw(st.lists(
+        st.tuples(key, st.integers(40000, 40999), st.sampled_from(["a", "b", "c"]), kind),
+        max_size=30,
+    ))
+    return sizes, steps
+
+
+@EXAMPLES
+@given(scenario())
+def test_readiness_is_distinct_ranks(
+    case: tuple[dict[str, int], list[tuple[Key, int, str, str]]],
+) -> None:
+    sizes, steps = case
+    world = sizes["dp"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
+    registry = Registry(token=TOKEN)
+    accepted: dict[Key, tuple[int, str]] = {}
+    first_page_size: int | None = None  # the first accepted registration sets the layout
+    for now, ((dp, cp, tp, pp), port, incarnation, kind) in enumerate(steps):
+        fields: dict[str, Any] = dict(
+            tp_size=sizes["tp"], port=port, incarnation=incarnation, token=TOKEN,
+            attn_dp_size=sizes["dp"], attn_dp_rank=dp, attn_cp_size=sizes["cp"],
+            attn_cp_rank=cp, pp_size=sizes["pp"], pp_rank=pp,
+        )
+        if kind == "no_token":
+            fields["token"] = None
+        elif kind == "inconsistent":
+            fields["page_size"] = 32  # inconsistent only with an earlier, different first
+        elif kind == "malformed":
+            fields["pp_rank"] = sizes["pp"]
+        before = registry.snapshot()
+        reply = registry.reply_to(rank(tp, **fields), float(now))
+        page_size = 32 if kind == "inconsistent" else 1
+        if kind == "no_token":
+            expected = 401
+        elif kind == "malformed" or first_page_size not in (None, page_size):
+            expected = 400
+        else:
+            expected = 200
+        assert reply.status == expected, reply.body
+        if expected == 200:
+            accepted[(dp, cp, tp, pp)] = (port, incarnation)
+            first_page_size = page_size if first_page_size is None else first_page_size
+        else:
+            assert registry.snapshot() == before
+        assert (registry.state is RegistryState.READY) == (len(accepted) == world)
+        topology = registry.reply_to(QueryTopology(), float(now))
+        assert topology.status == (200 if len(accepted) == world else 503)
+        if topology.status == 503:
+            assert f"({len(accepted)} workers registered)" in str(topology.body)
+    if len(accepted) == world:
+        for (dp, cp, tp, pp), (port, incarnation) in accepted.items():
+            body = registry.reply_to(QueryRank(dp, cp, tp, pp), 99.0).body
+            assert body == {"rank_ip": "127.0.0.1", "rank_port": port,
+                            "incarnation": incarnation}

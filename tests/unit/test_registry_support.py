@@ -1,0 +1,35 @@
+"""Builders shared by the registry tests (no tests here): registrations, registries in a state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdflow.core.registry import RegisterRank, Registry, RegistryState
+
+TOKEN = "s3cret-token"
+
+
+def rank(
+    tp: int = 0, *, tp_size: int = 2, port: int | None = None, **overrides: Any
+) -> RegisterRank:
+    """A registration of TP rank ``tp`` of a TP=``tp_size`` prefill, SGLang's transcript fields."""
+    fields: dict[str, Any] = {
+        "attn_tp_size": tp_size, "attn_tp_rank": tp, "attn_cp_size": 1, "attn_cp_rank": 0,
+        "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+        "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+        "rank_port": 40001 + tp if port is None else port, "page_size": 1,
+        "kv_cache_dtype": "auto", "load_balance_method": "follow_bootstrap_room",
+        "prefill_http_port": 30000,
+    }
+    fields.update(overrides)
+    return RegisterRank(**fields)
+
+
+def registry_in(state: RegistryState, *, token: str | None = None) -> Registry:
+    """A TP=2 registry: COLLECTING holds rank 0, READY holds ranks 0 and 1."""
+    registry = Registry(token=token)
+    registry.handle(rank(0, token=token), 1.0)
+    if state is RegistryState.READY:
+        registry.handle(rank(1, token=token), 1.0)
+    assert registry.state is state
+    return registry
