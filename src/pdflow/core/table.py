@@ -110,8 +110,15 @@ class Table(Generic[S]):
 
     def with_rows(self, rows: Sequence[Row[S]]) -> Table[S]:
         """The same machine with other rows (used to show that drift is caught)."""
-        return Table(self.machine, self.states, self.initial, self.input_types,
-                     self.remote_input_types, rows, self.poll_of)
+        return Table(
+            self.machine,
+            self.states,
+            self.initial,
+            self.input_types,
+            self.remote_input_types,
+            rows,
+            self.poll_of,
+        )
 
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
         return self._cells.get((state, on), ())

@@ -68,8 +68,9 @@ def _compare_machine(name: str, table: Table[Any], spec: SpecMachine) -> list[Sp
     for cell in sorted(set(code_cells) | set(spec_cells)):
         in_spec, in_code = spec_cells.get(cell), code_cells.get(cell)
         if in_spec != in_code:
-            diffs.append(SpecDifference(name, f"cell {cell[0]} x {cell[1]}", _fmt(in_spec),
-                                        _fmt(in_code)))
+            diffs.append(
+                SpecDifference(name, f"cell {cell[0]} x {cell[1]}", _fmt(in_spec), _fmt(in_code))
+            )
     return diffs
 
 
@@ -85,8 +86,11 @@ def check_spec(spec: Spec, machines: dict[str, Table[Any]] | None = None) -> lis
         budget = timer.same_budget_as or timer_name
         code_default = getattr(defaults, budget, None)
         if code_default != timer.default_s:
-            diffs.append(SpecDifference(f"timer {timer_name}", "default_s", str(timer.default_s),
-                                        str(code_default)))
+            diffs.append(
+                SpecDifference(
+                    f"timer {timer_name}", "default_s", str(timer.default_s), str(code_default)
+                )
+            )
     for name in sorted(set(tables) | set(spec.machines)):
         if name not in spec.machines:
             diffs.append(SpecDifference(name, "machine", "(absent)", "present"))

@@ -61,15 +61,23 @@ def render_markdown(spec: Spec) -> str:
     out += [f"- **{a.status}**: {a.when}" for a in spec.registry.answers]
     for name, machine in spec.machines.items():
         out += ["", f"## {name} ({machine.role})", "", machine.description, ""]
-        out += ["States and their KVPoll: " + ", ".join(
-            f"`{s}`={p}" for s, p in machine.states.items()) + ".", ""]
+        out += [
+            "States and their KVPoll: "
+            + ", ".join(f"`{s}`={p}" for s, p in machine.states.items())
+            + ".",
+            "",
+        ]
         out += _diagram(machine)
         out += ["", "Guards:", ""]
         out += [f"- `{g}`: {text}" for g, text in machine.guards.items()]
         out += ["", "Outputs:", ""]
         out += [f"- `{o}`: {text}" for o, text in machine.outputs.items()]
-        out += ["", f"Inputs: {', '.join(machine.inputs)} (from peers: "
-                f"{', '.join(machine.remote_inputs) or 'none'}). Any other cell raises a typed "
-                "`ProtocolError` and leaves the state unchanged.", ""]
+        out += [
+            "",
+            f"Inputs: {', '.join(machine.inputs)} (from peers: "
+            f"{', '.join(machine.remote_inputs) or 'none'}). Any other cell raises a typed "
+            "`ProtocolError` and leaves the state unchanged.",
+            "",
+        ]
         out += _table(machine)
     return "\n".join(out) + "\n"
