@@ -29,6 +29,7 @@ from pdflow.core.endpoint_io import (
     RoomCall,
     RoomRemoved,
     SessionClosed,
+    StagingPlaced,
     TimerFired,
     TopologyFailed,
     TopologyKnown,
@@ -59,12 +60,23 @@ from pdflow.core.page_ledger import (
     PageLedger,
     PagesFreed,
     ReleaseAfterSuccess,
+    ReleaseUnpublished,
     Reserve,
     RoomPagesState,
     WriterDead,
 )
 from pdflow.core.page_ledger import SessionClosed as LedgerSessionClosed
 from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.staging_ring import (
+    Assign,
+    CheckReady,
+    FreeRoom,
+    StagingAssigned,
+    StagingOversized,
+    StagingReady,
+    StagingRing,
+    WatermarkAdvanced,
+)
 from pdflow.core.step import Step
 from pdflow.core.table import Fired
 from pdflow.core.topology import (
@@ -109,6 +121,12 @@ class DecodeEndpoint:
         self.awaiting_topology: dict[str, list[int]] = {}
         self.heartbeat_failures: Counter[str] = Counter()
         self.ledger = PageLedger(config.num_pages)
+        self.staging = StagingRing(config.staging_capacity) if config.staging_capacity else None
+        # Staging regions are keyed by a fresh id per room use, so a reused room id can never
+        # inherit the region of its earlier life.
+        self.staging_ids: dict[tuple[int, int], int] = {}
+        self.next_staging_id = 0
+        self.waiting_for_staging: dict[int, PublishPages] = {}
         self.deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.counters: Counter[str] = Counter()
 
@@ -143,6 +161,9 @@ class DecodeEndpoint:
             room = self._known_room(inp.room)
             if room.generation == inp.generation:
                 self._room_input(room, ChecksumResult(inp.ok, inp.reason), now, out, fired)
+                # Every writer reported Success before verification: the region is done with.
+                if self.staging is not None:
+                    self._release_staging(room.key, room.generation, now, out, fired)
             else:
                 self._drop(out, "stale_generation", f"checksum result for room {inp.room}")
         elif isinstance(inp, TimerFired):
@@ -171,7 +192,9 @@ class DecodeEndpoint:
         cfg = self.config
         room = ReceiverRoom(
             inp.room, inp.generation, self.me, now,
-            policy=cfg.policy, timeouts=cfg.timeouts, verify_checksums=cfg.verify_checksums,
+            policy=cfg.policy, timeouts=cfg.timeouts,
+            # A staged room is finished by the shell (scatter, then checksums) before Success.
+            verify_checksums=cfg.verify_checksums or self.staging is not None,
         )  # fmt: skip
         self.rooms[inp.room] = room
         self.room_bootstrap[inp.room] = inp.bootstrap
@@ -237,8 +260,7 @@ class DecodeEndpoint:
     def _targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
         cfg = self.config
         topology = PdTopology(
-            prefill=Parallelism(tp=info.tp_size, cp=info.cp_size, pp=info.pp_size,
-                                dp=info.dp_size),
+            prefill=Parallelism(tp=info.tp_size, cp=info.cp_size, pp=info.pp_size, dp=info.dp_size),
             decode=Parallelism(tp=cfg.tp_size, pp=cfg.pp_size, dp=cfg.dp_size),
             attention=AttentionKind.MLA if cfg.is_mla else AttentionKind.MHA,
             num_kv_heads=1 if cfg.is_mla else cfg.num_kv_heads,
@@ -271,10 +293,10 @@ class DecodeEndpoint:
         room = self._known_room(inp.room)
         if room.state is ReceiverState.FAILED:
             # Failed before its pages were exposed: no writer knows them, hand them back now.
-            self._room_input(room, self._pages_input(inp), now, out, fired)
+            self._room_input(room, self._pages_input(inp, None), now, out, fired)
             out.append(PagesFreed(room.key, room.generation, inp.dst_pages))
             return
-        if room.state is not ReceiverState.AWAITING_PAGES:
+        if room.state is not ReceiverState.AWAITING_PAGES or inp.room in self.waiting_for_staging:
             raise LocalProtocolError(
                 f"room {inp.room} is {room.state.name}; pages are published once, "
                 "in AWAITING_PAGES (KVPoll.WaitingForInput)",
@@ -282,15 +304,83 @@ class DecodeEndpoint:
             )
         # The ledger refuses pages that are not free (e.g. still quarantined) before any change.
         self._ledger(Reserve(room.key, room.generation, inp.dst_pages), now, out, fired)
-        self._room_input(room, self._pages_input(inp), now, out, fired)
+        if not self._stages(room):
+            self._room_input(room, self._pages_input(inp, None), now, out, fired)
+            return
+        self.waiting_for_staging[room.key] = inp
+        self._place_staging(room, inp, now, out, fired)
 
-    def _pages_input(self, inp: PublishPages) -> PagesPublished:
+    def _stages(self, room: ReceiverRoom) -> bool:
+        """Staged when the ring is on and several prefill ranks write slices of one page."""
+        return self.staging is not None and len(room.writers) > 1
+
+    def _staging_id(self, room: ReceiverRoom) -> int:
+        key = (room.key, room.generation)
+        if key not in self.staging_ids:
+            self.staging_ids[key] = self.next_staging_id
+            self.next_staging_id += 1
+        return self.staging_ids[key]
+
+    def _place_staging(
+        self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
+        sid = self._staging_id(room)
+        placed = self._ring(Assign(sid, 0, max(nbytes, 1)), now, out, fired)
+        oversized = [o for o in placed if isinstance(o, StagingOversized)]
+        if oversized:
+            del self.waiting_for_staging[room.key]
+            self._room_input(room, AbortRequested(oversized[0].reason), now, out, fired)
+            self._release_unpublished(room, now, out, fired)
+            return
+        assigned = next(o for o in placed if isinstance(o, StagingAssigned))
+        if any(
+            isinstance(o, StagingReady) for o in self._ring(CheckReady(sid, 0), now, out, fired)
+        ):
+            del self.waiting_for_staging[room.key]
+            out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
+            self._room_input(room, self._pages_input(inp, assigned.offset), now, out, fired)
+
+    def _retry_staging(self, now: float, out: list[Output], fired: list[Fired]) -> None:
+        for room_id in sorted(self.waiting_for_staging):
+            room = self.rooms.get(room_id)
+            pending = self.waiting_for_staging[room_id]
+            if room is not None and room.state is ReceiverState.AWAITING_PAGES:
+                self._place_staging(room, pending, now, out, fired)
+
+    def _release_staging(
+        self, room: int, generation: int, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        sid = self.staging_ids.pop((room, generation), None)
+        if sid is not None:
+            self._ring(FreeRoom(sid), now, out, fired)
+
+    def _release_unpublished(
+        self, room: ReceiverRoom, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        """Pages reserved for a room that never published them: nobody can write there."""
+        if self.ledger.state_of(room.key, room.generation) is RoomPagesState.RESERVED:
+            self._ledger(ReleaseUnpublished(room.key, room.generation), now, out, fired)
+        self._release_staging(room.key, room.generation, now, out, fired)
+
+    def _ring(self, inp: Input, now: float, out: list[Output], fired: list[Fired]) -> list[Output]:
+        if self.staging is None:
+            raise LocalProtocolError("this decode endpoint has no staging ring (capacity 0)")
+        produced, transition = self.staging.step(inp, now)
+        out.extend(produced)
+        fired.append(transition)
+        if any(isinstance(o, WatermarkAdvanced) for o in produced) and self.waiting_for_staging:
+            self._retry_staging(now, out, fired)
+        return produced
+
+    def _pages_input(self, inp: PublishPages, staging_offset: int | None) -> PagesPublished:
         return PagesPublished(
             session_id=self.config.session_id or self.me.address,
             dst_pages=inp.dst_pages,
             aux_index=inp.aux_index,
             decode_prefix_len=inp.decode_prefix_len,
-            staging_offset=inp.staging_offset,
+            staging_offset=staging_offset,
         )
 
     def _clear(self, room_id: int, now: float, out: list[Output], fired: list[Fired]) -> None:
@@ -319,8 +409,12 @@ class DecodeEndpoint:
             return
         if message.decode != self.me:
             # Meant for an earlier life of this rank (or misrouted): nothing here can match it.
-            self._drop(out, "stale_incarnation", f"{type(message).__name__} for "
-                       f"{message.decode.address}/{message.decode.incarnation}")
+            self._drop(
+                out,
+                "stale_incarnation",
+                f"{type(message).__name__} for "
+                f"{message.decode.address}/{message.decode.incarnation}",
+            )
             return
         if isinstance(message, AbortAck):
             self._ledger(
@@ -402,17 +496,21 @@ class DecodeEndpoint:
             out.append(output)
             if isinstance(output, ArmFence):
                 # The ledger learns of the fence in the same step, before any ABORT is sent.
-                self._ledger(
-                    Fence(output.room, output.generation, output.writers), now, out, fired
-                )
+                self._ledger(Fence(output.room, output.generation, output.writers), now, out, fired)
         self._arm(room)
+        if room.state is ReceiverState.FAILED and room.key in self.waiting_for_staging:
+            del self.waiting_for_staging[room.key]
+            self._release_unpublished(room, now, out, fired)
 
-    def _ledger(
-        self, inp: LedgerInput, now: float, out: list[Output], fired: list[Fired]
-    ) -> None:
+    def _ledger(self, inp: LedgerInput, now: float, out: list[Output], fired: list[Fired]) -> None:
         step = self.ledger.handle(inp, now)
         out.extend(step.outputs)
         fired.extend(step.fired)
+        if self.staging is not None:
+            # A fenced room's staging region is released with its pages, never before.
+            for freed in step.outputs:
+                if isinstance(freed, PagesFreed):
+                    self._release_staging(freed.room, freed.generation, now, out, fired)
 
     def _arm(self, room: ReceiverRoom) -> None:
         self.deadlines.arm(room.key, room.timer_at())
@@ -442,9 +540,7 @@ class DecodeEndpoint:
         )  # fmt: skip
 
     def snapshot(self) -> DecodeSnapshot:
-        summaries = tuple(
-            s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None
-        )
+        summaries = tuple(s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None)
         return DecodeSnapshot(
             f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
             summaries,

@@ -111,13 +111,16 @@ class TopologyFailed(EndpointInput, frozen=True, tag="TopologyFailed"):
 
 
 class PublishPages(EndpointInput, frozen=True, tag="PublishPages"):
-    """The engine reserved destination pages for a room (they must be free in the ledger)."""
+    """The engine reserved destination pages for a room (they must be free in the ledger).
+
+    With staging on, the endpoint also places the room's staging region; if the ring is still
+    busy there the publication waits (the room stays WaitingForInput) until it frees up.
+    """
 
     room: int
     dst_pages: tuple[int, ...]
     aux_index: int | None
     decode_prefix_len: int = 0
-    staging_offset: int | None = None
 
 
 class HeartbeatResult(EndpointInput, frozen=True, tag="HeartbeatResult"):
@@ -161,6 +164,16 @@ class CloseSession(Output, frozen=True, tag="close_session"):
     peer: PeerId
 
 
+class StagingPlaced(Output, frozen=True, tag="staging_placed"):
+    """Decode: the room's staging region (writers fill it back to back in rank order); the shell
+    scatters it into the room's pages when asked to verify the room, then it is released."""
+
+    room: int
+    generation: int
+    offset: int
+    nbytes: int
+
+
 class RoomRemoved(Output, frozen=True, tag="room_removed"):
     room: int
     generation: int
@@ -193,6 +206,10 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     timeouts: Timeouts = Timeouts()
     heartbeat_max_failure: int = 2
     verify_checksums: bool = False
+    staging_capacity: int = 0
+    """Bytes of the staging ring for heterogeneous TP (prefill TP > decode TP); 0 turns it off."""
+    staging_page_bytes: int = 0
+    """Bytes one destination page takes in the staging region (all layers, K and V)."""
 
 
 DecodeEndpointInput = (

@@ -1,0 +1,118 @@
+"""Heterogeneous TP through the decode endpoint's staging ring (prefill TP=2 -> decode TP=1)."""
+
+from __future__ import annotations
+
+from pdflow.core.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoint_io import (
+    ChecksumChecked,
+    ClearRoom,
+    DecodeEndpointConfig,
+    OpenReceiver,
+    PrefillInfo,
+    PrefillRank,
+    PublishPages,
+    Received,
+    RoomCall,
+    StagingPlaced,
+    TopologyKnown,
+)
+from pdflow.core.inputs import AbortRequested
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport
+from pdflow.core.outputs import SendMessage, VerifyChecksums
+from pdflow.core.page_ledger import PagesFreed
+from pdflow.core.policy import AllocationPolicy
+from pdflow.core.step import Step
+
+RANK0 = PeerId("127.0.0.1:7000", "p1", 0)
+RANK1 = PeerId("127.0.0.1:7001", "p1", 1)
+DECODE = PeerId("127.0.0.1:8000", "d1", 0)
+INFO = PrefillInfo(
+    bootstrap="127.0.0.1:8998", tp_size=2, cp_size=1, pp_size=1, dp_size=1, page_size=16,
+    kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
+    ranks=(PrefillRank(0, 0, 0, 0, RANK0), PrefillRank(0, 0, 1, 0, RANK1)),
+)  # fmt: skip
+PAGE_BYTES = 1024
+
+
+def decode_endpoint(capacity_pages: int) -> DecodeEndpoint:
+    endpoint = DecodeEndpoint(
+        DecodeEndpointConfig(
+            me=DECODE, num_pages=64, num_kv_heads=8, staging_capacity=capacity_pages * PAGE_BYTES,
+            staging_page_bytes=PAGE_BYTES,
+        )
+    )  # fmt: skip
+    endpoint.handle(TopologyKnown(INFO), 0.0)
+    return endpoint
+
+
+def opened(endpoint: DecodeEndpoint, room: int) -> None:
+    endpoint.handle(OpenReceiver(room, 1, INFO.bootstrap), 0.0)
+
+
+def sent(step: Step) -> list[object]:
+    return [o.message for o in step.outputs if isinstance(o, SendMessage)]
+
+
+def success(endpoint: DecodeEndpoint, room: int, now: float) -> Step:
+    for rank in (RANK0, RANK1):
+        step = endpoint.handle(
+            Received(StatusReport(room, 1, KVPoll.Success, rank, DECODE, checksum=7)), now
+        )
+    return step
+
+
+def test_staged_room_publishes_one_region_and_finishes_after_the_scatter() -> None:
+    endpoint = decode_endpoint(capacity_pages=8)
+    opened(endpoint, 1)
+    step = endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
+    [placed] = [o for o in step.outputs if isinstance(o, StagingPlaced)]
+    assert placed.nbytes == 3 * PAGE_BYTES
+    metadata = [m for m in sent(step) if isinstance(m, RoomMetadata)]
+    assert {m.prefill for m in metadata} == {RANK0, RANK1}
+    assert {m.staging_offset for m in metadata} == {placed.offset}
+    last = success(endpoint, 1, 2.0)
+    assert any(isinstance(o, VerifyChecksums) for o in last.outputs)
+    assert endpoint.summary(1).poll is KVPoll.Transferring  # type: ignore[union-attr]
+    endpoint.handle(ChecksumChecked(1, 1, True), 2.1)
+    assert endpoint.summary(1).poll is KVPoll.Success  # type: ignore[union-attr]
+    assert endpoint.staging is not None and endpoint.staging.snapshot().live == ()
+
+
+def test_a_busy_ring_defers_publication_until_space_frees() -> None:
+    endpoint = decode_endpoint(capacity_pages=4)
+    opened(endpoint, 1)
+    opened(endpoint, 2)
+    endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
+    deferred = endpoint.handle(PublishPages(2, (20, 21), 1), 1.0)
+    assert not [m for m in sent(deferred) if isinstance(m, RoomMetadata)]
+    assert endpoint.summary(2).poll is KVPoll.WaitingForInput  # type: ignore[union-attr]
+    success(endpoint, 1, 2.0)
+    released = endpoint.handle(ChecksumChecked(1, 1, True), 2.1)
+    assert [m for m in sent(released) if isinstance(m, RoomMetadata)], "room 2 published now"
+    assert endpoint.summary(2).poll is KVPoll.Transferring  # type: ignore[union-attr]
+
+
+def test_an_oversized_room_fails_with_a_clear_reason_and_frees_its_pages() -> None:
+    endpoint = decode_endpoint(capacity_pages=2)
+    opened(endpoint, 1)
+    step = endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
+    summary = endpoint.summary(1)
+    assert summary is not None and summary.poll is KVPoll.Failed
+    assert "oversized" in summary.reason and "enlarge the staging pool" in summary.reason
+    assert any(isinstance(o, PagesFreed) and o.pages == (10, 11, 12) for o in step.outputs)
+    assert endpoint.ledger.snapshot().free == 64
+
+
+def test_a_fenced_room_keeps_its_staging_region_until_every_writer_acks() -> None:
+    endpoint = decode_endpoint(capacity_pages=8)
+    opened(endpoint, 1)
+    endpoint.handle(PublishPages(1, (10, 11), 0), 1.0)
+    endpoint.handle(RoomCall(1, AbortRequested("client went away")), 1.5)
+    endpoint.handle(ClearRoom(1), 1.6)
+    assert endpoint.staging is not None and len(endpoint.staging.snapshot().live) == 1
+    endpoint.handle(Received(AbortAck(1, 1, RANK0, DECODE)), 2.0)
+    assert len(endpoint.staging.snapshot().live) == 1, "rank 1 may still be writing"
+    endpoint.handle(Received(AbortAck(1, 1, RANK1, DECODE)), 2.1)
+    assert endpoint.staging.snapshot().live == ()
+    assert endpoint.ledger.snapshot().free == 64
