@@ -1,0 +1,69 @@
+"""What a trace record says about one step, computed the same way when recording and replaying."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from pdflow.core.endpoint_io import (
+    AnyEndpointInput,
+    DecodeEndpointConfig,
+    EndpointInput,
+    PrefillEndpointConfig,
+    Received,
+)
+from pdflow.core.outputs import Output
+from pdflow.core.step import Step
+
+
+class TracedEndpoint(Protocol):
+    """What the recorder and replay need of an endpoint (PrefillEndpoint, DecodeEndpoint)."""
+
+    @property
+    def role(self) -> str: ...
+
+    @property
+    def config(self) -> PrefillEndpointConfig | DecodeEndpointConfig: ...
+
+    def handle(self, inp: EndpointInput, now: float) -> Step: ...
+
+    def summary(self, room_id: int) -> msgspec.Struct | None: ...
+
+    def timer_at(self) -> float | None: ...
+
+    def snapshot(self) -> msgspec.Struct: ...
+
+
+def input_rooms(inp: AnyEndpointInput | EndpointInput) -> set[int]:
+    """The room an input addresses, if any (a received message names its room)."""
+    room = getattr(inp, "room", None)
+    if isinstance(room, int):
+        return {room}
+    if isinstance(inp, Received):
+        return {inp.message.room}
+    return set()
+
+
+def touched_rooms(inp: AnyEndpointInput | EndpointInput, step: Step | None) -> list[int]:
+    """The input's room, every room a transition fired in, every room an output names."""
+    rooms = input_rooms(inp)
+    if step is not None:
+        rooms.update(f.key for f in step.fired)
+        for output in step.outputs:
+            room = getattr(output, "room", None)
+            if isinstance(room, int):
+                rooms.add(room)
+    return sorted(rooms)
+
+
+def room_summaries(endpoint: TracedEndpoint, rooms: list[int]) -> list[dict[str, object]]:
+    return [{"room": room, "summary": _builtins(endpoint.summary(room))} for room in rooms]
+
+
+def outputs_as_builtins(outputs: tuple[Output, ...]) -> list[dict[str, object]]:
+    return [_builtins(output) for output in outputs]
+
+
+def _builtins(value: Any) -> Any:
+    return msgspec.to_builtins(value)

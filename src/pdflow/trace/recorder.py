@@ -1,0 +1,352 @@
+"""Record core steps as trace lines through a structlog processor chain.
+
+The core never logs; whoever drives an endpoint (the I/O shell, the simulator) hands each step
+to a :class:`TraceRecorder`, or wraps the endpoint in a :class:`RecordingEndpoint` that does it.
+The chain is: stamp seq and time (never wall time) -> build the typed StepRecord -> render with
+msgspec (deterministic order; an unknown object raises instead of being stringified) -> a
+size-bounded, rotating file (or memory). A disabled recorder does nothing, and ``wrap`` then
+returns the bare endpoint, so switching tracing off costs nothing per step.
+
+Not thread-safe: one recorder per event loop (the shell) or per simulated world.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import MutableMapping
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import structlog
+
+import pdflow
+from pdflow.core.endpoint_io import EndpointInput
+from pdflow.core.step import Step
+from pdflow.spec import load_spec, spec_sha256
+from pdflow.trace.format import (
+    CLOCKS,
+    TRACE_FORMAT_VERSION,
+    EndpointConfig,
+    StepError,
+    StepRecord,
+    TraceHeader,
+    encode_line,
+    role_of,
+)
+from pdflow.trace.observe import (
+    TracedEndpoint,
+    outputs_as_builtins,
+    room_summaries,
+    touched_rooms,
+)
+from pdflow.trace.sink import RotatingLineFile
+
+DEFAULT_MAX_BYTES = 256 * 1024 * 1024
+DEFAULT_BACKUPS = 3
+
+
+class MemoryLines:
+    """The in-memory sink (``TraceRecorder(None)``): the simulator keeps a world's trace and
+    writes it out only when a run fails."""
+
+    def __init__(self) -> None:
+        self.lines: list[bytes] = []
+
+    def add_preamble(self, line: bytes) -> None:
+        self.lines.append(line)
+
+    def msg(self, line: bytes) -> None:
+        self.lines.append(line)
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def dump(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(b"".join(line + b"\n" for line in self.lines))
+
+
+Event = MutableMapping[str, Any]
+
+
+class _Stamp:
+    """Processor: per-endpoint seq, and the step's time (virtual, or the monotonic clock)."""
+
+    def __init__(self, clock: str) -> None:
+        self.clock = clock
+        self.next_seq: dict[str, int] = {}
+
+    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> Event:
+        endpoint = event["endpoint"]
+        seq = self.next_seq[endpoint]
+        self.next_seq[endpoint] = seq + 1
+        event["seq"] = seq
+        if event["t"] is None:
+            if self.clock == "virtual":
+                raise ValueError("a virtual-clock trace needs the step's time: pass t=now")
+            event["t"] = time.monotonic()
+        return event
+
+
+def _to_record(_: Any, __: str, event: Event) -> Any:
+    # structlog types processor results as mappings; the renderer below takes any Struct.
+    return StepRecord(
+        seq=event["seq"],
+        t=event["t"],
+        endpoint=event["endpoint"],
+        input=event["input"],
+        outputs=event["outputs"],
+        fired=event["fired"],
+        rooms=event["rooms"],
+        timer_at=event["timer_at"],
+        error=event["error"],
+    )
+
+
+class _StepLogger(structlog.BoundLoggerBase):
+    """A structlog bound logger with one event, ``step``, sent to the sink's ``msg``."""
+
+    def step(self, **fields: Any) -> None:
+        self._proxy_to_logger("msg", "step", **fields)
+
+
+class TraceRecorder:
+    """Writes one trace file (or memory, with ``path=None``) for one or more endpoints."""
+
+    def __init__(
+        self,
+        path: Path | str | None,
+        *,
+        clock: str = "monotonic",
+        max_bytes: int = DEFAULT_MAX_BYTES,
+        backups: int = DEFAULT_BACKUPS,
+        enabled: bool = True,
+    ) -> None:
+        if clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {clock!r}")
+        self.enabled = enabled
+        self.clock = clock
+        self.path = Path(path) if path is not None else None
+        self._sink: RotatingLineFile | MemoryLines | None = None
+        self._stamp = _Stamp(clock)
+        self._spec: tuple[str, str] | None = None
+        if not enabled:
+            return
+        self._sink = (
+            MemoryLines()
+            if self.path is None
+            else RotatingLineFile(self.path, max_bytes=max_bytes, backups=backups)
+        )
+        encoder = msgspec.json.Encoder(order="deterministic")
+        self._log = _StepLogger(
+            self._sink,
+            processors=[
+                self._stamp,
+                _to_record,
+                structlog.processors.JSONRenderer(serializer=lambda obj, **_: encoder.encode(obj)),
+            ],
+            context={},
+        )
+
+    # ---- endpoints -------------------------------------------------------------------------------
+    def add_endpoint(
+        self,
+        endpoint_id: str,
+        role: str,
+        config: EndpointConfig,
+        seed: int | None = None,
+        fault_plan: dict[str, object] | None = None,
+    ) -> TraceHeader | None:
+        """Write the endpoint's header. Call once per endpoint, before its first step."""
+        if role != role_of(config):
+            raise ValueError(
+                f"endpoint {endpoint_id}: role {role!r} but a {role_of(config)} config"
+            )
+        if endpoint_id in self._stamp.next_seq:
+            raise ValueError(f"endpoint {endpoint_id} is already in this trace")
+        self._stamp.next_seq[endpoint_id] = 0
+        if self._sink is None:
+            return None
+        spec_version, sha = self._spec_identity()
+        header = TraceHeader(
+            format=TRACE_FORMAT_VERSION,
+            endpoint=endpoint_id,
+            role=role,
+            config=config,
+            spec_version=spec_version,
+            spec_sha256=sha,
+            pdflow_version=pdflow.__version__,
+            clock=self.clock,
+            seed=seed,
+            fault_plan=fault_plan,
+            wall_start=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+        self._sink.add_preamble(encode_line(header))
+        return header
+
+    def wrap(
+        self,
+        endpoint_id: str,
+        endpoint: TracedEndpoint,
+        seed: int | None = None,
+        fault_plan: dict[str, object] | None = None,
+    ) -> TracedEndpoint:
+        """Add the endpoint and return a recording wrapper, or the endpoint itself when off."""
+        if not self.enabled:
+            return endpoint
+        self.add_endpoint(endpoint_id, endpoint.role, endpoint.config, seed, fault_plan)
+        return RecordingEndpoint(endpoint_id, endpoint, self, registered=True)
+
+    # ---- steps -----------------------------------------------------------------------------------
+    def record(
+        self,
+        endpoint_id: str,
+        t: float | None,
+        input: EndpointInput,
+        step: Step,
+        rooms: list[dict[str, object]],
+    ) -> int | None:
+        """Record one step; returns its seq (None when off). ``rooms`` is
+        :func:`pdflow.trace.observe.room_summaries` of the rooms the step touched."""
+        if self._sink is None:
+            return None
+        return self._emit(
+            endpoint_id, t, input, outputs_as_builtins(step.outputs), step.fired, rooms,
+            step.timer_at, None,
+        )  # fmt: skip
+
+    def record_error(
+        self,
+        endpoint_id: str,
+        t: float | None,
+        input: EndpointInput,
+        error: BaseException,
+        rooms: list[dict[str, object]],
+        timer_at: float | None,
+    ) -> int | None:
+        """Record an input the core refused (its state did not change). Flushes at once."""
+        if self._sink is None:
+            return None
+        seq = self._emit(
+            endpoint_id, t, input, [], (), rooms, timer_at,
+            StepError(type(error).__name__, str(error)),
+        )  # fmt: skip
+        self._sink.flush()
+        return seq
+
+    def next_seq(self, endpoint_id: str) -> int:
+        """The seq the endpoint's next record will get (for message ids of a step in flight)."""
+        return self._stamp.next_seq[endpoint_id]
+
+    def _emit(
+        self, endpoint_id: str, t: float | None, input: EndpointInput, outputs: Any,
+        fired: Any, rooms: Any, timer_at: float | None, error: StepError | None,
+    ) -> int:  # fmt: skip
+        if endpoint_id not in self._stamp.next_seq:
+            raise ValueError(f"endpoint {endpoint_id} has no header: call add_endpoint first")
+        self._log.step(
+            endpoint=endpoint_id, t=t, input=input, outputs=outputs, fired=fired,
+            rooms=rooms, timer_at=timer_at, error=error,
+        )  # fmt: skip
+        return self._stamp.next_seq[endpoint_id] - 1
+
+    # ---- lifetime --------------------------------------------------------------------------------
+    @property
+    def lines(self) -> list[bytes]:
+        """The recorded lines of an in-memory recorder."""
+        if not isinstance(self._sink, MemoryLines):
+            raise TypeError("only TraceRecorder(None) keeps its lines in memory")
+        return self._sink.lines
+
+    def dump(self, path: Path) -> None:
+        """Write an in-memory recorder's trace to a file."""
+        if not isinstance(self._sink, MemoryLines):
+            raise TypeError("only TraceRecorder(None) keeps its lines in memory")
+        self._sink.dump(path)
+
+    @property
+    def rotations(self) -> int:
+        return self._sink.rotations if isinstance(self._sink, RotatingLineFile) else 0
+
+    def flush(self) -> None:
+        if self._sink is not None:
+            self._sink.flush()
+
+    def close(self) -> None:
+        if self._sink is not None:
+            self._sink.close()
+
+    def __enter__(self) -> TraceRecorder:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _spec_identity(self) -> tuple[str, str]:
+        if self._spec is None:
+            self._spec = (load_spec().spec_version, spec_sha256())
+        return self._spec
+
+
+class RecordingEndpoint:
+    """Wraps a PrefillEndpoint or DecodeEndpoint: ``handle`` records every step, and records an
+    input the core refuses (ProtocolError, InvalidInput...) as ``error`` before re-raising it."""
+
+    def __init__(
+        self,
+        endpoint_id: str,
+        endpoint: TracedEndpoint,
+        recorder: TraceRecorder,
+        *,
+        registered: bool = False,
+    ) -> None:
+        self.endpoint_id = endpoint_id
+        self.inner = endpoint
+        self.recorder = recorder
+        self.last_seq: int | None = None
+        """Seq of the last recorded step: SendMessage output i of it has id
+        ``message_id(endpoint_id, last_seq, i)``."""
+        if not registered:
+            recorder.add_endpoint(endpoint_id, endpoint.role, endpoint.config)
+
+    @property
+    def role(self) -> str:
+        return self.inner.role
+
+    @property
+    def config(self) -> EndpointConfig:
+        return self.inner.config
+
+    def handle(self, inp: EndpointInput, now: float) -> Step:
+        endpoint = self.inner
+        if not self.recorder.enabled:
+            return endpoint.handle(inp, now)
+        try:
+            step = endpoint.handle(inp, now)
+        except Exception as exc:
+            rooms = room_summaries(endpoint, touched_rooms(inp, None))
+            self.last_seq = self.recorder.record_error(
+                self.endpoint_id, now, inp, exc, rooms, endpoint.timer_at()
+            )
+            raise
+        rooms = room_summaries(endpoint, touched_rooms(inp, step))
+        self.last_seq = self.recorder.record(self.endpoint_id, now, inp, step, rooms)
+        return step
+
+    def summary(self, room_id: int) -> msgspec.Struct | None:
+        return self.inner.summary(room_id)
+
+    def timer_at(self) -> float | None:
+        return self.inner.timer_at()
+
+    def snapshot(self) -> msgspec.Struct:
+        return self.inner.snapshot()
+
+    def __getattr__(self, name: str) -> Any:
+        # snapshot(), rooms, counters, ledger... read straight from the wrapped endpoint.
+        return getattr(self.inner, name)

@@ -1,0 +1,42 @@
+"""`pdflow trace show` stays bounded on many rooms and details the rooms asked for."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from pdflow.cli import main
+from pdflow.trace.merge import load_traces
+from pdflow.trace.timeline import build_timelines
+from tests.unit.trace_fixtures import SCRIPTS, record_world
+
+
+def test_summary_is_bounded_and_lists_failures_first(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = record_world(tmp_path / "world.jsonl", SCRIPTS * 4)
+    assert main(["trace", "show", str(trace), "--limit", "5"]) == 0
+    out = capsys.readouterr().out
+    rooms = len(SCRIPTS) * 4
+    assert f"{rooms} rooms on 2 endpoints" in out
+    assert f"{rooms - 5} more rooms not listed" in out
+    listed = [line for line in out.splitlines() if "/1 " in line]
+    assert len(listed) == 5
+    assert "misuse" not in out and listed[0].split()[0] == "5/1"  # the refused-input room
+
+
+def test_room_detail_shows_transitions_messages_transfers_and_timers(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = record_world(tmp_path / "world.jsonl")
+    timelines = build_timelines(load_traces([trace]))
+    timeout_room = SCRIPTS.index("timeout") + 1
+    assert timelines[timeout_room].outcome == "Failed"
+    assert main(["trace", "show", str(trace), "--room", str(timeout_room), "--room", "4"]) == 0
+    out = capsys.readouterr().out
+    assert f"room {timeout_room}: Failed" in out and "room 4: Failed" in out
+    assert "timer fired" in out and "Tick [transfer_expired]" in out
+    assert "transfer #0 done: FAILED (injected link failure)" in out
+    assert "sends abort to prefill-0" in out and "received abort_ack" in out
+    assert main(["trace", "show", str(trace), "--room", "999"]) == 2
