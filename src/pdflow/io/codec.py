@@ -1,0 +1,111 @@
+"""Wire codecs of the control channel: control messages <-> ZMQ multipart frames.
+
+A codec only translates; it never decides what a message means. The channel hands every frame
+list it receives to :meth:`WireCodec.decode` and drops (and counts) whatever raises
+:class:`FrameError`. pdflow's own codec is :class:`MsgpackCodec`; a codec speaking SGLang's
+positional ASCII frames would implement the same two methods and map those frames onto the same
+message structs, so neither the core nor the nodes change.
+
+MsgpackCodec frames (four, in order)::
+
+    0  b"pdflow"                      magic: not a pdflow frame -> "malformed"
+    1  protocol version, ASCII int    another version -> "bad_version"
+    2  the message, MessagePack       undecodable or unknown type -> "undecodable"
+    3  message id, UTF-8 (may be empty; it only orders merged traces)
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import msgspec
+
+from pdflow.core.messages import PROTOCOL_VERSION, AnyMessage
+from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
+
+DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+MAGIC = b"pdflow"
+
+ControlMessage = AnyMessage | KvArgs | KvArgsAccepted
+"""Everything the control channel carries: the core's messages plus the shell's data-plane
+handshake (a decode rank's KV layout, and the prefill rank's transport session in reply)."""
+
+DROP_REASONS = ("malformed", "oversized", "bad_version", "undecodable")
+
+
+class FrameError(Exception):
+    """A received frame list that is not a valid message; ``reason`` is one of DROP_REASONS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+        self.detail = detail
+
+
+class WireCodec(Protocol):
+    """Encode a control message into frames and back."""
+
+    max_message_bytes: int
+
+    def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]: ...
+
+    def decode(self, frames: list[bytes]) -> tuple[ControlMessage, str | None]:
+        """Raise :class:`FrameError` for anything that is not one valid message."""
+        ...
+
+
+class MsgpackCodec:
+    """pdflow's codec: msgspec MessagePack behind a magic and a protocol-version frame."""
+
+    def __init__(
+        self,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        version: int = PROTOCOL_VERSION,
+    ) -> None:
+        if max_message_bytes < 64:
+            raise ValueError(f"max_message_bytes must be at least 64, got {max_message_bytes}")
+        self.max_message_bytes = max_message_bytes
+        self.version = version
+        self._version_frame = str(version).encode()
+        self._encoder = msgspec.msgpack.Encoder()
+        self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ControlMessage)
+
+    def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]:
+        frames = [
+            MAGIC,
+            self._version_frame,
+            self._encoder.encode(message),
+            (msg_id or "").encode(),
+        ]
+        size = sum(len(frame) for frame in frames)
+        if size > self.max_message_bytes:
+            # Refuse locally: the peer would drop it anyway, and silently.
+            raise FrameError(
+                "oversized",
+                f"{type(message).__name__} encodes to {size} bytes, over the "
+                f"{self.max_message_bytes}-byte limit; raise max_message_bytes on both sides",
+            )
+        return frames
+
+    def decode(self, frames: list[bytes]) -> tuple[ControlMessage, str | None]:
+        size = sum(len(frame) for frame in frames)
+        if size > self.max_message_bytes:
+            raise FrameError(
+                "oversized", f"{size} bytes in {len(frames)} frames, limit {self.max_message_bytes}"
+            )
+        if len(frames) != 4 or frames[0] != MAGIC:
+            raise FrameError(
+                "malformed", f"expected 4 frames starting with {MAGIC!r}, got {len(frames)}"
+            )
+        if frames[1] != self._version_frame:
+            shown = frames[1][:16].decode("ascii", "replace")
+            raise FrameError(
+                "bad_version", f"protocol version {shown!r}, this node speaks {self.version}"
+            )
+        try:
+            message = self._decoder.decode(frames[2])
+            msg_id = frames[3].decode() or None
+        except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
+            raise FrameError("undecodable", str(exc)) from None
+        return message, msg_id

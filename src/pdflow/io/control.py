@@ -1,0 +1,144 @@
+"""The ZMQ control channel of one endpoint: a PULL socket it binds, a cached PUSH per peer.
+
+Sending never blocks an endpoint for long: each PUSH has a bounded queue (SNDHWM) and a send
+that cannot be queued within ``send_timeout_s`` is abandoned and counted; the core's timers cover
+a lost message. Receiving decodes every frame list; one that is not a valid message is counted
+by reason, logged and dropped, and the loop keeps serving. A frame far over the codec's limit
+is cut off by ZMQ itself (MAXMSGSIZE), which disconnects that sender.
+
+Requires anyio's asyncio backend (``zmq.asyncio``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import anyio
+import structlog
+import zmq
+import zmq.asyncio
+
+from pdflow.io.codec import ControlMessage, FrameError, WireCodec
+
+# Frames beyond this multiple of the codec limit are never even buffered.
+_HARD_LIMIT_FACTOR = 8
+
+log = structlog.get_logger("pdflow.control")
+
+Deliver = Callable[[ControlMessage, str | None], Awaitable[None]]
+
+
+def zmq_url(address: str) -> str:
+    """``host:port`` (SGLang's form, and PeerId.address) as a ZMQ TCP endpoint."""
+    return address if "://" in address else f"tcp://{address}"
+
+
+class ControlChannel:
+    """Bind with :meth:`open`; serve with :meth:`receive_forever`; release with :meth:`close`."""
+
+    def __init__(
+        self,
+        context: zmq.asyncio.Context,
+        codec: WireCodec,
+        pull: zmq.asyncio.Socket,
+        address: str,
+        *,
+        send_timeout_s: float,
+        send_hwm: int,
+        on_drop: Callable[[str], None],
+        on_send_failed: Callable[[str], None],
+    ) -> None:
+        self.codec = codec
+        self.address = address
+        self._context = context
+        self._pull = pull
+        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._send_timeout_s = send_timeout_s
+        self._send_hwm = send_hwm
+        self._on_drop = on_drop
+        self._on_send_failed = on_send_failed
+        self.dropped = 0
+
+    @classmethod
+    def open(
+        cls,
+        context: zmq.asyncio.Context,
+        codec: WireCodec,
+        *,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        send_timeout_s: float = 1.0,
+        send_hwm: int = 4096,
+        on_drop: Callable[[str], None] = lambda reason: None,
+        on_send_failed: Callable[[str], None] = lambda address: None,
+    ) -> ControlChannel:
+        """Bind a PULL on ``host:port`` (0: any free port; read :attr:`address`)."""
+        pull = context.socket(zmq.PULL)
+        pull.setsockopt(zmq.LINGER, 0)
+        pull.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes * _HARD_LIMIT_FACTOR)
+        try:
+            if port:
+                pull.bind(f"tcp://{host}:{port}")
+            else:
+                port = pull.bind_to_random_port(f"tcp://{host}")
+        except zmq.ZMQError as exc:
+            pull.close(linger=0)
+            raise OSError(f"cannot bind the control socket on {host}:{port}: {exc}") from exc
+        return cls(context, codec, pull, f"{host}:{port}", send_timeout_s=send_timeout_s,
+                   send_hwm=send_hwm, on_drop=on_drop, on_send_failed=on_send_failed)  # fmt: skip
+
+    # ---- sending ---------------------------------------------------------------------------------
+    def _socket_to(self, address: str) -> zmq.asyncio.Socket:
+        sock = self._push.get(address)
+        if sock is None:
+            sock = self._context.socket(zmq.PUSH)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+            sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
+            sock.setsockopt(zmq.RECONNECT_IVL, 100)
+            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+            sock.connect(zmq_url(address))
+            self._push[address] = sock
+        return sock
+
+    async def send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
+        """Queue one message to ``address``; False (and counted) if it could not be queued."""
+        frames = self.codec.encode(message, msg_id)
+        sock = self._socket_to(address)
+        with anyio.move_on_after(self._send_timeout_s):
+            await sock.send_multipart(frames)
+            return True
+        self._on_send_failed(address)
+        log.warning("control_send_timeout", to=address, message=type(message).__name__,
+                    timeout_s=self._send_timeout_s)  # fmt: skip
+        return False
+
+    def forget(self, address: str) -> None:
+        """Close the cached PUSH to a dead peer: queued messages go with it, and a new process
+        at the same address gets a fresh connection."""
+        sock = self._push.pop(address, None)
+        if sock is not None:
+            sock.close(linger=0)
+
+    # ---- receiving -------------------------------------------------------------------------------
+    async def receive_forever(self, deliver: Deliver) -> None:
+        while True:
+            frames = await self._pull.recv_multipart()
+            try:
+                message, msg_id = self.codec.decode(frames)
+            except FrameError as exc:
+                self.dropped += 1
+                self._on_drop(exc.reason)
+                log.warning("control_frame_dropped", at=self.address, reason=exc.reason,
+                            detail=exc.detail[:200], frames=len(frames))  # fmt: skip
+                continue
+            await deliver(message, msg_id)
+
+    def close(self) -> None:
+        for address in list(self._push):
+            self.forget(address)
+        self._pull.close(linger=0)
+
+    @property
+    def peers(self) -> tuple[str, ...]:
+        return tuple(self._push)

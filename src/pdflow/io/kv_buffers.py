@@ -1,0 +1,176 @@
+"""KV buffers as the shell sees them: layouts, the layout handshake, write plans and digests.
+
+The core says *which* pages go where (``StartTransfer``); this module turns that into byte
+writes with :mod:`pdflow.core.planning`, using the KV layout each decode rank announced with a
+:class:`KvArgs` message (SGLang's "register KV args" frame). Equal head ranges copy whole pages,
+coalesced; different TP sizes copy head slices. The staged path (gather into a staging ring,
+one bulk write, scatter on the decode) plugs in by overriding :meth:`TransferPlanner.plan`.
+
+The end-to-end digest (:func:`kv_digest`) is what ``checksum`` in ``StatusReport`` carries when
+checksums are on. It is additive over transfers (the sender room sums a rank's transfers with
+the same modulus, ``ROOM_FOLD_MODULUS``), so it is built from one term per (buffer, destination
+page): the page's bytes as written, checksummed in token order, keyed by where they land.
+Reordered bytes change the weighted part; bytes landing in the wrong page or buffer change the
+key.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Protocol
+
+import msgspec
+
+from pdflow.core.checksum import ByteRange, Checksum
+from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import StartTransfer
+from pdflow.core.planning import WriteOp, plan_head_slices, plan_pages
+from pdflow.core.sender_room import CHECKSUM_MODULUS as ROOM_FOLD_MODULUS
+from pdflow.dataplane.backend import load_optional
+from pdflow.dataplane.executor import Executor
+from pdflow.dataplane.numpy_backend import NumpyExecutor
+from pdflow.dataplane.pure import PythonExecutor
+
+
+class KvArgs(msgspec.Struct, frozen=True, tag="kv_args", tag_field="type",
+             forbid_unknown_fields=True):  # fmt: skip
+    """Decode -> prefill, once per (decode rank, prefill rank life), before any room metadata:
+    where this decode rank's KV lives and which heads it holds."""
+
+    decode: PeerId
+    prefill: PeerId
+    session_id: str
+    layout: KvLayout
+    tp_size: int
+    tp_rank: int
+    total_kv_heads: int
+
+
+class KvArgsAccepted(msgspec.Struct, frozen=True, tag="kv_args_accepted", tag_field="type",
+                     forbid_unknown_fields=True):  # fmt: skip
+    """Prefill -> decode: the layout is registered; this is the writer's transport session."""
+
+    prefill: PeerId
+    decode: PeerId
+    session_id: str
+
+
+class RankKv(msgspec.Struct, frozen=True):
+    """One rank's KV: its layout and its place among the TP ranks."""
+
+    layout: KvLayout
+    tp_size: int
+    tp_rank: int
+    total_kv_heads: int
+
+    @property
+    def heads(self) -> HeadRange:
+        return rank_head_range(self.total_kv_heads, self.tp_size, self.tp_rank)
+
+    def kv_args(self, decode: PeerId, prefill: PeerId, session_id: str) -> KvArgs:
+        return KvArgs(decode, prefill, session_id, self.layout, self.tp_size, self.tp_rank,
+                      self.total_kv_heads)  # fmt: skip
+
+
+def peer_heads(args: KvArgs) -> HeadRange:
+    return rank_head_range(args.total_kv_heads, args.tp_size, args.tp_rank)
+
+
+class TransferPlanner:
+    """Plans the writes of one prefill rank. Override :meth:`plan` for a staged path."""
+
+    def __init__(self, local: RankKv) -> None:
+        self.local = local
+
+    def plan(self, start: StartTransfer, peer: KvArgs) -> tuple[WriteOp, ...]:
+        """Raises ``InvalidInput`` (from planning) when the two layouts cannot exchange pages."""
+        src_heads, dst_heads = self.local.heads, peer_heads(peer)
+        if src_heads == dst_heads:
+            return plan_pages(self.local.layout, peer.layout, start.src_pages, start.dst_pages)
+        return plan_head_slices(self.local.layout, peer.layout, src_heads, dst_heads,
+                                start.src_pages, start.dst_pages)  # fmt: skip
+
+
+# ---- digest ------------------------------------------------------------------------------------
+class ChecksumExecutor(Protocol):
+    def checksum(self, ranges: Sequence[ByteRange]) -> Checksum: ...
+
+
+class SliceSpan(msgspec.Struct, frozen=True):
+    """Where, inside each token of one side's layout, the exchanged heads sit."""
+
+    offset: int
+    nbytes: int
+
+
+def exchanged_span(layout: KvLayout, own: HeadRange, other: HeadRange) -> SliceSpan | None:
+    """The bytes of each token this side exchanges with a rank holding ``other`` heads."""
+    shared = own.intersect(other)
+    if shared is None:
+        return None
+    return SliceSpan((shared.start - own.start) * layout.head_bytes,
+                     shared.count * layout.head_bytes)  # fmt: skip
+
+
+def kv_digest(
+    executor: ChecksumExecutor,
+    layout: KvLayout,
+    span: SliceSpan,
+    pages: Sequence[int],
+    dst_pages: Sequence[int],
+    dst_pool: int,
+) -> int:
+    """Digest of ``span`` of every token of ``pages`` (read through ``layout``), keyed by the
+    destination page each lands in; the decode calls it with ``pages == dst_pages``."""
+    whole = span.offset == 0 and span.nbytes == layout.token_bytes
+    total = 0
+    for index in range(len(layout.buffer_addrs)):
+        for page, dst_page in zip(pages, dst_pages, strict=True):
+            base = layout.page_addr(index, page)
+            ranges: list[ByteRange] = (
+                [(base, layout.item_len)]
+                if whole
+                else [(base + t * layout.token_bytes + span.offset, span.nbytes)
+                      for t in range(layout.page_size)]
+            )  # fmt: skip
+            part = executor.checksum(ranges)
+            key = index * dst_pool + dst_page + 1
+            total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
+    return total
+
+
+def default_executor() -> Executor:
+    """Host-memory checksums: numpy when installed (no torch import on this path), else Python."""
+    numpy = load_optional("numpy")
+    return PythonExecutor() if numpy is None else NumpyExecutor(numpy)
+
+
+# ---- host memory -------------------------------------------------------------------------------
+class HostKvCache:
+    """A zeroed, packed KV cache in host memory (tests, benchmarks, the demo's CPU engine)."""
+
+    def __init__(self, *, num_layers: int, num_pages: int, page_size: int, num_heads: int,
+                 head_dim: int, dtype: KvDtype) -> None:  # fmt: skip
+        self.nbytes = 2 * num_layers * num_pages * page_size * num_heads * head_dim * dtype.itemsize
+        self._memory = (ctypes.c_uint8 * self.nbytes)()
+        self.base_addr = ctypes.addressof(self._memory)
+        self.layout = packed_layout(base_addr=self.base_addr, num_layers=num_layers,
+                                    num_pages=num_pages, page_size=page_size, num_heads=num_heads,
+                                    head_dim=head_dim, dtype=dtype)  # fmt: skip
+
+    @property
+    def memory(self) -> ctypes.Array[ctypes.c_uint8]:
+        """The bytes themselves (wrap with ``numpy.frombuffer`` or ``memoryview``)."""
+        return self._memory
+
+
+def host_cache_for_rank(*, total_kv_heads: int, tp_size: int, tp_rank: int, num_layers: int,
+                        num_pages: int, page_size: int, head_dim: int,
+                        dtype: KvDtype) -> tuple[HostKvCache, RankKv]:  # fmt: skip
+    """Allocate the cache of one TP rank and describe it."""
+    heads = rank_head_range(total_kv_heads, tp_size, tp_rank)
+    cache = HostKvCache(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
+                        num_heads=heads.count, head_dim=head_dim, dtype=dtype)  # fmt: skip
+    return cache, RankKv(cache.layout, tp_size, tp_rank, total_kv_heads)

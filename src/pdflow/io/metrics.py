@@ -1,0 +1,103 @@
+"""Per-node metrics: Prometheus text from a private registry, plus one JSON log line per room.
+
+Each node owns a :class:`NodeMetrics` with its own ``CollectorRegistry`` (never the global one),
+so several nodes in one process never share or clash. A figure the transport could not measure
+is left out of the histogram and logged as ``null``; it is never reported as 0.
+"""
+
+from __future__ import annotations
+
+import msgspec
+import structlog
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from pdflow.core.page_ledger import QuarantinedRoom
+
+log = structlog.get_logger("pdflow.metrics")
+
+_LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
+                    10, 30, 60)  # fmt: skip
+
+
+class RoomReport(msgspec.Struct, frozen=True):
+    """How one room went on one endpoint; ``None`` where nothing was measured."""
+
+    role: str
+    endpoint: str
+    room: int
+    generation: int
+    outcome: str
+    latency_s: float | None
+    """Open to terminal status, as this endpoint saw it."""
+    transfer_s: float | None
+    """Time the transport spent writing this room's KV (prefill; transport-measured)."""
+    allocation_wait_s: float | None
+    """Decode: from WaitingForInput until the engine published pages."""
+    bytes_moved: int | None
+    reason: str = ""
+
+
+class NodeMetrics:
+    def __init__(self, role: str, node: str) -> None:
+        self.role = role
+        self.node = node
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.rooms = Counter("pdflow_rooms", "Rooms finished, by outcome", ["outcome"], registry=r)
+        self.room_latency = Histogram("pdflow_room_latency_seconds",
+                                      "Room open to terminal status", buckets=_LATENCY_BUCKETS,
+                                      registry=r)  # fmt: skip
+        self.transfer_seconds = Histogram("pdflow_room_transfer_seconds",
+                                          "Transport time per room (when measured)",
+                                          buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.allocation_wait = Histogram("pdflow_allocation_wait_seconds",
+                                         "Decode wait for destination pages",
+                                         buckets=_LATENCY_BUCKETS, registry=r)  # fmt: skip
+        self.bytes_moved = Counter("pdflow_bytes_moved", "KV bytes confirmed written", registry=r)
+        self.dropped_frames = Counter("pdflow_dropped_frames", "Control frames dropped",
+                                      ["reason"], registry=r)  # fmt: skip
+        self.core_dropped = Counter("pdflow_core_dropped", "Messages the core refused",
+                                    ["kind"], registry=r)  # fmt: skip
+        self.send_failures = Counter(
+            "pdflow_control_send_failures", "Control messages that could not be queued", registry=r
+        )
+        self.heartbeat_failures = Counter(
+            "pdflow_heartbeat_failures", "Failed /health probes", ["bootstrap"], registry=r
+        )
+        self.step_errors = Counter("pdflow_step_errors", "Shell inputs the core refused",
+                                   ["input"], registry=r)  # fmt: skip
+        self.quarantined_pages = Gauge("pdflow_quarantined_pages",
+                                       "Decode pages held until their writers are cleared",
+                                       registry=r)  # fmt: skip
+        self.quarantine_oldest_age = Gauge(
+            "pdflow_quarantine_oldest_age_seconds", "Age of the oldest quarantined room", registry=r
+        )
+
+    def room_finished(self, report: RoomReport) -> None:
+        self.rooms.labels(report.outcome).inc()
+        if report.latency_s is not None:
+            self.room_latency.observe(report.latency_s)
+        if report.transfer_s is not None:
+            self.transfer_seconds.observe(report.transfer_s)
+        if report.allocation_wait_s is not None:
+            self.allocation_wait.observe(report.allocation_wait_s)
+        if report.bytes_moved:
+            self.bytes_moved.inc(report.bytes_moved)
+        log.info("room_finished", node=self.node, **msgspec.structs.asdict(report))
+
+    def frame_dropped(self, reason: str) -> None:
+        self.dropped_frames.labels(reason).inc()
+
+    def quarantine(self, report: tuple[QuarantinedRoom, ...]) -> None:
+        """Set the quarantine gauges from the ledger's report (summed over ranks by the caller)."""
+        self.quarantined_pages.set(sum(len(room.pages) for room in report))
+        self.quarantine_oldest_age.set(max((room.age_s for room in report), default=0.0))
+
+    def value(self, name: str, labels: dict[str, str] | None = None) -> float:
+        """One sample's current value (0.0 when never touched), for tests and status lines."""
+        found = self.registry.get_sample_value(name, labels or {})
+        return 0.0 if found is None else found
+
+    def text(self) -> str:
+        """Prometheus exposition text of this node's metrics."""
+        return generate_latest(self.registry).decode()

@@ -1,0 +1,361 @@
+"""What both nodes share: driving one endpoint, its timer, events, transfer queues, room clocks.
+
+An :class:`EndpointHost` owns one core endpoint. Every input goes through :meth:`EndpointHost.
+call` (an engine call: the core's refusal is raised to the caller) or :meth:`EndpointHost.feed`
+(something the shell observed: a refusal is logged and counted, the node keeps serving). Both
+take the host's lock, so one endpoint sees one input at a time, and both act on every output
+of the step, in order, before the lock is released. The one timer per endpoint is re-armed from
+``Step.timer_at`` after every step.
+"""
+
+from __future__ import annotations
+
+import math
+import secrets
+import zlib
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+import zmq.asyncio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+from pdflow.core.endpoint_io import Dropped, EndpointInput, RoomRemoved, TimerFired
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import Output, StatusChanged
+from pdflow.core.step import Step
+from pdflow.io.codec import WireCodec
+from pdflow.io.control import ControlChannel
+from pdflow.io.metrics import NodeMetrics, RoomReport
+from pdflow.io.settings import Settings
+from pdflow.trace.format import message_id
+from pdflow.trace.recorder import TraceRecorder
+
+log = structlog.get_logger("pdflow.node")
+
+# After the core refused a timer input, wait this long before firing again (no hot loop).
+_TIMER_RETRY_S = 0.1
+
+
+# ---- events: what the embedding engine receives --------------------------------------------------
+class RoomStatus(msgspec.Struct, frozen=True, tag=True):
+    """A room's KVPoll changed on one rank."""
+
+    rank: int
+    room: int
+    generation: int
+    poll: KVPoll
+    reason: str = ""
+
+
+class PagesReleased(msgspec.Struct, frozen=True, tag=True):
+    """Decode: these pages can no longer be written by anyone; the engine may reuse them."""
+
+    rank: int
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+
+
+class PagesHeld(msgspec.Struct, frozen=True, tag=True):
+    """Decode: a failed room's pages are quarantined until the writers listed are cleared."""
+
+    rank: int
+    room: int
+    generation: int
+    pages: tuple[int, ...]
+    waiting_on: tuple[PeerId, ...]
+
+
+class WriterFenced(msgspec.Struct, frozen=True, tag=True):
+    """Decode: a dead writer's transport session is closed; none of its writes can land now."""
+
+    rank: int
+    peer: PeerId
+
+
+class RoomClosed(msgspec.Struct, frozen=True, tag=True):
+    """The endpoint forgot the room (after ``clear``, or once a failed room drained)."""
+
+    rank: int
+    room: int
+    generation: int
+
+
+NodeEvent = RoomStatus | PagesReleased | PagesHeld | WriterFenced | RoomClosed
+
+
+class EventHub:
+    """Fans events out to subscribers and keeps each open room's latest status for waiters."""
+
+    def __init__(self) -> None:
+        self._subscribers: list[MemoryObjectSendStream[NodeEvent]] = []
+        self._status: dict[tuple[int, int], RoomStatus] = {}
+        self._changed: dict[tuple[int, int], anyio.Event] = {}
+
+    def subscribe(self) -> MemoryObjectReceiveStream[NodeEvent]:
+        """A stream of every later event. Unbounded, so a slow reader never stalls an endpoint;
+        close it when done."""
+        send, receive = anyio.create_memory_object_stream[NodeEvent](math.inf)
+        self._subscribers.append(send)
+        return receive
+
+    def publish(self, event: NodeEvent) -> None:
+        if isinstance(event, RoomStatus):
+            key = (event.rank, event.room)
+            self._status[key] = event
+            changed = self._changed.pop(key, None)
+            if changed is not None:
+                changed.set()
+        elif isinstance(event, RoomClosed):
+            self._status.pop((event.rank, event.room), None)
+        for stream in list(self._subscribers):
+            try:
+                stream.send_nowait(event)
+            except (anyio.ClosedResourceError, anyio.BrokenResourceError):
+                self._subscribers.remove(stream)
+
+    def status(self, rank: int, room: int) -> RoomStatus | None:
+        return self._status.get((rank, room))
+
+    async def wait_status(self, rank: int, room: int, done: Callable[[KVPoll], bool]) -> RoomStatus:
+        """The room's first status (from now on, or the current one) for which ``done`` holds."""
+        key = (rank, room)
+        while True:
+            current = self._status.get(key)
+            if current is not None and done(current.poll):
+                return current
+            event = self._changed.get(key)
+            if event is None:
+                event = self._changed[key] = anyio.Event()
+            await event.wait()
+
+    def forget_room(self, rank: int, room: int) -> None:
+        """Clear a previous use of a room id before it is opened again."""
+        self._status.pop((rank, room), None)
+
+    def close(self) -> None:
+        for stream in self._subscribers:
+            stream.close()
+        self._subscribers.clear()
+
+
+# ---- per-room measurements -----------------------------------------------------------------------
+class RoomClock:
+    """What the node measured of one room on one endpoint."""
+
+    def __init__(self, opened_at: float) -> None:
+        self.opened_at = opened_at
+        self.ready_at: float | None = None
+        self.published_at: float | None = None
+        self.transfer_s: float | None = 0.0
+        self.bytes_moved: int | None = None
+
+    def add_transfer(self, seconds: float | None, nbytes: int) -> None:
+        # One unmeasured write makes the room's total unknown, not smaller.
+        self.transfer_s = (
+            None if seconds is None or self.transfer_s is None else (self.transfer_s + seconds)
+        )
+        self.bytes_moved = (self.bytes_moved or 0) + nbytes
+
+
+# ---- one endpoint ------------------------------------------------------------------------------
+Execute = Callable[["EndpointHost", Output, str | None], Awaitable[None]]
+
+
+class EndpointHost:
+    """One core endpoint with its lock, timer and the node's output executor."""
+
+    def __init__(
+        self,
+        endpoint_id: str,
+        endpoint: Any,
+        rank: int,
+        me: PeerId,
+        execute: Execute,
+        metrics: NodeMetrics,
+        events: EventHub,
+    ) -> None:
+        self.endpoint_id = endpoint_id
+        self.endpoint = endpoint
+        self.rank = rank
+        self.me = me
+        self._execute = execute
+        self._metrics = metrics
+        self._events = events
+        self._lock = anyio.Lock()
+        self._timer_at: float | None = None
+        self._rearmed = anyio.Event()
+        self.clocks: dict[int, RoomClock] = {}
+
+    async def call(self, inp: EndpointInput) -> Step:
+        """An engine call: raises the core's refusal (its state is unchanged)."""
+        return await self._drive(inp)
+
+    async def feed(self, inp: EndpointInput) -> Step | None:
+        """A shell observation: a refusal is counted and logged, never raised."""
+        try:
+            return await self._drive(inp)
+        except Exception as exc:
+            self._metrics.step_errors.labels(type(inp).__name__).inc()
+            log.error("step_refused", endpoint=self.endpoint_id, input=type(inp).__name__,
+                      error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return None
+
+    async def _drive(self, inp: EndpointInput) -> Step:
+        async with self._lock:
+            now = anyio.current_time()
+            step: Step = self.endpoint.handle(inp, now)
+            self._rearm(step.timer_at)
+            seq = getattr(self.endpoint, "last_seq", None)
+            for index, output in enumerate(step.outputs):
+                msg_id = None if seq is None else message_id(self.endpoint_id, seq, index)
+                await self._execute(self, output, msg_id)
+            return step
+
+    def _rearm(self, timer_at: float | None) -> None:
+        self._timer_at = timer_at
+        self._rearmed.set()
+
+    async def run_timer(self) -> None:
+        """Fire TimerFired at each ``timer_at`` (clamped to now), re-armed by every step."""
+        while True:
+            self._rearmed = anyio.Event()
+            deadline = self._timer_at
+            if deadline is None:
+                await self._rearmed.wait()
+                continue
+            with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
+                await self._rearmed.wait()
+                continue
+            if await self.feed(TimerFired()) is None:
+                await anyio.sleep(_TIMER_RETRY_S)
+
+    # ---- outputs both roles handle alike -------------------------------------------------------
+    def surface_common(self, output: Output, role: str) -> bool:
+        """Status, removal and refusals; True when handled."""
+        if isinstance(output, StatusChanged):
+            self._status_changed(output, role)
+        elif isinstance(output, RoomRemoved):
+            self.clocks.pop(output.room, None)
+            self._events.publish(RoomClosed(self.rank, output.room, output.generation))
+        elif isinstance(output, Dropped):
+            self._metrics.core_dropped.labels(output.kind).inc()
+            log.info("message_dropped", endpoint=self.endpoint_id, kind=output.kind,
+                     reason=output.reason[:200])  # fmt: skip
+        else:
+            return False
+        return True
+
+    def _status_changed(self, output: StatusChanged, role: str) -> None:
+        now = anyio.current_time()
+        clock = self.clocks.get(output.room)
+        if clock is not None and output.poll is KVPoll.WaitingForInput:
+            clock.ready_at = now
+        if clock is not None and output.poll.is_terminal:
+            self._metrics.room_finished(self._report(output, clock, now, role))
+        self._events.publish(
+            RoomStatus(self.rank, output.room, output.generation, output.poll, output.reason)
+        )
+
+    def _report(self, output: StatusChanged, clock: RoomClock, now: float, role: str) -> RoomReport:
+        waited = None
+        if clock.ready_at is not None and clock.published_at is not None:
+            waited = max(clock.published_at - clock.ready_at, 0.0)
+        return RoomReport(
+            role=role, endpoint=self.endpoint_id, room=output.room,
+            generation=output.generation, outcome=output.poll.name.lower(),
+            latency_s=now - clock.opened_at,
+            transfer_s=clock.transfer_s if clock.bytes_moved is not None else None,
+            allocation_wait_s=waited, bytes_moved=clock.bytes_moved, reason=output.reason,
+        )  # fmt: skip
+
+
+# ---- transfer queues ---------------------------------------------------------------------------
+Job = Callable[[], Awaitable[None]]
+
+
+class TransferQueues:
+    """``count`` FIFO queues, each drained by one worker; a key always maps to the same queue,
+    so one slow decode peer holds up only the peers that share its queue."""
+
+    def __init__(self, count: int) -> None:
+        if count < 1:
+            raise ValueError(f"transfer_queues must be at least 1, got {count}")
+        pairs = [anyio.create_memory_object_stream[Job](math.inf) for _ in range(count)]
+        self._senders = [send for send, _ in pairs]
+        self._receivers = [receive for _, receive in pairs]
+
+    def queue_of(self, key: str) -> int:
+        return zlib.crc32(key.encode()) % len(self._senders)
+
+    def submit(self, key: str, job: Job) -> None:
+        self._senders[self.queue_of(key)].send_nowait(job)
+
+    def start(self, tasks: TaskGroup) -> None:
+        for receiver in self._receivers:
+            tasks.start_soon(self._work, receiver)
+
+    @staticmethod
+    async def _work(receiver: MemoryObjectReceiveStream[Job]) -> None:
+        async with receiver:
+            async for job in receiver:
+                await job()
+
+    def close(self) -> None:
+        for sender in self._senders:
+            sender.close()
+
+
+def peer_key(peer: PeerId) -> str:
+    return f"{peer.address}#{peer.rank}"
+
+
+# ---- the parts every node owns -----------------------------------------------------------------
+class NodeRuntime:
+    """A node's ZMQ context, control channels, trace recorder, metrics and events."""
+
+    def __init__(self, role: str, settings: Settings, incarnation: str, codec: WireCodec) -> None:
+        self.role = role
+        self.settings = settings
+        self.incarnation = incarnation
+        self.codec = codec
+        self.node_id = f"{role}-{incarnation}"
+        self.metrics = NodeMetrics(role, self.node_id)
+        self.events = EventHub()
+        self.context = zmq.asyncio.Context()
+        self.channels: list[ControlChannel] = []
+        trace_path = Path(settings.trace_dir) / f"{self.node_id}.jsonl"
+        self.recorder = TraceRecorder(trace_path, max_bytes=settings.trace_max_bytes,
+                                      enabled=settings.trace_enabled)  # fmt: skip
+
+    def open_channel(self) -> ControlChannel:
+        metrics = self.metrics
+        channel = ControlChannel.open(
+            self.context, self.codec, host=self.settings.host,
+            on_drop=metrics.frame_dropped,
+            on_send_failed=lambda address: metrics.send_failures.inc(),
+        )  # fmt: skip
+        self.channels.append(channel)
+        return channel
+
+    def endpoint_id(self, rank: int) -> str:
+        return f"{self.node_id}#{rank}"
+
+    def close(self) -> None:
+        for channel in self.channels:
+            channel.close()
+        self.channels.clear()
+        self.context.term()
+        self.recorder.close()
+        self.events.close()
+
+
+def draw_incarnation() -> str:
+    """A fresh id for this process life (the shell draws randomness; the core never does)."""
+    return secrets.token_hex(8)

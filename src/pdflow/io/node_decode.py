@@ -1,0 +1,407 @@
+"""DecodeNode: the decode ranks of one process, each a core DecodeEndpoint with its page ledger.
+
+It fetches prefill topologies from their bootstrap registries, announces each rank's KV layout
+to every prefill rank it talks to (before the first room metadata), heartbeats the prefill
+instances it knows, closes the transport sessions of writers the core declared dead, and
+recomputes checksums when the core asks. Pages come back to the engine only through
+:class:`~pdflow.io.node_common.PagesReleased` events; see docs/embedding.md.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from pdflow.core.decode_endpoint import DecodeEndpoint, DecodeSnapshot
+from pdflow.core.endpoint_io import (
+    ChecksumChecked,
+    ClearRoom,
+    CloseSession,
+    DecodeEndpointConfig,
+    HeartbeatResult,
+    NeedTopology,
+    OpenReceiver,
+    PrefillInfo,
+    PrefillRank,
+    PublishPages,
+    Received,
+    RoomCall,
+    RoomRemoved,
+    SessionClosed,
+    TopologyFailed,
+    TopologyKnown,
+)
+from pdflow.core.inputs import AbortRequested
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import HeadRange, rank_head_range
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import Output, SendMessage, VerifyChecksums
+from pdflow.core.page_ledger import PagesFreed, PagesQuarantined, QuarantinedRoom
+from pdflow.core.topology import Parallelism, prefill_unique_rank
+from pdflow.dataplane.executor import Executor
+from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
+from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
+from pdflow.io.control import ControlChannel, Deliver
+from pdflow.io.heartbeat import run_heartbeat
+from pdflow.io.kv_buffers import (
+    KvArgs,
+    KvArgsAccepted,
+    RankKv,
+    default_executor,
+    exchanged_span,
+    kv_digest,
+)
+from pdflow.io.node_common import (
+    EndpointHost,
+    NodeEvent,
+    NodeRuntime,
+    PagesHeld,
+    PagesReleased,
+    RoomClock,
+    RoomStatus,
+    WriterFenced,
+    draw_incarnation,
+)
+from pdflow.io.settings import Settings, load_settings, timeouts_from
+from pdflow.transport.base import Transport, TransportError
+
+log = structlog.get_logger("pdflow.decode")
+
+
+class DecodeRank:
+    """The engine's handle on one decode rank. Calls the core refuses raise
+    ``LocalProtocolError`` / ``InvalidInput`` and change nothing."""
+
+    def __init__(self, node: DecodeNode, host: EndpointHost, kv: RankKv) -> None:
+        self._node = node
+        self._host = host
+        self.kv = kv
+
+    @property
+    def rank(self) -> int:
+        return self._host.rank
+
+    @property
+    def peer(self) -> PeerId:
+        return self._host.me
+
+    async def open(self, room: int, generation: int, bootstrap: str,
+                   prefill_dp_rank: int | None = None) -> None:  # fmt: skip
+        """Start receiving ``room`` from the prefill instance registered at ``bootstrap``."""
+        self._node.runtime.events.forget_room(self.rank, room)
+        await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
+        self._host.clocks[room] = RoomClock(anyio.current_time())
+
+    async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,
+                            decode_prefix_len: int = 0) -> None:  # fmt: skip
+        """Give the room its destination pages (free ones: see PagesReleased)."""
+        await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len))
+        self._node.room_pages[(self.rank, room)] = tuple(pages)
+        clock = self._host.clocks.get(room)
+        if clock is not None:
+            clock.published_at = anyio.current_time()
+
+    async def abort(self, room: int, reason: str = "aborted by the engine") -> None:
+        await self._host.call(RoomCall(room, AbortRequested(reason)))
+
+    async def clear(self, room: int) -> None:
+        await self._host.call(ClearRoom(room))
+
+    def snapshot(self) -> DecodeSnapshot:
+        """The endpoint's read-only state (rooms, counters, ledger)."""
+        snapshot: DecodeSnapshot = self._host.endpoint.snapshot()
+        return snapshot
+
+    def poll(self, room: int) -> KVPoll | None:
+        summary = self._host.endpoint.summary(room)
+        return None if summary is None else summary.poll
+
+    async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
+        """Until the room wants pages (WaitingForInput) or later; with ``terminal``, its end."""
+        threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
+        return await self._node.runtime.events.wait_status(
+            self.rank, room, lambda poll: poll is KVPoll.Failed or poll >= threshold
+        )
+
+    @property
+    def allocatable(self) -> int:
+        """Pages neither reserved nor quarantined."""
+        allocatable: int = self._host.endpoint.ledger.allocatable
+        return allocatable
+
+    def quarantine(self) -> tuple[QuarantinedRoom, ...]:
+        report: tuple[QuarantinedRoom, ...] = self._host.endpoint.ledger.report(
+            anyio.current_time()
+        )
+        return report
+
+
+class DecodeNode:
+    """``async with DecodeNode(...) as node``: serve until the block ends, then shut down."""
+
+    def __init__(
+        self,
+        *,
+        ranks: Sequence[RankKv],
+        transport: Transport,
+        settings: Settings | None = None,
+        incarnation: str | None = None,
+        is_mla: bool = False,
+        executor: Executor | None = None,
+        codec: WireCodec | None = None,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not ranks:
+            raise ValueError("a decode node needs at least one rank")
+        self.settings = settings or load_settings()
+        self.transport = transport
+        self.incarnation = incarnation or draw_incarnation()
+        self.is_mla = is_mla
+        self.rank_kv = list(ranks)
+        self.runtime = NodeRuntime("decode", self.settings, self.incarnation,
+                                   codec or MsgpackCodec())  # fmt: skip
+        self._executor = executor
+        self._rng = rng or random.Random()
+        self._stack = AsyncExitStack()
+        self._clients: dict[str, BootstrapClient] = {}
+        self._kv_sent: set[tuple[int, PeerId]] = set()
+        self._writer_sessions: dict[PeerId, str] = {}
+        self._writer_heads: dict[PeerId, HeadRange] = {}
+        self.room_pages: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.ranks: list[DecodeRank] = []
+        self._hosts: list[EndpointHost] = []
+        self._channels: dict[int, ControlChannel] = {}
+        self._registered: list[int] = []
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def metrics_text(self) -> str:
+        return self.runtime.metrics.text()
+
+    def subscribe(self) -> anyio.abc.ObjectReceiveStream[NodeEvent]:
+        return self.runtime.events.subscribe()
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    async def __aenter__(self) -> DecodeNode:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            await self._release()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        try:
+            self._tasks.cancel_scope.cancel()
+            await self._stack.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._release()
+
+    async def _start(self) -> None:
+        for rank_kv in self.rank_kv:
+            self._add_rank(rank_kv, self.runtime.open_channel())
+            for addr in rank_kv.layout.buffer_addrs:
+                self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
+                self._registered.append(addr)
+        if self.settings.checksum and self._executor is None:
+            self._executor = default_executor()
+        self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        for host in self._hosts:
+            channel = self._channels[host.rank]
+            self._tasks.start_soon(host.run_timer)
+            self._tasks.start_soon(channel.receive_forever, self._deliverer(host))
+        self._tasks.start_soon(run_heartbeat, self.settings.heartbeat_interval,
+                               self._known_bootstraps, self._probe, self._heartbeat)  # fmt: skip
+        log.info("decode_node_ready", node=self.runtime.node_id,
+                 ranks=[h.me.address for h in self._hosts])  # fmt: skip
+
+    def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
+        layout = rank_kv.layout
+        me = PeerId(channel.address, self.incarnation, rank_kv.tp_rank)
+        config = DecodeEndpointConfig(
+            me=me, tp_size=rank_kv.tp_size, tp_rank=rank_kv.tp_rank,
+            num_kv_heads=rank_kv.total_kv_heads, num_pages=layout.num_pages,
+            page_size=layout.page_size, kv_cache_dtype=layout.dtype.value, is_mla=self.is_mla,
+            session_id=self.transport.session_id, policy=self.settings.allocation_policy,
+            timeouts=timeouts_from(self.settings),
+            heartbeat_max_failure=self.settings.heartbeat_max_failure,
+            verify_checksums=self.settings.checksum,
+        )  # fmt: skip
+        endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
+        endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
+        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._execute,
+                            self.runtime.metrics, self.runtime.events)  # fmt: skip
+        self._hosts.append(host)
+        self._channels[rank_kv.tp_rank] = channel
+        self.ranks.append(DecodeRank(self, host, rank_kv))
+
+    async def _release(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+        self._clients.clear()
+        for addr in self._registered:
+            try:
+                self.transport.unregister_buffer(addr)
+            except TransportError as exc:
+                log.warning("unregister_failed", addr=hex(addr), error=str(exc))
+        self._registered.clear()
+        self.runtime.close()
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _deliverer(self, host: EndpointHost) -> Deliver:
+        async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+            if isinstance(message, KvArgsAccepted):
+                if message.decode == host.me:
+                    self._writer_sessions[message.prefill] = message.session_id
+                else:
+                    self.runtime.metrics.frame_dropped("stale_incarnation")
+            elif isinstance(message, KvArgs):
+                self.runtime.metrics.frame_dropped("wrong_direction")
+            else:
+                await host.feed(Received(message, msg_id))
+
+        return deliver
+
+    # ---- outputs -------------------------------------------------------------------------------
+    async def _execute(self, host: EndpointHost, output: Output, msg_id: str | None) -> None:
+        if isinstance(output, SendMessage):
+            await self._send(host, output, msg_id)
+        elif isinstance(output, NeedTopology):
+            self._tasks.start_soon(self._resolve, host, output.bootstrap)
+        elif isinstance(output, CloseSession):
+            self._tasks.start_soon(self._close_session, host, output.peer)
+        elif isinstance(output, VerifyChecksums):
+            self._tasks.start_soon(self._verify, host, output)
+        elif isinstance(output, PagesFreed):
+            self.runtime.events.publish(
+                PagesReleased(host.rank, output.room, output.generation, output.pages)
+            )
+            self._update_quarantine()
+        elif isinstance(output, PagesQuarantined):
+            self.runtime.events.publish(PagesHeld(
+                host.rank, output.room, output.generation, output.pages, output.writers
+            ))  # fmt: skip
+            self._update_quarantine()
+        else:
+            if isinstance(output, RoomRemoved):
+                self.room_pages.pop((host.rank, output.room), None)
+            if not host.surface_common(output, "decode"):
+                log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
+
+    async def _send(self, host: EndpointHost, output: SendMessage, msg_id: str | None) -> None:
+        channel = self._channels[host.rank]
+        key = (host.rank, output.to)
+        if key not in self._kv_sent:
+            # Same socket, sent first: the prefill has the layout before any room metadata.
+            kv = self.ranks[self._hosts.index(host)].kv
+            args = kv.kv_args(host.me, output.to, self.transport.session_id)
+            if await channel.send(output.to.address, args, None):
+                self._kv_sent.add(key)
+        await channel.send(output.to.address, output.message, msg_id)
+
+    def _update_quarantine(self) -> None:
+        now = anyio.current_time()
+        report = tuple(room for host in self._hosts for room in host.endpoint.ledger.report(now))
+        self.runtime.metrics.quarantine(report)
+
+    # ---- topology ------------------------------------------------------------------------------
+    def _client(self, bootstrap: str) -> BootstrapClient:
+        client = self._clients.get(bootstrap)
+        if client is None:
+            client = BootstrapClient(bootstrap, rng=self._rng, token=self.settings.bootstrap_token)
+            self._clients[bootstrap] = client
+        return client
+
+    async def _resolve(self, host: EndpointHost, bootstrap: str) -> None:
+        try:
+            info = await self._fetch_topology(bootstrap)
+        except (BootstrapError, ValueError) as exc:
+            await host.feed(TopologyFailed(bootstrap, str(exc)))
+            return
+        await host.feed(TopologyKnown(info))
+
+    async def _fetch_topology(self, bootstrap: str) -> PrefillInfo:
+        client = self._client(bootstrap)
+        server = await client.get_topology(deadline_s=self.settings.bootstrap_timeout)
+        if server.page_size is None or server.kv_cache_dtype is None:
+            raise BootstrapError(f"the registry at {bootstrap} reports no page size or KV dtype")
+        parallel = Parallelism(tp=server.attn_tp_size, cp=server.attn_cp_size,
+                               pp=server.pp_size, dp=server.dp_size)  # fmt: skip
+        total_heads = self.rank_kv[0].total_kv_heads
+        ranks = []
+        for dp in range(server.dp_size):
+            for cp in range(server.attn_cp_size):
+                for tp in range(server.attn_tp_size):
+                    for pp in range(server.pp_size):
+                        found = await client.get_rank(dp, cp, tp, pp)
+                        unique = prefill_unique_rank(parallel, tp_rank=tp, pp_rank=pp, cp_rank=cp)
+                        peer = PeerId(f"{found.rank_ip}:{found.rank_port}",
+                                      found.incarnation or "", unique)  # fmt: skip
+                        self._writer_heads[peer] = rank_head_range(
+                            1 if self.is_mla else total_heads, server.attn_tp_size, tp
+                        )
+                        ranks.append(PrefillRank(dp, cp, tp, pp, peer))
+        return PrefillInfo(
+            bootstrap=bootstrap, tp_size=server.attn_tp_size, cp_size=server.attn_cp_size,
+            pp_size=server.pp_size, dp_size=server.dp_size, page_size=server.page_size,
+            kv_cache_dtype=server.kv_cache_dtype, policy=server.decode_allocation_policy,
+            ranks=tuple(ranks), is_mla=self.is_mla,
+            follow_bootstrap_room=server.follow_bootstrap_room,
+        )  # fmt: skip
+
+    # ---- heartbeat -----------------------------------------------------------------------------
+    def _known_bootstraps(self) -> set[str]:
+        return {bootstrap for host in self._hosts for bootstrap in host.endpoint.topologies}
+
+    async def _probe(self, bootstrap: str) -> HealthStatus:
+        status = await self._client(bootstrap).health()
+        if not status.ok:
+            self.runtime.metrics.heartbeat_failures.labels(bootstrap).inc()
+        return status
+
+    async def _heartbeat(self, result: HeartbeatResult) -> None:
+        for host in self._hosts:
+            if result.bootstrap in host.endpoint.topologies:
+                await host.feed(result)
+
+    # ---- dead writers and checksums ------------------------------------------------------------
+    async def _close_session(self, host: EndpointHost, peer: PeerId) -> None:
+        self._channels[host.rank].forget(peer.address)
+        self._kv_sent.discard((host.rank, peer))
+        session = self._writer_sessions.get(peer)
+        if session is not None:
+            await self.transport.close_session(session)
+        self.runtime.events.publish(WriterFenced(host.rank, peer))
+        await host.feed(SessionClosed(peer))
+
+    async def _verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
+        reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request)
+        await host.feed(ChecksumChecked(request.room, request.generation, not reason, reason))
+
+    def _mismatch(self, rank: int, request: VerifyChecksums) -> str:
+        """Empty when every writer's digest matches the bytes in this room's pages."""
+        pages = self.room_pages.get((rank, request.room))
+        kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
+        if pages is None or self._executor is None:
+            return "the node has no record of this room's pages; cannot verify"
+        problems = []
+        for peer, expected in request.expected:
+            heads = self._writer_heads.get(peer)
+            span = None if heads is None else exchanged_span(kv.layout, kv.heads, heads)
+            if span is None:
+                problems.append(f"{peer.address}#{peer.rank}: its heads are unknown here")
+                continue
+            actual = kv_digest(self._executor, kv.layout, span, pages, pages,
+                               kv.layout.num_pages)  # fmt: skip
+            if actual != expected:
+                problems.append(f"{peer.address}#{peer.rank}: sent {expected:#x}, "
+                                f"received {actual:#x}")  # fmt: skip
+        return "; ".join(problems)

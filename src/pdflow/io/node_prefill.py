@@ -1,0 +1,321 @@
+"""PrefillNode: the prefill ranks of one process, each a core PrefillEndpoint, run for real.
+
+It binds one control socket per rank, registers the ranks (with this process's incarnation)
+with the bootstrap registry (hosting that registry itself unless told otherwise), executes the
+core's outputs (messages, KV writes through the transport) and feeds results back as inputs.
+The engine drives rooms through :class:`PrefillRank` and watches :class:`~pdflow.io.node_common.
+NodeEvent`s; see docs/embedding.md.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from contextlib import AsyncExitStack
+from types import TracebackType
+
+import anyio
+import anyio.to_thread
+import structlog
+
+from pdflow.core.endpoint_io import (
+    ClearRoom,
+    OpenRoom,
+    PrefillEndpointConfig,
+    Received,
+    RoomCall,
+    TransferDone,
+)
+from pdflow.core.errors import InvalidInput
+from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import PROTOCOL_VERSION, PeerId
+from pdflow.core.outputs import Output, SendMessage, StartTransfer
+from pdflow.core.prefill_endpoint import PrefillEndpoint, PrefillSnapshot
+from pdflow.core.registry import RegisterRank
+from pdflow.core.topology import Parallelism, prefill_unique_rank
+from pdflow.dataplane.executor import Executor
+from pdflow.io.bootstrap_client import BootstrapClient
+from pdflow.io.bootstrap_server import serve
+from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
+from pdflow.io.control import ControlChannel, Deliver
+from pdflow.io.kv_buffers import (
+    KvArgs,
+    KvArgsAccepted,
+    RankKv,
+    TransferPlanner,
+    default_executor,
+    exchanged_span,
+    kv_digest,
+    peer_heads,
+)
+from pdflow.io.node_common import (
+    EndpointHost,
+    NodeEvent,
+    NodeRuntime,
+    RoomClock,
+    RoomStatus,
+    TransferQueues,
+    draw_incarnation,
+    peer_key,
+)
+from pdflow.io.settings import Settings, load_settings, timeouts_from
+from pdflow.transport.base import Transport, TransportError
+
+log = structlog.get_logger("pdflow.prefill")
+
+
+class PrefillRank:
+    """The engine's handle on one prefill rank. Calls the core refuses raise
+    ``LocalProtocolError`` / ``InvalidInput`` and change nothing."""
+
+    def __init__(self, node: PrefillNode, host: EndpointHost) -> None:
+        self._node = node
+        self._host = host
+
+    @property
+    def rank(self) -> int:
+        return self._host.rank
+
+    @property
+    def peer(self) -> PeerId:
+        return self._host.me
+
+    async def open_room(self, room: int, generation: int) -> None:
+        self._node.runtime.events.forget_room(self.rank, room)
+        await self._host.call(OpenRoom(room, generation))
+        self._host.clocks[room] = RoomClock(anyio.current_time())
+
+    async def init_transfer(self, room: int, num_pages: int) -> None:
+        await self._host.call(RoomCall(room, InitTransfer(num_pages)))
+
+    async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool) -> None:
+        await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last)))
+
+    async def prefill_completed(self, room: int) -> None:
+        await self._host.call(RoomCall(room, PrefillCompleted()))
+
+    async def abort(self, room: int, reason: str = "aborted by the engine") -> None:
+        await self._host.call(RoomCall(room, AbortRequested(reason)))
+
+    async def clear(self, room: int) -> None:
+        await self._host.call(ClearRoom(room))
+
+    def snapshot(self) -> PrefillSnapshot:
+        """The endpoint's read-only state (rooms, counters)."""
+        snapshot: PrefillSnapshot = self._host.endpoint.snapshot()
+        return snapshot
+
+    def poll(self, room: int) -> KVPoll | None:
+        """The room's status now; None when the room is not open."""
+        summary = self._host.endpoint.summary(room)
+        return None if summary is None else summary.poll
+
+    async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
+        """Until the room is ready for input (or past it), or with ``terminal`` until it ends."""
+        threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
+        return await self._node.runtime.events.wait_status(
+            self.rank, room, lambda poll: poll is KVPoll.Failed or poll >= threshold
+        )
+
+
+class PrefillNode:
+    """``async with PrefillNode(...) as node``: serve until the block ends, then shut down."""
+
+    def __init__(
+        self,
+        *,
+        ranks: Sequence[RankKv],
+        transport: Transport,
+        bootstrap: str,
+        settings: Settings | None = None,
+        serve_bootstrap: bool = True,
+        incarnation: str | None = None,
+        executor: Executor | None = None,
+        codec: WireCodec | None = None,
+        planner_factory: type[TransferPlanner] = TransferPlanner,
+        rng: random.Random | None = None,
+    ) -> None:
+        if not ranks:
+            raise ValueError("a prefill node needs at least one rank")
+        if len({r.tp_rank for r in ranks}) != len(ranks):
+            raise ValueError("each rank of a node needs its own tp_rank")
+        self.settings = settings or load_settings()
+        self.transport = transport
+        self.bootstrap = bootstrap
+        self.serve_bootstrap = serve_bootstrap
+        self.incarnation = incarnation or draw_incarnation()
+        self.rank_kv = list(ranks)
+        self.runtime = NodeRuntime("prefill", self.settings, self.incarnation,
+                                   codec or MsgpackCodec())  # fmt: skip
+        self._executor = executor
+        self._planners = {r.tp_rank: planner_factory(r) for r in ranks}
+        self._rng = rng or random.Random()
+        self._decode_kv: dict[tuple[int, PeerId], KvArgs] = {}
+        self._queues = TransferQueues(self.settings.transfer_queues)
+        self._stack = AsyncExitStack()
+        self.ranks: list[PrefillRank] = []
+        self._hosts: list[EndpointHost] = []
+        self._registered: list[tuple[int, int]] = []
+
+    # ---- public --------------------------------------------------------------------------------
+    @property
+    def metrics_text(self) -> str:
+        return self.runtime.metrics.text()
+
+    def subscribe(self) -> anyio.abc.ObjectReceiveStream[NodeEvent]:
+        return self.runtime.events.subscribe()
+
+    # ---- lifetime ------------------------------------------------------------------------------
+    async def __aenter__(self) -> PrefillNode:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            self._release()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        try:
+            self._tasks.cancel_scope.cancel()
+            await self._stack.__aexit__(exc_type, exc, tb)
+        finally:
+            self._release()
+
+    async def _start(self) -> None:
+        settings = self.settings
+        if self.serve_bootstrap:
+            bind_host, _, port = self.bootstrap.rpartition(":")
+            running = await self._stack.enter_async_context(serve(
+                bind_host or settings.host, int(port), token=settings.bootstrap_token,
+                incarnation=self.incarnation, dp_rank_ttl=settings.dp_rank_ttl,
+                max_body=settings.bootstrap_max_body,
+            ))  # fmt: skip
+            self.bootstrap = running.address
+        for rank_kv in self.rank_kv:
+            self._add_rank(rank_kv, self.runtime.open_channel())
+        for rank_kv in self.rank_kv:
+            for addr in rank_kv.layout.buffer_addrs:
+                self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
+                self._registered.append((addr, rank_kv.layout.buffer_bytes))
+        if self.settings.checksum and self._executor is None:
+            self._executor = default_executor()
+        self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        self._queues.start(self._tasks)
+        for host, channel in zip(self._hosts, self.runtime.channels, strict=True):
+            self._tasks.start_soon(host.run_timer)
+            self._tasks.start_soon(channel.receive_forever, self._deliverer(host, channel))
+        await self._register_ranks()
+        log.info("prefill_node_ready", node=self.runtime.node_id, bootstrap=self.bootstrap,
+                 ranks=[h.me.address for h in self._hosts])  # fmt: skip
+
+    def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
+        unique = prefill_unique_rank(Parallelism(tp=rank_kv.tp_size), tp_rank=rank_kv.tp_rank,
+                                     pp_rank=0, cp_rank=0)  # fmt: skip
+        me = PeerId(channel.address, self.incarnation, unique)
+        config = PrefillEndpointConfig(me=me, policy=self.settings.allocation_policy,
+                                       timeouts=timeouts_from(self.settings))  # fmt: skip
+        endpoint_id = self.runtime.endpoint_id(unique)
+        endpoint = self.runtime.recorder.wrap(endpoint_id, PrefillEndpoint(config))
+        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._execute,
+                            self.runtime.metrics, self.runtime.events)  # fmt: skip
+        self._hosts.append(host)
+        self.ranks.append(PrefillRank(self, host))
+
+    async def _register_ranks(self) -> None:
+        async with BootstrapClient(self.bootstrap, rng=self._rng,
+                                   token=self.settings.bootstrap_token) as client:  # fmt: skip
+            for rank_kv, host in zip(self.rank_kv, self._hosts, strict=True):
+                ip, _, port = host.me.address.rpartition(":")
+                await client.register_rank(RegisterRank(
+                    attn_tp_size=rank_kv.tp_size, attn_tp_rank=rank_kv.tp_rank,
+                    attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                    pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
+                    rank_ip=ip, rank_port=int(port), page_size=rank_kv.layout.page_size,
+                    kv_cache_dtype=rank_kv.layout.dtype.value,
+                    decode_allocation_policy=self.settings.allocation_policy,
+                    incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
+                ))  # fmt: skip
+
+    def _release(self) -> None:
+        self._queues.close()
+        for addr, _ in self._registered:
+            try:
+                self.transport.unregister_buffer(addr)
+            except TransportError as exc:
+                log.warning("unregister_failed", addr=hex(addr), error=str(exc))
+        self._registered.clear()
+        self.runtime.close()
+
+    # ---- receiving -----------------------------------------------------------------------------
+    def _deliverer(self, host: EndpointHost, channel: ControlChannel) -> Deliver:
+        async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+            if isinstance(message, KvArgs):
+                await self._kv_args(host, channel, message)
+            elif isinstance(message, KvArgsAccepted):
+                self.runtime.metrics.frame_dropped("wrong_direction")
+            else:
+                await host.feed(Received(message, msg_id))
+
+        return deliver
+
+    async def _kv_args(self, host: EndpointHost, channel: ControlChannel, args: KvArgs) -> None:
+        if args.prefill != host.me:
+            self.runtime.metrics.frame_dropped("stale_incarnation")
+            return
+        self._decode_kv[(host.rank, args.decode)] = args
+        reply = KvArgsAccepted(host.me, args.decode, self.transport.session_id)
+        await channel.send(args.decode.address, reply, None)
+
+    # ---- outputs -------------------------------------------------------------------------------
+    async def _execute(self, host: EndpointHost, output: Output, msg_id: str | None) -> None:
+        if isinstance(output, SendMessage):
+            await self.runtime.channels[self._hosts.index(host)].send(
+                output.to.address, output.message, msg_id
+            )
+        elif isinstance(output, StartTransfer):
+            self._queues.submit(peer_key(output.peer), lambda: self._transfer(host, output))
+        elif not host.surface_common(output, "prefill"):
+            log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
+
+    async def _transfer(self, host: EndpointHost, start: StartTransfer) -> None:
+        done = await self._write(host, start)
+        await host.feed(done)
+
+    async def _write(self, host: EndpointHost, start: StartTransfer) -> TransferDone:
+        def failed(reason: str) -> TransferDone:
+            return TransferDone(start.room, start.generation, start.seq, False, reason)
+
+        args = self._decode_kv.get((host.rank, start.peer))
+        if args is None:
+            return failed(
+                f"decode {start.peer.address}#{start.peer.rank} never sent its KV "
+                "layout (KvArgs precedes its first metadata); it may have restarted"
+            )
+        try:
+            ops = self._planners[host.rank].plan(start, args)
+        except InvalidInput as exc:
+            return failed(f"cannot plan writes into {start.peer.address}: {exc}")
+        checksum = None
+        if self.settings.checksum and self._executor is not None:
+            checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
+        try:
+            outcome = await self.transport.batch_write(start.session_id, ops)
+        except TransportError as exc:
+            return failed(f"transport refused the writes: {exc}")
+        clock = host.clocks.get(start.room)
+        if clock is not None:
+            clock.add_transfer(outcome.seconds, outcome.nbytes)
+        if not outcome.ok:
+            return failed(outcome.error or "transfer failed")
+        return TransferDone(start.room, start.generation, start.seq, True, "", checksum)
+
+    def _digest(self, rank: int, start: StartTransfer, args: KvArgs) -> int:
+        local = self._planners[rank].local
+        span = exchanged_span(local.layout, local.heads, peer_heads(args))
+        if span is None or self._executor is None:
+            return 0
+        return kv_digest(self._executor, local.layout, span, start.src_pages, start.dst_pages,
+                         args.layout.num_pages)  # fmt: skip

@@ -1,0 +1,196 @@
+"""Test harness for nodes: a prefill subprocess driven over stdin, and an in-test decode engine
+that allocates pages only from what the node released and checks every byte it received."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import Process, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import KvDtype
+from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
+from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, WriterFenced
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import Settings
+
+sys.path.insert(0, os.path.dirname(__file__))
+from node_kv_pattern import GEOMETRY, matches, pages_for
+
+PREFILL_SCRIPT = Path(__file__).with_name("node_prefill_proc.py")
+
+
+class PrefillProcess:
+    """The prefill subprocess: send commands, collect its JSON events."""
+
+    def __init__(self, process: Process) -> None:
+        self.process = process
+        self._reader = BufferedByteReceiveStream(process.stdout)  # type: ignore[arg-type]
+        self.ready: dict[str, Any] = {}
+        self.rooms: dict[int, list[str]] = {}
+        self.room_done: dict[int, anyio.Event] = {}
+
+    async def read_event(self) -> dict[str, Any]:
+        line = await self._reader.receive_until(b"\n", 1 << 20)
+        event: dict[str, Any] = json.loads(line)
+        return event
+
+    async def pump(self) -> None:
+        while True:
+            try:
+                event = await self.read_event()
+            except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
+                return
+            if event["event"] == "room":
+                self.rooms[event["room"]] = event["results"]
+                self.room_done.setdefault(event["room"], anyio.Event()).set()
+
+    async def send(self, **command: Any) -> None:
+        assert self.process.stdin is not None
+        await self.process.stdin.send((json.dumps(command) + "\n").encode())
+
+    async def start_room(
+        self, room: int, generation: int, tokens: int, stall: bool = False
+    ) -> None:
+        self.room_done.setdefault(room, anyio.Event())
+        await self.send(op="room", room=room, generation=generation, tokens=tokens, stall=stall)
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+
+
+@asynccontextmanager
+async def prefill_process(
+    tasks: TaskGroup, options: dict[str, Any]
+) -> AsyncIterator[PrefillProcess]:
+    env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
+    process = await anyio.open_process(
+        [sys.executable, str(PREFILL_SCRIPT), json.dumps(options)], env=env, stderr=None
+    )
+    handle = PrefillProcess(process)
+    try:
+        with anyio.fail_after(30):
+            handle.ready = await handle.read_event()
+        assert handle.ready["event"] == "ready", handle.ready
+        tasks.start_soon(handle.pump)
+        yield handle
+    finally:
+        if process.returncode is None:
+            try:
+                await handle.send(op="quit")
+                with anyio.fail_after(10):
+                    await process.wait()
+            except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+                process.kill()
+                await process.wait()
+        await process.aclose()
+
+
+class DecodeEngine:
+    """A minimal decode engine: one free list per rank fed only by PagesReleased events."""
+
+    def __init__(self, node: DecodeNode, caches: list[HostKvCache]) -> None:
+        self.node = node
+        self.caches = caches
+        self.free = [list(range(kv.layout.num_pages)) for kv in node.rank_kv]
+        self.in_use: list[set[int]] = [set() for _ in node.rank_kv]
+        self.freed = [anyio.Event() for _ in node.rank_kv]
+        self.events: list[NodeEvent] = []
+        self.verified = 0
+        self.corrupt: list[int] = []
+
+    async def pump(self) -> None:
+        async with self.node.subscribe() as stream:
+            async for event in stream:
+                self.events.append(event)
+                if isinstance(event, PagesReleased):
+                    index = self._index(event.rank)
+                    assert self.in_use[index].issuperset(event.pages), event
+                    self.in_use[index].difference_update(event.pages)
+                    self.free[index].extend(event.pages)
+                    self.freed[index].set()
+
+    def _index(self, rank: int) -> int:
+        return [kv.tp_rank for kv in self.node.rank_kv].index(rank)
+
+    async def take(self, indices: list[int], count: int) -> dict[int, list[int]]:
+        """``count`` pages on each rank at once: holding one rank's pages while waiting for
+        another's would deadlock two rooms against each other."""
+        while any(len(self.free[index]) < count for index in indices):
+            short = next(i for i in indices if len(self.free[i]) < count)
+            if self.freed[short].is_set():
+                self.freed[short] = anyio.Event()
+            await self.freed[short].wait()
+        taken = {}
+        for index in indices:
+            random.shuffle(self.free[index])
+            taken[index], self.free[index] = self.free[index][:count], self.free[index][count:]
+            self.in_use[index].update(taken[index])
+        return taken
+
+    async def run_room(self, bootstrap: str, room: int, generation: int, tokens: int,
+                       abort_after: float | None = None) -> str:  # fmt: skip
+        """Receive one room on every rank; returns the outcome ("Success"/"Failed")."""
+        ranks = self.node.ranks
+        for rank in ranks:
+            await rank.open(room, generation, bootstrap)
+        outcomes: list[KVPoll] = []
+        ready = [(await rank.wait(room)).poll is not KVPoll.Failed for rank in ranks]
+        held = await self.take([i for i, ok in enumerate(ready) if ok], pages_for(tokens))
+
+        async def one(index: int) -> None:
+            rank = ranks[index]
+            if index in held:
+                await rank.publish_pages(room, held[index])
+            if abort_after is not None:
+                await anyio.sleep(abort_after)
+                await rank.abort(room, "abort storm")
+            outcomes.append((await rank.wait(room, terminal=True)).poll)
+
+        async with anyio.create_task_group() as group:
+            for index in range(len(ranks)):
+                group.start_soon(one, index)
+        success = all(poll is KVPoll.Success for poll in outcomes)
+        if success:
+            for index, pages in held.items():
+                kv: RankKv = self.node.rank_kv[index]
+                if matches(self.caches[index], kv, room, pages):
+                    self.verified += 1
+                else:
+                    self.corrupt.append(room)
+        for rank in ranks:
+            await rank.clear(room)
+        return "Success" if success else "Failed"
+
+    def leak_report(self) -> list[str]:
+        problems = []
+        for index, rank in enumerate(self.node.ranks):
+            pool = rank.kv.layout.num_pages
+            if rank.allocatable != pool:
+                problems.append(f"rank {rank.rank}: ledger has {rank.allocatable}/{pool} free")
+            if sorted(self.free[index]) != list(range(pool)):
+                problems.append(f"rank {rank.rank}: engine free list has {len(self.free[index])}")
+        return problems
+
+    def order_of(self, kind: type, **match: Any) -> list[int]:
+        return [i for i, e in enumerate(self.events) if isinstance(e, kind)
+                and all(getattr(e, k) == v for k, v in match.items())]  # fmt: skip
+
+
+def decode_caches(tp: int, num_pages: int) -> list[tuple[HostKvCache, RankKv]]:
+    return [host_cache_for_rank(tp_size=tp, tp_rank=r, num_pages=num_pages, dtype=KvDtype.FP16,
+                                **GEOMETRY) for r in range(tp)]  # fmt: skip
+
+
+__all__ = ["DecodeEngine", "PagesHeld", "PrefillProcess", "Settings", "WriterFenced",
+           "decode_caches", "prefill_process"]  # fmt: skip

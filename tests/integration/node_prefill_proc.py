@@ -1,0 +1,132 @@
+"""A prefill process for node tests: a PrefillNode over Mooncake TCP, driven by JSON lines.
+
+    python node_prefill_proc.py '<json options>'
+
+Prints ``{"event": "ready", ...}`` once registered, then reads commands from stdin:
+``{"op": "room", "room": R, "generation": G, "tokens": N, "stall": false}`` runs the prefill side
+of a room on every rank (``stall`` sends only the first chunk and never the last, so the room
+stays mid-transfer); ``{"op": "stats"}`` prints the metrics. Each finished room prints
+``{"event": "room", ...}``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from typing import Any
+
+import anyio
+import structlog
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import KvDtype
+from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
+from pdflow.io.node_prefill import PrefillNode, PrefillRank
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeTransport
+
+sys.path.insert(0, os.path.dirname(__file__))
+from node_kv_pattern import GEOMETRY, fill, pages_for
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+class SourcePages:
+    def __init__(self, count: int) -> None:
+        self.free = list(range(count))
+        self.available = anyio.Event()
+
+    async def take(self, count: int) -> list[int]:
+        while len(self.free) < count:
+            if self.available.is_set():
+                self.available = anyio.Event()
+            await self.available.wait()
+        taken, self.free = self.free[:count], self.free[count:]
+        return taken
+
+    def give(self, pages: list[int]) -> None:
+        self.free.extend(pages)
+        self.available.set()
+
+
+async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: SourcePages,
+                   cmd: dict[str, Any]) -> str:  # fmt: skip
+    room, tokens = cmd["room"], cmd["tokens"]
+    await rank.open_room(room, cmd["generation"])
+    status = await rank.wait(room)
+    if status.poll is KVPoll.Failed:
+        await rank.clear(room)
+        return "failed"
+    count = pages_for(tokens)
+    pages = await pool.take(count)
+    try:
+        fill(cache, kv, room, pages)
+        await rank.init_transfer(room, count)
+        split = max(1, count // 2)
+        if count > 1:
+            await rank.send_chunk(room, pages[:split], False)
+        if cmd.get("stall"):
+            await anyio.sleep_forever()
+        await rank.send_chunk(room, pages[split:] if count > 1 else pages, True)
+        final = await rank.wait(room, terminal=True)
+        await rank.clear(room)
+    finally:
+        pool.give(pages)
+    return final.poll.name
+
+
+async def main(options: dict[str, Any]) -> None:
+    settings = load_settings(**options.get("settings", {}))
+    tp = options.get("tp", 2)
+    num_pages = options.get("num_pages", 2048)
+    geometry = {k: v for k, v in GEOMETRY.items()}
+    caches = [host_cache_for_rank(tp_size=tp, tp_rank=r, num_pages=num_pages,
+                                  dtype=KvDtype.FP16, **geometry) for r in range(tp)]  # fmt: skip
+    transport = MooncakeTransport.open()
+    async with transport, PrefillNode(
+        ranks=[kv for _, kv in caches], transport=transport, bootstrap=options["bootstrap"],
+        settings=settings, serve_bootstrap=options.get("serve_bootstrap", True),
+    ) as node:  # fmt: skip
+        pools = [SourcePages(num_pages) for _ in range(tp)]
+        emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid(),
+             incarnation=node.incarnation, ranks=[r.peer.address for r in node.ranks])  # fmt: skip
+
+        async def room(cmd: dict[str, Any]) -> None:
+            results: list[str] = []
+
+            async def one(index: int) -> None:
+                cache, kv = caches[index]
+                results.append(await run_rank(node.ranks[index], cache, kv, pools[index], cmd))
+
+            async with anyio.create_task_group() as ranks:
+                for index in range(tp):
+                    ranks.start_soon(one, index)
+            emit(event="room", room=cmd["room"], results=sorted(results))
+
+        async with anyio.create_task_group() as tasks:
+            async for line in anyio.wrap_file(sys.stdin):
+                if not line.strip():
+                    continue
+                cmd = json.loads(line)
+                if cmd["op"] == "room":
+                    tasks.start_soon(room, cmd)
+                elif cmd["op"] == "stats":
+                    emit(event="stats", metrics=node.metrics_text)
+                elif cmd["op"] == "quit":
+                    break
+            tasks.cancel_scope.cancel()
+        emit(event="stopped")
+
+
+if __name__ == "__main__":
+    # stdout carries the JSON events; logs go to stderr, warnings and up only.
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )
+    anyio.run(main, json.loads(sys.argv[1]), backend="asyncio")

@@ -1,0 +1,136 @@
+"""Failures for real: kill -9 of the prefill mid-transfer, restart, and abort storms."""
+
+from __future__ import annotations
+
+import random
+import time
+from typing import Any
+
+import anyio
+import pytest
+
+from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeTransport
+
+from .node_harness import DecodeEngine, decode_caches, prefill_process
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
+
+HEARTBEAT_S, MAX_FAILURES = 0.5, 2
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def node_settings(tmp: str) -> dict[str, Any]:
+    return {"trace_dir": tmp, "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+            "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
+
+
+async def test_kill_9_mid_transfer_fails_rooms_fences_pages_and_a_restart_serves(
+    tmp_path: anyio.Path,
+) -> None:
+    settings = node_settings(str(tmp_path))
+    caches = decode_caches(2, num_pages=512)
+    transport = MooncakeTransport.open()
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with prefill_process(tasks, options) as first:
+                bootstrap = first.ready["bootstrap"]
+                # Warm rooms succeed; stalled rooms have written their first chunk only.
+                for room in range(10):
+                    await first.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                stalled: dict[int, str] = {}
+
+                async def stalled_room(room: int) -> None:
+                    await first.start_room(room, 0, 128, stall=True)
+                    stalled[room] = await engine.run_room(bootstrap, room, 0, 128)
+
+                async with anyio.create_task_group() as rooms:
+                    for room in range(100, 120):
+                        rooms.start_soon(stalled_room, room)
+                    with anyio.fail_after(10):
+                        while sum(isinstance(e, RoomStatus) and e.room >= 100 and e.poll == 3
+                                  for e in engine.events) < 40:  # fmt: skip
+                            await anyio.sleep(0.01)
+                    first.kill()
+                    killed_at = time.monotonic()
+                with anyio.fail_after(5):
+                    await first.process.wait()
+            failed_within = time.monotonic() - killed_at
+            assert set(stalled.values()) == {"Failed"}
+            assert failed_within < HEARTBEAT_S * MAX_FAILURES + 2
+            with anyio.fail_after(5):
+                while engine.leak_report():
+                    await anyio.sleep(0.01)
+            # Each stalled room's pages were quarantined, and freed only after the dead
+            # writers' sessions were closed.
+            for room in range(100, 120):
+                for rank in (0, 1):
+                    held = engine.order_of(PagesHeld, room=room, rank=rank)
+                    freed = engine.order_of(PagesReleased, room=room, rank=rank)
+                    fenced = engine.order_of(WriterFenced, rank=rank)
+                    assert held and freed and fenced, (room, rank)
+                    assert held[0] < min(fenced) < freed[0]
+            assert engine.leak_report() == []
+
+            options["bootstrap"] = bootstrap  # the restarted prefill takes the same address
+            async with prefill_process(tasks, options) as second:
+                assert second.ready["incarnation"] != first.ready["incarnation"]
+                for room in range(200, 220):
+                    await second.start_room(room, 0, 48)
+                    with anyio.fail_after(15):
+                        assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
+            assert engine.corrupt == []
+            assert engine.leak_report() == []
+        tasks.cancel_scope.cancel()
+
+
+async def test_abort_storm_never_reuses_a_page_a_write_can_still_reach(
+    tmp_path: anyio.Path,
+) -> None:
+    rng = random.Random(7)
+    settings = node_settings(str(tmp_path))
+    # A small pool: aborted rooms' pages must come back (by ACK) before later rooms can run.
+    caches = decode_caches(2, num_pages=160)
+    transport = MooncakeTransport.open()
+    async with anyio.create_task_group() as tasks, transport:
+        options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 1024}
+        async with prefill_process(tasks, options) as prefill:
+            bootstrap = prefill.ready["bootstrap"]
+            async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                                  settings=load_settings(**settings)) as node:  # fmt: skip
+                engine = DecodeEngine(node, [cache for cache, _ in caches])
+                tasks.start_soon(engine.pump)
+                outcomes: dict[int, str] = {}
+
+                async def room(room_id: int, abort: bool) -> None:
+                    tokens = rng.randint(16, 256)
+                    await prefill.start_room(room_id, 0, tokens)
+                    delay = rng.uniform(0, 0.01) if abort else None
+                    outcomes[room_id] = await engine.run_room(bootstrap, room_id, 0, tokens,
+                                                              abort_after=delay)  # fmt: skip
+
+                with anyio.fail_after(60):
+                    async with anyio.create_task_group() as rooms:
+                        for room_id in range(300):
+                            rooms.start_soon(room, room_id, room_id % 2 == 0 and room_id < 200)
+                    for room_id in range(300):
+                        await prefill.room_done[room_id].wait()
+                aborted = [r for r in range(0, 200, 2)]
+                assert all(outcomes[r] == "Success" for r in range(300) if r not in aborted)
+                assert any(outcomes[r] == "Failed" for r in aborted)
+                assert engine.order_of(PagesHeld), "no abort caught a room mid-transfer"
+                assert engine.corrupt == []
+                assert engine.verified == 2 * sum(v == "Success" for v in outcomes.values())
+                assert engine.leak_report() == []
+        tasks.cancel_scope.cancel()

@@ -1,0 +1,189 @@
+"""Both nodes in this process (real ZMQ, HTTP and an in-process transport): bad frames at the
+control ports, the end-to-end digest, and shutdown leaving nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import ctypes
+import os
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import KvDtype, rank_head_range
+from pdflow.core.messages import PROTOCOL_VERSION, PeerId, StatusReport
+from pdflow.core.outputs import StartTransfer
+from pdflow.dataplane.host import memmove_write_ops
+from pdflow.io.codec import MAGIC, MsgpackCodec
+from pdflow.io.kv_buffers import (
+    TransferPlanner,
+    default_executor,
+    exchanged_span,
+    host_cache_for_rank,
+    kv_digest,
+)
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.node_prefill import PrefillNode
+from pdflow.io.settings import Settings, load_settings
+from pdflow.transport import InProcessFabric
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(60)]
+
+GEOMETRY: dict[str, Any] = {"num_layers": 2, "page_size": 4, "head_dim": 8, "total_kv_heads": 4,
+            "dtype": KvDtype.FP16}  # fmt: skip
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@asynccontextmanager
+async def two_nodes(settings: Settings) -> AsyncIterator[tuple[PrefillNode, DecodeNode]]:
+    fabric = InProcessFabric()
+    prefill = [host_cache_for_rank(tp_size=2, tp_rank=r, num_pages=32, **GEOMETRY)
+               for r in range(2)]  # fmt: skip
+    decode = [host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=32, **GEOMETRY)]
+    for cache, _ in prefill:
+        ctypes.memset(cache.base_addr, 0x5A, cache.nbytes)
+    async with (
+        fabric.create_transport() as p_transport, fabric.create_transport() as d_transport,
+        PrefillNode(ranks=[kv for _, kv in prefill], transport=p_transport,
+                    bootstrap="127.0.0.1:0", settings=settings) as p_node,
+        DecodeNode(ranks=[kv for _, kv in decode], transport=d_transport,
+                   settings=settings) as d_node,
+    ):  # fmt: skip
+        yield p_node, d_node
+
+
+async def one_room(p_node: PrefillNode, d_node: DecodeNode, room: int) -> KVPoll:
+    d_rank = d_node.ranks[0]
+    for rank in p_node.ranks:
+        await rank.open_room(room, 0)
+    await d_rank.open(room, 0, p_node.bootstrap)
+    await d_rank.wait(room)
+    await d_rank.publish_pages(room, [room % 32, (room + 1) % 32])
+    for rank in p_node.ranks:
+        await rank.wait(room)
+        await rank.init_transfer(room, 2)
+        await rank.send_chunk(room, [3, 4], True)
+    with anyio.fail_after(10):
+        status = await d_rank.wait(room, terminal=True)
+    await d_rank.clear(room)
+    for rank in p_node.ranks:
+        await rank.wait(room, terminal=True)
+        await rank.clear(room)
+    return status.poll
+
+
+async def test_bad_frames_are_counted_dropped_and_change_nothing(tmp_path: anyio.Path) -> None:
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        before = (d_node.ranks[0].snapshot(),
+                  [r.snapshot() for r in p_node.ranks])  # fmt: skip
+        good = MsgpackCodec().encode(StatusReport(9, 0, KVPoll.Success, p_node.ranks[0].peer,
+                                                  d_node.ranks[0].peer), None)  # fmt: skip
+        bad_frames = [
+            [b"\x00garbage"],
+            [MAGIC, str(PROTOCOL_VERSION + 1).encode(), good[2], b""],
+            [MAGIC, good[1], b"\xc1not msgpack", b""],
+            [MAGIC, good[1], msgspec.msgpack.encode({"type": "drop_tables"}), b""],
+            [MAGIC, good[1], b"\x00" * (2 << 20), b""],
+        ]
+        context = zmq.asyncio.Context()
+        try:
+            for address in [d_node.ranks[0].peer.address, *(r.peer.address for r in p_node.ranks)]:
+                push = context.socket(zmq.PUSH)
+                push.setsockopt(zmq.LINGER, 2000)
+                push.connect(f"tcp://{address}")
+                for frames in bad_frames:
+                    await push.send_multipart(frames)
+                push.close()
+            metrics = (d_node.runtime.metrics, p_node.runtime.metrics)
+            with anyio.fail_after(5):
+                while sum(m.value("pdflow_dropped_frames_total", {"reason": reason})
+                          for m in metrics for reason in ("oversized",)) < 3:  # fmt: skip
+                    await anyio.sleep(0.01)
+        finally:
+            context.term()
+        after = (d_node.ranks[0].snapshot(),
+                 [r.snapshot() for r in p_node.ranks])  # fmt: skip
+        assert after == before
+        expected = {"malformed": 1, "bad_version": 1, "undecodable": 2, "oversized": 1}
+        for node in (d_node, p_node):
+            ranks = len(node.ranks)
+            for reason, count in expected.items():
+                value = node.runtime.metrics.value("pdflow_dropped_frames_total",
+                                                   {"reason": reason})  # fmt: skip
+                assert value == count * ranks, (node.runtime.role, reason, value)
+        # A well-formed status for a room nobody has: refused by the core, counted.
+        context = zmq.asyncio.Context()
+        push = context.socket(zmq.PUSH)
+        push.connect(f"tcp://{d_node.ranks[0].peer.address}")
+        await push.send_multipart(good)
+        push.close(linger=2000)
+        context.term()
+        with anyio.fail_after(5):
+            while not d_node.runtime.metrics.value("pdflow_core_dropped_total",
+                                                   {"kind": "unknown_room"}):  # fmt: skip
+                await anyio.sleep(0.01)
+        assert await one_room(p_node, d_node, 2) is KVPoll.Success
+
+
+async def test_shutdown_leaves_no_task_socket_or_thread_behind(tmp_path: anyio.Path) -> None:
+    settings = load_settings(env={}, trace_dir=str(tmp_path))
+
+    def open_fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    async with two_nodes(settings) as (p_node, d_node):  # warm imports and lazy singletons
+        await one_room(p_node, d_node, 1)
+    await anyio.sleep(0.1)
+    fds, tasks = open_fds(), len(asyncio.all_tasks())
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        assert open_fds() > fds
+    await anyio.sleep(0.1)
+    assert open_fds() == fds
+    assert len(asyncio.all_tasks()) == tasks
+
+
+def test_digest_matches_across_tp_and_catches_a_misplaced_page() -> None:
+    """The prefill's per-transfer digests sum to the decode's digest of what landed."""
+    executor = default_executor()
+    prefill = [host_cache_for_rank(tp_size=2, tp_rank=r, num_pages=16, **GEOMETRY)
+               for r in range(2)]  # fmt: skip
+    decode_cache, decode_kv = host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=16, **GEOMETRY)
+    peer = PeerId("127.0.0.1:1", "d", 0)
+    for index, (cache, _) in enumerate(prefill):
+        buffer = (ctypes.c_uint8 * cache.nbytes).from_address(cache.base_addr)
+        for offset in range(cache.nbytes):
+            buffer[offset] = (offset * 7 + index * 29) % 251
+    dst_pages, src_pages = (5, 6, 9), (2, 3, 7)
+    for _, kv in prefill:
+        args = decode_kv.kv_args(peer, PeerId("127.0.0.1:2", "p", kv.tp_rank), "s")
+        sent = 0
+        for lo, hi in ((0, 2), (2, 3)):
+            start = StartTransfer(1, 0, 0, peer, "s", src_pages[lo:hi], dst_pages[lo:hi],
+                                  hi == 3, None, None)  # fmt: skip
+            memmove_write_ops(TransferPlanner(kv).plan(start, args))
+            span = exchanged_span(kv.layout, kv.heads, decode_kv.heads)
+            assert span is not None
+            sent += kv_digest(executor, kv.layout, span, start.src_pages, start.dst_pages, 16)
+        heads = rank_head_range(4, 2, kv.tp_rank)
+        span = exchanged_span(decode_kv.layout, decode_kv.heads, heads)
+        assert span is not None
+        received = kv_digest(executor, decode_kv.layout, span, dst_pages, dst_pages, 16)
+        assert received == sent % (1 << 64)
+        # The same bytes in the wrong page are caught.
+        moved = kv_digest(executor, decode_kv.layout, span, dst_pages, (5, 9, 6), 16)
+        assert moved != received
+    del decode_cache

@@ -1,0 +1,98 @@
+"""Start-up races: a decode asking before the registry is ready, a prefill registering before
+the registry listens. Both sides retry; nothing has to start first."""
+
+from __future__ import annotations
+
+import socket
+from typing import Any
+
+import anyio
+import pytest
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.io.bootstrap_server import serve
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeTransport
+
+from .node_harness import DecodeEngine, decode_caches, prefill_process
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(90)]
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_decode_waits_through_503_until_the_prefill_registers(tmp_path: anyio.Path) -> None:
+    settings: dict[str, Any] = {"trace_dir": str(tmp_path), "checksum": True}
+    caches = decode_caches(2, num_pages=64)
+    transport = MooncakeTransport.open()
+    # A registry with no incarnation of its own: the heartbeat must not read it as a restart.
+    async with anyio.create_task_group() as tasks, transport, serve("127.0.0.1", 0) as registry:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            outcome: list[str] = []
+
+            async def decode_room() -> None:
+                outcome.append(await engine.run_room(registry.address, 7, 0, 40))
+
+            tasks.start_soon(decode_room)
+            await anyio.sleep(1.0)  # the registry answers 503 meanwhile: no rank registered
+            assert node.ranks[0].poll(7) is KVPoll.Bootstrapping
+            options = {"bootstrap": registry.address, "serve_bootstrap": False,
+                       "settings": settings, "num_pages": 64}  # fmt: skip
+            async with prefill_process(tasks, options) as prefill:
+                await prefill.start_room(7, 0, 40)
+                with anyio.fail_after(20):
+                    while not outcome:
+                        await anyio.sleep(0.02)
+            assert outcome == ["Success"]
+            assert engine.corrupt == []
+            assert engine.leak_report() == []
+        tasks.cancel_scope.cancel()
+
+
+async def test_prefill_registration_retries_until_the_registry_binds(
+    tmp_path: anyio.Path,
+) -> None:
+    settings: dict[str, Any] = {"trace_dir": str(tmp_path)}
+    port = free_port()
+    address = f"127.0.0.1:{port}"
+    caches = decode_caches(2, num_pages=64)
+    transport = MooncakeTransport.open()
+    registry_up = anyio.Event()
+    stop_registry = anyio.Event()
+
+    async def late_registry() -> None:
+        await anyio.sleep(1.5)
+        async with serve("127.0.0.1", port):
+            registry_up.set()
+            await stop_registry.wait()
+
+    async with anyio.create_task_group() as tasks, transport:
+        tasks.start_soon(late_registry)
+        options = {"bootstrap": address, "serve_bootstrap": False, "settings": settings,
+                   "num_pages": 64}  # fmt: skip
+        async with prefill_process(tasks, options) as prefill:  # ready = registered
+            assert registry_up.is_set()
+            async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                                  settings=load_settings(**settings)) as node:  # fmt: skip
+                engine = DecodeEngine(node, [cache for cache, _ in caches])
+                tasks.start_soon(engine.pump)
+                await prefill.start_room(3, 0, 20)
+                with anyio.fail_after(20):
+                    assert await engine.run_room(address, 3, 0, 20) == "Success"
+                assert engine.corrupt == []
+        stop_registry.set()
+        tasks.cancel_scope.cancel()

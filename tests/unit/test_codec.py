@@ -1,0 +1,102 @@
+"""The control channel's MessagePack codec: round trips, and typed refusals of bad frames."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import KvDtype, packed_layout
+from pdflow.core.messages import PROTOCOL_VERSION, Abort, PeerId, RoomMetadata, StatusReport
+from pdflow.io.codec import MAGIC, FrameError, MsgpackCodec
+from pdflow.io.kv_buffers import KvArgs
+
+DECODE = PeerId("127.0.0.1:5001", "d-inc", 0)
+PREFILL = PeerId("127.0.0.1:6001", "p-inc", 1)
+
+
+def metadata(pages: int = 4) -> RoomMetadata:
+    return RoomMetadata(
+        room=7, generation=2, decode=DECODE, prefill=PREFILL, session_id="127.0.0.1:9000",
+        dst_pages=tuple(range(pages)), aux_index=None, required_dst_info_num=1,
+    )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "message",
+    [
+        metadata(),
+        StatusReport(7, 2, KVPoll.Success, PREFILL, DECODE, checksum=12345),
+        Abort(7, 2, DECODE, PREFILL, reason="client went away"),
+        KvArgs(
+            DECODE,
+            PREFILL,
+            "127.0.0.1:9000",
+            packed_layout(
+                base_addr=4096,
+                num_layers=2,
+                num_pages=8,
+                page_size=4,
+                num_heads=2,
+                head_dim=8,
+                dtype=KvDtype.FP16,
+            ),
+            2,
+            0,
+            4,
+        ),
+    ],
+)
+def test_round_trip_keeps_message_and_id(message: object) -> None:
+    codec = MsgpackCodec()
+    frames = codec.encode(message, "decode-x#0:12:0")  # type: ignore[arg-type]
+    assert frames[0] == MAGIC and frames[1] == str(PROTOCOL_VERSION).encode()
+    assert codec.decode(frames) == (message, "decode-x#0:12:0")
+
+
+def test_missing_message_id_decodes_as_none() -> None:
+    codec = MsgpackCodec()
+    assert codec.decode(codec.encode(metadata(), None)) == (metadata(), None)
+
+
+def reason_of(codec: MsgpackCodec, frames: list[bytes]) -> str:
+    with pytest.raises(FrameError) as caught:
+        codec.decode(frames)
+    return caught.value.reason
+
+
+def test_bad_frames_raise_typed_reasons() -> None:
+    codec = MsgpackCodec()
+    good = codec.encode(metadata(), None)
+    assert reason_of(codec, [b"garbage"]) == "malformed"
+    assert reason_of(codec, [b"nope", *good[1:]]) == "malformed"
+    assert reason_of(codec, good[:3]) == "malformed"
+    assert reason_of(codec, [MAGIC, b"99", *good[2:]]) == "bad_version"
+    assert reason_of(codec, [MAGIC, good[1], b"\xc1\xc1", b""]) == "undecodable"
+    assert reason_of(codec, [MAGIC, good[1], codec.encode(metadata(), None)[2][:-3], b""]) == (
+        "undecodable"
+    )
+    assert reason_of(codec, [*good[:3], b"\xff\xfe"]) == "undecodable"
+
+
+def test_unknown_message_type_is_undecodable() -> None:
+    codec = MsgpackCodec()
+    import msgspec
+
+    payload = msgspec.msgpack.encode({"type": "format_disk", "room": 1})
+    assert reason_of(codec, [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]) == (
+        "undecodable"
+    )
+
+
+def test_oversized_is_refused_both_ways() -> None:
+    codec = MsgpackCodec(max_message_bytes=4096)
+    assert reason_of(codec, [MAGIC, b"1", b"x" * 5000, b""]) == "oversized"
+    with pytest.raises(FrameError) as caught:
+        codec.encode(metadata(pages=2000), None)
+    assert caught.value.reason == "oversized"
+    assert "raise max_message_bytes" in str(caught.value)
+
+
+def test_limit_must_be_sane() -> None:
+    with pytest.raises(ValueError, match="at least 64"):
+        MsgpackCodec(max_message_bytes=10)

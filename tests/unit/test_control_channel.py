@@ -1,0 +1,107 @@
+"""The ZMQ control channel on loopback: delivery, bad frames dropped and counted, send limits."""
+
+from __future__ import annotations
+
+import socket
+from collections import Counter
+
+import anyio
+import pytest
+import zmq
+import zmq.asyncio
+
+from pdflow.core.messages import Abort, PeerId
+from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
+from pdflow.io.control import ControlChannel
+
+pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
+
+DECODE = PeerId("127.0.0.1:5001", "d", 0)
+PREFILL = PeerId("127.0.0.1:6001", "p", 0)
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
+
+
+async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
+    context = zmq.asyncio.Context()
+    drops: Counter[str] = Counter()
+    codec = MsgpackCodec(max_message_bytes=4096)
+    receiver = ControlChannel.open(context, codec, on_drop=lambda reason: drops.update([reason]))
+    sender = ControlChannel.open(context, codec)
+    received: list[tuple[ControlMessage, str | None]] = []
+    done = anyio.Event()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        received.append((message, msg_id))
+        if len(received) == 3:
+            done.set()
+
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{receiver.address}")
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(receiver.receive_forever, deliver)
+            await sender.send(receiver.address, Abort(1, 0, DECODE, PREFILL), "a:0:0")
+            for frames in (
+                [b"garbage"],
+                [MAGIC, b"2", b"\x80", b""],
+                [MAGIC, b"1", b"\xc1", b""],
+                [MAGIC, b"1", b"x" * 8000, b""],
+            ):
+                await raw.send_multipart(frames)
+            await sender.send(receiver.address, Abort(2, 0, DECODE, PREFILL), None)
+            await sender.send(receiver.address, Abort(3, 0, DECODE, PREFILL), None)
+            with anyio.fail_after(5):
+                await done.wait()
+            tasks.cancel_scope.cancel()
+    finally:
+        raw.close(linger=0)
+        sender.close()
+        receiver.close()
+        context.term()
+    assert [m.room for m, _ in received] == [1, 2, 3]  # type: ignore[union-attr]
+    assert received[0][1] == "a:0:0"
+    assert drops == Counter(malformed=1, bad_version=1, undecodable=1, oversized=1)
+    assert receiver.dropped == 4
+
+
+async def test_a_send_that_cannot_be_queued_times_out_and_is_counted() -> None:
+    context = zmq.asyncio.Context()
+    failed: list[str] = []
+    sender = ControlChannel.open(context, MsgpackCodec(), send_timeout_s=0.2, send_hwm=1,
+                                 on_send_failed=failed.append)  # fmt: skip
+    nobody = f"127.0.0.1:{free_port()}"
+    try:
+        results = [await sender.send(nobody, Abort(n, 0, DECODE, PREFILL), None) for n in range(4)]
+        assert results[0] is True
+        assert False in results
+        assert failed and set(failed) == {nobody}
+        assert sender.peers == (nobody,)
+        sender.forget(nobody)
+        assert not sender.peers
+    finally:
+        sender.close()
+        context.term()
+
+
+def test_binding_a_taken_port_says_so() -> None:
+    context = zmq.asyncio.Context()
+    first = ControlChannel.open(context, MsgpackCodec())
+    port = int(first.address.rsplit(":", 1)[1])
+    try:
+        with pytest.raises(OSError, match="cannot bind the control socket"):
+            ControlChannel.open(context, MsgpackCodec(), port=port)
+    finally:
+        first.close()
+        context.term()
