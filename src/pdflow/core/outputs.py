@@ -34,6 +34,10 @@ class StartTransfer(Output, frozen=True, tag="start_transfer"):
     is_last: bool
     aux_index: int | None
     staging_offset: int | None
+    page_start: int = 0
+    """Index of the chunk's first page within the room (its place in a staging region)."""
+    room_pages: int = 0
+    """How many pages the decode published for the room."""
 
 
 class StatusChanged(Output, frozen=True, tag="status_changed"):

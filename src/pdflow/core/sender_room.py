@@ -353,6 +353,8 @@ class SenderRoom(TableMachine[SenderState]):
                     is_last=chunk.is_last,
                     aux_index=md.aux_index if chunk.is_last else None,
                     staging_offset=md.staging_offset,
+                    page_start=start,
+                    room_pages=len(md.dst_pages),
                 )
             )
         return outputs

@@ -26,7 +26,7 @@ from pdflow.core.checksum import ByteRange, Checksum
 from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
 from pdflow.core.messages import PeerId
 from pdflow.core.outputs import StartTransfer
-from pdflow.core.planning import WriteOp, plan_head_slices, plan_pages
+from pdflow.core.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
 from pdflow.core.sender_room import CHECKSUM_MODULUS as ROOM_FOLD_MODULUS
 from pdflow.dataplane.backend import load_optional
 from pdflow.dataplane.executor import Executor
@@ -46,6 +46,8 @@ class KvArgs(msgspec.Struct, frozen=True, tag="kv_args", tag_field="type",
     tp_size: int
     tp_rank: int
     total_kv_heads: int
+    staging_addr: int | None = None
+    """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
 
 
 class KvArgsAccepted(msgspec.Struct, frozen=True, tag="kv_args_accepted", tag_field="type",
@@ -69,9 +71,11 @@ class RankKv(msgspec.Struct, frozen=True):
     def heads(self) -> HeadRange:
         return rank_head_range(self.total_kv_heads, self.tp_size, self.tp_rank)
 
-    def kv_args(self, decode: PeerId, prefill: PeerId, session_id: str) -> KvArgs:
+    def kv_args(
+        self, decode: PeerId, prefill: PeerId, session_id: str, staging_addr: int | None = None
+    ) -> KvArgs:
         return KvArgs(decode, prefill, session_id, self.layout, self.tp_size, self.tp_rank,
-                      self.total_kv_heads)  # fmt: skip
+                      self.total_kv_heads, staging_addr)  # fmt: skip
 
 
 def peer_heads(args: KvArgs) -> HeadRange:
@@ -91,6 +95,66 @@ class TransferPlanner:
             return plan_pages(self.local.layout, peer.layout, start.src_pages, start.dst_pages)
         return plan_head_slices(self.local.layout, peer.layout, src_heads, dst_heads,
                                 start.src_pages, start.dst_pages)  # fmt: skip
+
+
+# ---- staging -----------------------------------------------------------------------------------
+class WriterRegion(msgspec.Struct, frozen=True):
+    """Where one prefill rank's slices of one room sit in the decode's staging region.
+
+    The region of a room is writer-major: writer ``w`` (writers ordered by the decode heads they
+    fill) owns ``room_pages * page_bytes`` bytes starting at ``w * room_pages * page_bytes``, and
+    page ``i`` of the room sits at ``i * page_bytes`` inside it (each page laid out as
+    :func:`pdflow.core.planning.plan_staged` lays out a one-page chunk), so every chunk of one
+    writer is one contiguous bulk write whatever the chunking.
+    """
+
+    writer_index: int
+    page_bytes: int
+    slice_offset: int
+    slice_bytes: int
+
+    def chunk_offset(self, room_pages: int, page_start: int) -> int:
+        return (self.writer_index * room_pages + page_start) * self.page_bytes
+
+
+def writer_region(layout: KvLayout, own: HeadRange, writer: HeadRange) -> WriterRegion | None:
+    """The staged region geometry of ``writer``'s heads, seen from a side whose heads are
+    ``own`` and whose pages are laid out by ``layout`` (either side can call it)."""
+    shared = own.intersect(writer)
+    if shared is None:
+        return None
+    decode_start = min(own.start, writer.start) if own.count < writer.count else own.start
+    slice_bytes = shared.count * layout.head_bytes
+    return WriterRegion(
+        writer_index=(shared.start - decode_start) // shared.count,
+        page_bytes=len(layout.buffer_addrs) * layout.page_size * slice_bytes,
+        slice_offset=(shared.start - own.start) * layout.head_bytes,
+        slice_bytes=slice_bytes,
+    )
+
+
+def staged_slices(layout: KvLayout, pages: Sequence[int], region: WriterRegion,
+                  staging_addr: int) -> tuple[StagedSlices, ...]:  # fmt: skip
+    """Gather (prefill) or scatter (decode) of one writer's slices of ``pages``, page after page
+    from ``staging_addr`` (one description per page: the layout must not depend on chunking)."""
+    return tuple(
+        StagedSlices(
+            buffer_addrs=layout.buffer_addrs,
+            pages=(page,),
+            page_size=layout.page_size,
+            item_len=layout.item_len,
+            token_bytes=layout.token_bytes,
+            slice_offset=region.slice_offset,
+            slice_bytes=region.slice_bytes,
+            staging_addr=staging_addr + index * region.page_bytes,
+        )
+        for index, page in enumerate(pages)
+    )
+
+
+def staging_page_bytes(layout: KvLayout) -> int:
+    """Bytes one destination page occupies in a staging region (every buffer, whole page)."""
+    return len(layout.buffer_addrs) * layout.item_len
 
 
 # ---- digest ------------------------------------------------------------------------------------

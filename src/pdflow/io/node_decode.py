@@ -9,6 +9,7 @@ recomputes checksums when the core asks. Pages come back to the engine only thro
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -34,6 +35,7 @@ from pdflow.core.endpoint_io import (
     RoomCall,
     RoomRemoved,
     SessionClosed,
+    StagingPlaced,
     TopologyFailed,
     TopologyKnown,
 )
@@ -56,6 +58,9 @@ from pdflow.io.kv_buffers import (
     default_executor,
     exchanged_span,
     kv_digest,
+    staged_slices,
+    staging_page_bytes,
+    writer_region,
 )
 from pdflow.io.node_common import (
     EndpointHost,
@@ -156,6 +161,7 @@ class DecodeNode:
         executor: Executor | None = None,
         codec: WireCodec | None = None,
         rng: random.Random | None = None,
+        staging_bytes: int = 0,
     ) -> None:
         if not ranks:
             raise ValueError("a decode node needs at least one rank")
@@ -178,6 +184,11 @@ class DecodeNode:
         self._hosts: list[EndpointHost] = []
         self._channels: dict[int, ControlChannel] = {}
         self._registered: list[int] = []
+        # Heterogeneous TP: each rank's staging ring (prefill ranks write head slices there in
+        # one bulk write per chunk; the node scatters them into pages before Success).
+        self.staging_bytes = staging_bytes
+        self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self.room_staging: dict[tuple[int, int], int] = {}
 
     # ---- public --------------------------------------------------------------------------------
     @property
@@ -207,11 +218,16 @@ class DecodeNode:
 
     async def _start(self) -> None:
         for rank_kv in self.rank_kv:
+            if self.staging_bytes:
+                ring = (ctypes.c_uint8 * self.staging_bytes)()
+                self._staging[rank_kv.tp_rank] = ring
+                self.transport.register_buffer(ctypes.addressof(ring), self.staging_bytes)
+                self._registered.append(ctypes.addressof(ring))
             self._add_rank(rank_kv, self.runtime.open_channel())
             for addr in rank_kv.layout.buffer_addrs:
                 self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
                 self._registered.append(addr)
-        if self.settings.checksum and self._executor is None:
+        if (self.settings.checksum or self.staging_bytes) and self._executor is None:
             self._executor = default_executor()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         for host in self._hosts:
@@ -234,6 +250,8 @@ class DecodeNode:
             timeouts=timeouts_from(self.settings),
             heartbeat_max_failure=self.settings.heartbeat_max_failure,
             verify_checksums=self.settings.checksum,
+            staging_capacity=self.staging_bytes,
+            staging_page_bytes=staging_page_bytes(layout),
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
@@ -280,6 +298,8 @@ class DecodeNode:
             self._tasks.start_soon(self._close_session, host, output.peer)
         elif isinstance(output, VerifyChecksums):
             self._tasks.start_soon(self._verify, host, output)
+        elif isinstance(output, StagingPlaced):
+            self.room_staging[(host.rank, output.room)] = output.offset
         elif isinstance(output, PagesFreed):
             self.runtime.events.publish(
                 PagesReleased(host.rank, output.room, output.generation, output.pages)
@@ -293,6 +313,7 @@ class DecodeNode:
         else:
             if isinstance(output, RoomRemoved):
                 self.room_pages.pop((host.rank, output.room), None)
+                self.room_staging.pop((host.rank, output.room), None)
             if not host.surface_common(output, "decode"):
                 log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
 
@@ -302,7 +323,9 @@ class DecodeNode:
         if key not in self._kv_sent:
             # Same socket, sent first: the prefill has the layout before any room metadata.
             kv = self.ranks[self._hosts.index(host)].kv
-            args = kv.kv_args(host.me, output.to, self.transport.session_id)
+            ring = self._staging.get(host.rank)
+            args = kv.kv_args(host.me, output.to, self.transport.session_id,
+                              None if ring is None else ctypes.addressof(ring))  # fmt: skip
             if await channel.send(output.to.address, args, None):
                 self._kv_sent.add(key)
         await channel.send(output.to.address, output.message, msg_id)
@@ -386,12 +409,31 @@ class DecodeNode:
         reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request)
         await host.feed(ChecksumChecked(request.room, request.generation, not reason, reason))
 
+    def _scatter(self, rank: int, kv: RankKv, pages: tuple[int, ...], offset: int,
+                 room: int) -> None:  # fmt: skip
+        """Move each writer's staged slices of the room into the room's pages."""
+        host = self._hosts[[h.rank for h in self._hosts].index(rank)]
+        receiver = host.endpoint.rooms.get(room)
+        if receiver is None or self._executor is None:
+            return
+        base = ctypes.addressof(self._staging[rank]) + offset
+        for writer in receiver.writers:
+            region = writer_region(kv.layout, kv.heads, self._writer_heads[writer])
+            if region is None:
+                continue
+            where = base + region.chunk_offset(len(pages), 0)
+            for page_slices in staged_slices(kv.layout, pages, region, where):
+                self._executor.scatter(page_slices)
+
     def _mismatch(self, rank: int, request: VerifyChecksums) -> str:
         """Empty when every writer's digest matches the bytes in this room's pages."""
         pages = self.room_pages.get((rank, request.room))
         kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
         if pages is None or self._executor is None:
             return "the node has no record of this room's pages; cannot verify"
+        offset = self.room_staging.get((rank, request.room))
+        if offset is not None:
+            self._scatter(rank, kv, pages, offset, request.room)
         problems = []
         for peer, expected in request.expected:
             heads = self._writer_heads.get(peer)

@@ -9,6 +9,7 @@ NodeEvent`s; see docs/embedding.md.
 
 from __future__ import annotations
 
+import ctypes
 import random
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
@@ -16,6 +17,7 @@ from types import TracebackType
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
 from pdflow.core.endpoint_io import (
@@ -31,6 +33,7 @@ from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, S
 from pdflow.core.kvpoll import KVPoll
 from pdflow.core.messages import PROTOCOL_VERSION, PeerId
 from pdflow.core.outputs import Output, SendMessage, StartTransfer
+from pdflow.core.planning import StagedSlices, WriteOp
 from pdflow.core.prefill_endpoint import PrefillEndpoint, PrefillSnapshot
 from pdflow.core.registry import RegisterRank
 from pdflow.core.topology import Parallelism, prefill_unique_rank
@@ -48,6 +51,8 @@ from pdflow.io.kv_buffers import (
     exchanged_span,
     kv_digest,
     peer_heads,
+    staged_slices,
+    writer_region,
 )
 from pdflow.io.node_common import (
     EndpointHost,
@@ -119,6 +124,13 @@ class PrefillRank:
         )
 
 
+class StagedWrite(msgspec.Struct, frozen=True):
+    """A staged chunk: gather the head slices into the local slot, then these writes."""
+
+    gather: tuple[StagedSlices, ...]
+    write_ops: tuple[WriteOp, ...]
+
+
 class PrefillNode:
     """``async with PrefillNode(...) as node``: serve until the block ends, then shut down."""
 
@@ -135,6 +147,7 @@ class PrefillNode:
         codec: WireCodec | None = None,
         planner_factory: type[TransferPlanner] = TransferPlanner,
         rng: random.Random | None = None,
+        staging_slot_bytes: int = 0,
     ) -> None:
         if not ranks:
             raise ValueError("a prefill node needs at least one rank")
@@ -157,6 +170,10 @@ class PrefillNode:
         self.ranks: list[PrefillRank] = []
         self._hosts: list[EndpointHost] = []
         self._registered: list[tuple[int, int]] = []
+        # Heterogeneous TP: one local staging slot per transfer queue (a queue runs one write
+        # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
+        self.staging_slot_bytes = staging_slot_bytes
+        self._staging: ctypes.Array[ctypes.c_uint8] | None = None
 
     # ---- public --------------------------------------------------------------------------------
     @property
@@ -200,7 +217,12 @@ class PrefillNode:
             for addr in rank_kv.layout.buffer_addrs:
                 self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
                 self._registered.append((addr, rank_kv.layout.buffer_bytes))
-        if self.settings.checksum and self._executor is None:
+        if self.staging_slot_bytes:
+            size = self.staging_slot_bytes * self.settings.transfer_queues
+            self._staging = (ctypes.c_uint8 * size)()
+            self.transport.register_buffer(ctypes.addressof(self._staging), size)
+            self._registered.append((ctypes.addressof(self._staging), size))
+        if (self.settings.checksum or self.staging_slot_bytes) and self._executor is None:
             self._executor = default_executor()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         self._queues.start(self._tasks)
@@ -295,9 +317,14 @@ class PrefillNode:
                 "layout (KvArgs precedes its first metadata); it may have restarted"
             )
         try:
-            ops = self._planners[host.rank].plan(start, args)
+            staged = self._staged_plan(host.rank, start, args)
+            ops = (
+                self._planners[host.rank].plan(start, args) if staged is None else staged.write_ops
+            )
         except InvalidInput as exc:
             return failed(f"cannot plan writes into {start.peer.address}: {exc}")
+        if staged is not None and staged.gather and self._executor is not None:
+            await anyio.to_thread.run_sync(self._gather, self._executor, staged.gather)
         checksum = None
         if self.settings.checksum and self._executor is not None:
             checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
@@ -311,6 +338,41 @@ class PrefillNode:
         if not outcome.ok:
             return failed(outcome.error or "transfer failed")
         return TransferDone(start.room, start.generation, start.seq, True, "", checksum)
+
+    @staticmethod
+    def _gather(executor: Executor, pages: tuple[StagedSlices, ...]) -> None:
+        for page in pages:
+            executor.gather(page)
+
+    def _staged_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> StagedWrite | None:
+        """Gather-then-one-write when the decode placed a staging region for the room."""
+        local = self._planners[rank].local
+        if (
+            self._staging is None
+            or start.staging_offset is None
+            or args.staging_addr is None
+            or local.heads == peer_heads(args)
+        ):
+            return None
+        region = writer_region(local.layout, local.heads, peer_heads(args))
+        if region is None:
+            raise InvalidInput(f"rank {rank} shares no heads with {start.peer.address}")
+        nbytes = len(start.src_pages) * region.page_bytes
+        if nbytes > self.staging_slot_bytes:
+            raise InvalidInput(
+                f"a chunk of {len(start.src_pages)} pages needs {nbytes} staging bytes but the "
+                f"slot holds {self.staging_slot_bytes}; raise staging_slot_bytes or send "
+                "smaller chunks"
+            )
+        if not start.src_pages:
+            return StagedWrite((), ())
+        slot = ctypes.addressof(self._staging) + (
+            self._queues.queue_of(peer_key(start.peer)) * self.staging_slot_bytes
+        )
+        dst = (args.staging_addr + start.staging_offset
+               + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
+        gather = staged_slices(local.layout, start.src_pages, region, slot)
+        return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
 
     def _digest(self, rank: int, start: StartTransfer, args: KvArgs) -> int:
         local = self._planners[rank].local
