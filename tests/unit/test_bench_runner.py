@@ -1,0 +1,63 @@
+"""The bench runner's judging, loading and suite bookkeeping, without running long benchmarks."""
+
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from pdflow.bench.runner import (
+    SUITE_RUNNERS,
+    Check,
+    SuiteUnavailable,
+    _call_run,
+    load_benchmark,
+    run_bench,
+    run_suite,
+)
+
+
+def test_verdicts_follow_the_direction_of_the_target() -> None:
+    assert Check("s", "m", 2.0, "x", 2.0).verdict == "pass"
+    assert Check("s", "m", 1.9, "x", 2.0).verdict == "miss"
+    assert Check("s", "m", 2048, "B", 2048, higher_is_better=False).verdict == "pass"
+    assert Check("s", "m", 2049, "B", 2048, higher_is_better=False).verdict == "miss"
+    assert Check("s", "m", 0.1, "x", None).verdict == "info"
+
+
+def test_a_missing_benchmark_module_is_unavailable_not_an_error() -> None:
+    with pytest.raises(SuiteUnavailable, match=r"benchmarks/no_such_suite\.py is not available"):
+        load_benchmark("no_such_suite")
+    assert load_benchmark("core_steps").__name__ == "benchmarks.core_steps"
+
+
+def test_run_gets_only_the_options_it_declares() -> None:
+    module = ModuleType("fake_benchmark")
+    seen: dict[str, Any] = {}
+
+    def run(*, quick: bool) -> dict[str, Any]:
+        seen["quick"] = quick
+        return {"results": []}
+
+    module.run = run  # type: ignore[attr-defined]
+    assert _call_run(module, print, quick=True, sizes=(1,)) == {"results": []}
+    assert seen == {"quick": True}
+
+
+def test_unknown_suite_names_are_refused_before_anything_runs() -> None:
+    started: list[str] = []
+    with pytest.raises(ValueError, match="unknown suite"):
+        run_bench(["core", "nope"], on_suite=lambda name, _: started.append(name))
+    assert started == []
+
+
+def test_a_failing_suite_is_recorded_with_its_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(quick: bool, progress: Any) -> Any:
+        raise RuntimeError("engine on fire")
+
+    monkeypatch.setitem(SUITE_RUNNERS, "core", broken)
+    result = run_suite("core", quick=True, progress=print)
+    assert (result.status, result.detail, result.checks) == (
+        "error",
+        "RuntimeError: engine on fire",
+        [],
+    )
