@@ -111,6 +111,14 @@ class PrefillRank:
         snapshot: PrefillSnapshot = self._host.endpoint.snapshot()
         return snapshot
 
+    def transfer_stats(self, room: int) -> tuple[int | None, float | None]:
+        """Bytes this rank wrote for the room and the transport's time for them (None when
+        the transport could not measure); call before ``clear``."""
+        clock = self._host.clocks.get(room)
+        if clock is None:
+            return None, None
+        return clock.bytes_moved, clock.transfer_s
+
     def poll(self, room: int) -> KVPoll | None:
         """The room's status now; None when the room is not open."""
         summary = self._host.endpoint.summary(room)

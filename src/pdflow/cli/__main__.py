@@ -1,0 +1,5 @@
+import sys
+
+from pdflow.cli import main
+
+sys.exit(main())

@@ -1,0 +1,201 @@
+"""The demo's two inference engines, embedding pdflow's nodes the way a real engine would.
+
+The prefill engine holds a TP=2 paged KV cache (two rank shards, KV heads split in halves) and
+computes each prompt's KV with the tiny model; the decode engine holds a TP=1 cache, receives the
+KV through pdflow (staged: each prefill rank gathers its head slices and writes them in one bulk
+write per chunk) and generates greedily. Neither engine touches a socket or decides a protocol
+question: they call the node's rank handles and react to its events.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import anyio.to_thread
+import msgspec
+
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.layout import KvDtype, KvLayout
+from pdflow.demo.kvcache import PagedKVCache
+from pdflow.demo.model import TinyTransformer, decode, prefill_sharded
+from pdflow.io.kv_buffers import RankKv
+from pdflow.io.node_common import NodeEvent, PagesReleased
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.node_prefill import PrefillNode, PrefillRank
+
+CHUNK_PAGES = 2
+"""Pages per chunk: small, so every room's transfer is really chunked."""
+
+
+def rank_kv(cache: PagedKVCache) -> RankKv:
+    """Describe a demo cache to pdflow: ``[layer][K,V][page][token][head][dim]`` float32."""
+    geometry = cache.geometry
+    base, size = cache.base_ptr, cache.buffer_nbytes
+    layout = KvLayout(
+        page_size=geometry.page_size,
+        num_heads=cache.heads_local,
+        head_dim=geometry.head_dim,
+        dtype=KvDtype.FP32,
+        num_pages=cache.num_pages,
+        k_addrs=tuple(base + (2 * layer) * size for layer in range(geometry.n_layers)),
+        v_addrs=tuple(base + (2 * layer + 1) * size for layer in range(geometry.n_layers)),
+    )
+    return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads)
+
+
+class RoomOutcome(msgspec.Struct):
+    """What one side saw of one room: the poll it ended on, why, and when things happened."""
+
+    poll: KVPoll
+    reason: str = ""
+    first_token: int | None = None
+    tokens: list[int] = msgspec.field(default_factory=list)
+    handshake_s: float | None = None
+    ttft_s: float | None = None
+    transfer_s: float | None = None
+    kv_bytes: int = 0
+
+
+class PrefillEngine:
+    """Prefill instance: computes a prompt's KV into TP=2 shards and sends it through pdflow."""
+
+    def __init__(self, model: TinyTransformer, caches: Sequence[PagedKVCache],
+                 node: PrefillNode) -> None:  # fmt: skip
+        self.model = model
+        self.caches = list(caches)
+        self.node = node
+        self.compute_lock = anyio.Lock()  # one forward pass at a time, like one GPU
+        self.page_space = anyio.Condition()
+
+    async def serve(self, room: int, generation: int, prompt: Sequence[int]) -> RoomOutcome:
+        num_pages = self.caches[0].geometry.pages_for(len(prompt))
+        async with self.page_space:
+            while any(c.allocator.num_free < num_pages for c in self.caches):
+                await self.page_space.wait()
+            pages = [cache.allocator.allocate(num_pages) for cache in self.caches]
+        ranks = self.node.ranks
+        try:
+            for rank in ranks:
+                await rank.open_room(room, generation)
+            async with self.compute_lock:
+                first = await anyio.to_thread.run_sync(
+                    prefill_sharded, self.model, list(prompt), self.caches, pages
+                )
+            # Both ranks wait for the decode's pages (WaitingForInput), then send in chunks.
+            statuses = [await rank.wait(room) for rank in ranks]
+            failed = [s for s in statuses if s.poll is KVPoll.Failed]
+            kv_bytes, transfer_s = 0, 0.0
+            if not failed:
+                async with anyio.create_task_group() as tasks:
+                    for rank, rank_pages in zip(ranks, pages, strict=True):
+                        tasks.start_soon(self._send, rank, room, rank_pages)
+                final = [await rank.wait(room, terminal=True) for rank in ranks]
+                failed = [s for s in final if s.poll is KVPoll.Failed]
+                for rank in ranks:
+                    nbytes, seconds = rank.transfer_stats(room)
+                    kv_bytes += nbytes or 0
+                    # Ranks write concurrently: the room took as long as its slowest rank.
+                    transfer_s = max(transfer_s, seconds or 0.0)
+            for rank in ranks:
+                await rank.clear(room)
+            if failed:
+                return RoomOutcome(KVPoll.Failed, failed[0].reason)
+            return RoomOutcome(KVPoll.Success, first_token=first, transfer_s=transfer_s or None,
+                               kv_bytes=kv_bytes)  # fmt: skip
+        finally:
+            for cache, rank_pages in zip(self.caches, pages, strict=True):
+                cache.allocator.free(rank_pages)
+            with anyio.CancelScope(shield=True):
+                async with self.page_space:
+                    self.page_space.notify_all()
+
+    async def abort(self, room: int, reason: str) -> None:
+        """The router gave up on this attempt: fail the room on every rank that has it."""
+        for rank in self.node.ranks:
+            if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
+                await rank.abort(room, reason)
+
+    @staticmethod
+    async def _send(rank: PrefillRank, room: int, pages: list[int]) -> None:
+        await rank.init_transfer(room, len(pages))
+        for start in range(0, len(pages), CHUNK_PAGES):
+            chunk = pages[start : start + CHUNK_PAGES]
+            await rank.send_chunk(room, chunk, is_last=start + CHUNK_PAGES >= len(pages))
+
+
+class DecodeEngine:
+    """Decode instance: reserves pages, receives the KV through pdflow, generates tokens."""
+
+    def __init__(self, model: TinyTransformer, cache: PagedKVCache, node: DecodeNode) -> None:
+        self.model = model
+        self.cache = cache
+        self.node = node
+        self.page_space = anyio.Condition()
+
+    async def watch_events(self) -> None:
+        """Pages come back to the allocator only when pdflow says no writer can touch them."""
+        async with self.node.subscribe() as events:
+            async for event in events:
+                await self._on_event(event)
+
+    async def _on_event(self, event: NodeEvent) -> None:
+        if isinstance(event, PagesReleased):
+            self.cache.allocator.free(event.pages)
+            async with self.page_space:
+                self.page_space.notify_all()
+
+    async def serve(self, room: int, generation: int, bootstrap: str, prompt_len: int,
+                    max_new: int, first_token: Callable[[], Awaitable[int | None]],
+                    abort_after_publish: float | None = None,
+                    on_published: Callable[[], None] | None = None) -> RoomOutcome:  # fmt: skip
+        rank = self.node.ranks[0]
+        opened = time.perf_counter()
+        await rank.open(room, generation, bootstrap)
+        status = await rank.wait(room)
+        if status.poll is KVPoll.Failed:
+            await rank.clear(room)
+            return RoomOutcome(KVPoll.Failed, status.reason)
+        pages = await self._allocate(self.cache.geometry.pages_for(prompt_len))
+        await rank.publish_pages(room, pages)
+        handshake_s = time.perf_counter() - opened
+        if on_published is not None:
+            on_published()
+        if abort_after_publish is not None:
+            await anyio.sleep(abort_after_publish)
+            await rank.abort(room, "demo fault: the client went away mid-transfer")
+        status = await rank.wait(room, terminal=True)
+        if status.poll is KVPoll.Failed:
+            await rank.clear(room)  # pages come back through PagesReleased, after the fence
+            return RoomOutcome(KVPoll.Failed, status.reason, handshake_s=handshake_s)
+        token = await first_token()
+        ttft_s = time.perf_counter() - opened
+        if token is None:
+            await rank.clear(room)
+            return RoomOutcome(KVPoll.Failed, "the prefill reported no first token")
+        extra: list[int] = []
+
+        def allocate_more(count: int) -> list[int]:
+            extra.extend(self.cache.allocator.allocate(count))
+            return extra[-count:]
+
+        table = list(pages)
+        try:
+            tokens = await anyio.to_thread.run_sync(
+                lambda: decode(
+                    self.model, token, self.cache, table, prompt_len, max_new,
+                    allocate_pages=allocate_more,
+                )
+            )
+        finally:
+            self.cache.allocator.free(extra)  # never published: the engine's own to free
+            await rank.clear(room)
+        return RoomOutcome(KVPoll.Success, first_token=token, tokens=[token, *tokens],
+                           handshake_s=handshake_s, ttft_s=ttft_s)  # fmt: skip
+
+    async def _allocate(self, count: int) -> list[int]:
+        async with self.page_space:
+            while self.cache.allocator.num_free < count:
+                await self.page_space.wait()
+            return self.cache.allocator.allocate(count)
