@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-import uuid
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -26,7 +25,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     parser.add_argument("--dp-rank-ttl", type=float, default=None,
                         help="seconds a room -> dp rank entry lives (default 120)")
     parser.add_argument("--incarnation", default=None,
-                        help="this registry's incarnation id (default: a fresh random one)")
+                        help="report this incarnation in /health (default: none). Leave it "
+                             "unset for a registry standing apart from the prefill: decodes "
+                             "read a changed incarnation as a restarted prefill")
     parser.set_defaults(run=run)
 
 
@@ -42,7 +43,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"pdflow bootstrap: {exc}", file=sys.stderr)
         return 2
     _log_json_to_stderr()
-    incarnation = args.incarnation or uuid.uuid4().hex[:16]
+    incarnation = args.incarnation
     try:
         anyio.run(_serve_until_signalled, settings, incarnation, backend="asyncio")
     except OSError as exc:
@@ -51,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _serve_until_signalled(settings: Settings, incarnation: str) -> None:
+async def _serve_until_signalled(settings: Settings, incarnation: str | None) -> None:
     import anyio
     import structlog
 
