@@ -212,6 +212,12 @@ class DecodeEndpoint:
     def _topology_known(
         self, info: PrefillInfo, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
+        cached = self.topologies.get(info.bootstrap)
+        if cached is not None and cached != info:
+            # A late answer (fetches race): the cached instance is the one the heartbeat and
+            # the fences track; a restart is reported by the heartbeat, never by overwriting.
+            self._drop(out, "stale_topology", f"topology of {info.bootstrap} is already known")
+            return
         problem = self._incompatibility(info)
         if problem:
             self._fail_waiting(info.bootstrap, problem, now, out, fired)

@@ -147,15 +147,16 @@ class PrefillEndpoint:
                 f"{existing.state.name}); a duplicate claim fails",
                 hint="fail this request; the router assigned a room id twice",
             )
+        # Claim first: a claim the ready table refuses with InvalidInput must change nothing.
+        claim = self._ready_table(
+            ClaimRoom(inp.room, inp.generation, inp.generation), now, outputs, fired
+        )
         room = SenderRoom(
             inp.room, inp.generation, self.me, now,
             policy=self.config.policy, timeouts=self.config.timeouts,
         )  # fmt: skip
         self.rooms[inp.room] = room
         self._arm(room)
-        claim = self._ready_table(
-            ClaimRoom(inp.room, inp.generation, inp.generation), now, outputs, fired
-        )
         refused = [o for o in claim if isinstance(o, OwnerRefused)]
         if refused:
             self._room_input(room, AbortRequested(refused[0].reason), now, outputs, fired)

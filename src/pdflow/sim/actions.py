@@ -1,0 +1,372 @@
+"""Actions on a World: what can happen next, and doing it.
+
+Every kind in :data:`pdflow.sim.faults.ACTION_KINDS` has a ``choices`` list (empty: not
+enabled now) and an ``apply`` that takes an index into that list, plus a ``hint`` integer for
+sizes (chunk length, request length). Both drivers use these: Hypothesis rules draw the index
+and the hint; the seeded runner draws them from the seed. No enabled choice is a no-op.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from pdflow.core.admission import QueueState
+from pdflow.core.endpoint_io import ClearRoom, HeartbeatResult, OpenReceiver, OpenRoom, RoomCall
+from pdflow.core.inputs import AbortRequested, InitTransfer, SendChunk
+from pdflow.core.kvpoll import KVPoll
+from pdflow.sim.engine import DecodeProcess, PrefillProcess
+from pdflow.sim.world import BOOTSTRAP, World
+
+ADVANCE_STEPS = (None, 1.0, 3.0)
+"""None: jump to the next deadline (or 0.5 s when none is pending)."""
+MAX_IN_FLIGHT = 48
+
+
+def choices(world: World, kind: str) -> list[Any]:
+    return _CHOICES[kind](world)
+
+
+def apply(world: World, kind: str, index: int, hint: int = 0) -> Any:
+    """Apply choice ``index % len(choices)`` of ``kind``; returns the choice taken."""
+    options = choices(world, kind)
+    if not options:
+        raise ValueError(f"action {kind!r} is not enabled now")
+    choice = options[index % len(options)]
+    _APPLY[kind](world, choice, hint)
+    world.actions += 1
+    return choice
+
+
+# ---- choices -----------------------------------------------------------------------------------
+def _requests(world: World) -> list[Any]:
+    return [()] if len(world.active_requests()) < world.plan.max_open_requests else []
+
+
+def _unopened_prefill(world: World) -> list[Any]:
+    return [
+        (i, rank)
+        for i, r in enumerate(world.requests)
+        if r.prefill_life == world.prefill_life
+        for rank in sorted(r.unopened_prefill)
+    ]
+
+
+def _unopened_decode(world: World) -> list[Any]:
+    return [
+        (i, rank)
+        for i, r in enumerate(world.requests)
+        for rank in sorted(r.unopened_decode)
+        if r.decode_lives[rank] == world.decode[rank].life
+    ]
+
+
+def _open_rooms(world: World, side: str) -> list[Any]:
+    processes = world.prefill if side == "prefill" else world.decode
+    return [(p.rank, room) for p in processes for room in sorted(p.endpoint.rooms)]
+
+
+def _terminal_rooms(world: World, side: str) -> list[Any]:
+    """Rooms the engine may clear (a draining prefill room already cleared is left alone)."""
+    processes: list[PrefillProcess] | list[DecodeProcess] = (
+        world.prefill if side == "prefill" else world.decode
+    )
+    found = []
+    for p in processes:
+        draining: set[int] = getattr(p.endpoint, "remove_when_drained", set())
+        for room in sorted(p.endpoint.rooms):
+            if p.endpoint.rooms[room].poll.is_terminal and room not in draining:
+                found.append((p.rank, room))
+    return found
+
+
+def _progress(world: World) -> list[Any]:
+    return [
+        (p.rank, room)
+        for p in world.prefill
+        for room in sorted(p.jobs)
+        if room in p.endpoint.rooms and p.next_engine_call(room) is not None
+    ]
+
+
+def _unlanded(world: World) -> list[Any]:
+    return [w.wid for w in world.transport.writes.values() if not w.landed]
+
+
+def _late(world: World) -> list[Any]:
+    """Writes whose decode room already failed or is gone: landing now is landing late."""
+    late = []
+    for w in world.transport.writes.values():
+        room = world.decode[w.target_rank].endpoint.rooms.get(w.room)
+        failed = room is not None and room.poll is KVPoll.Failed
+        gone = room is None or room.generation != w.generation
+        if not w.landed and (gone or failed):
+            late.append(w.wid)
+    return late
+
+
+def _landed(world: World) -> list[Any]:
+    return [w.wid for w in world.transport.writes.values() if w.landed]
+
+
+def _partitions(world: World) -> list[Any]:
+    return [
+        (p, d)
+        for p in range(len(world.prefill))
+        for d in range(len(world.decode))
+        if not world.network.is_cut((world.prefill[p].me.address, world.decode[d].me.address))
+    ]
+
+
+_CHOICES: dict[str, Callable[[World], list[Any]]] = {
+    "new_request": _requests,
+    "open_prefill": _unopened_prefill,
+    "open_decode": _unopened_decode,
+    "duplicate_claim": lambda w: (
+        [("prefill", *c) for c in _open_rooms(w, "prefill")]
+        + [("decode", *c) for c in _open_rooms(w, "decode")]
+    ),
+    "prefill_progress": _progress,
+    "decode_allocate": lambda w: [
+        d.rank for d in w.decode if d.admission.state is QueueState.QUEUED
+    ],
+    "local_event": lambda w: list(range(len(w.local_events))),
+    "deliver": lambda w: w.network.deliverable(),
+    "drop": lambda w: w.network.in_flight(),
+    "duplicate": lambda w: w.network.in_flight() if len(w.network) < MAX_IN_FLIGHT else [],
+    "write_complete": _unlanded,
+    "write_fail": _unlanded,
+    "write_land": _unlanded,
+    "write_land_late": _late,
+    "write_report": _landed,
+    "write_corrupt": lambda w: _unlanded(w) if w.shape.verify_checksums else [],
+    "advance": lambda w: list(range(len(ADVANCE_STEPS))),
+    "abort_prefill": lambda w: _open_rooms(w, "prefill"),
+    "abort_decode": lambda w: _open_rooms(w, "decode"),
+    "clear_prefill": lambda w: _terminal_rooms(w, "prefill"),
+    "clear_decode": lambda w: _terminal_rooms(w, "decode"),
+    "crash_prefill": lambda w: [()],
+    "crash_decode": lambda w: list(range(len(w.decode))),
+    "heartbeat_ok": lambda w: list(range(len(w.decode))),
+    "heartbeat_fail": lambda w: list(range(len(w.decode))),
+    "partition": _partitions,
+    "heal": lambda w: [()] if w.network.cut else [],
+}
+
+
+# ---- applying ----------------------------------------------------------------------------------
+def _new_request(world: World, choice: Any, hint: int) -> None:
+    world.new_request(hint)
+
+
+def _open_prefill(world: World, choice: tuple[int, int], hint: int) -> None:
+    world.open_prefill(world.requests[choice[0]], choice[1])
+
+
+def _open_decode(world: World, choice: tuple[int, int], hint: int) -> None:
+    world.open_decode(world.requests[choice[0]], choice[1])
+
+
+def _duplicate_claim(world: World, choice: tuple[str, int, int], hint: int) -> None:
+    side, rank, room = choice
+    if side == "prefill":
+        process = world.prefill[rank]
+        world.expect_refusal(process, OpenRoom(room, process.endpoint.rooms[room].generation + 1))
+    else:
+        decode = world.decode[rank]
+        generation = decode.endpoint.rooms[room].generation + 1
+        world.expect_refusal(decode, OpenReceiver(room, generation, BOOTSTRAP))
+
+
+def _prefill_progress(world: World, choice: tuple[int, int], hint: int) -> None:
+    process: PrefillProcess = world.prefill[choice[0]]
+    room = choice[1]
+    job = process.jobs[room]
+    call = process.next_engine_call(room)
+    if call == "complete":
+        world.mark_complete(process, room)
+    elif call == "init":
+        job.initialized = True
+        world.feed(process, RoomCall(room, InitTransfer(job.request.num_pages)))
+    else:
+        remaining = job.request.num_pages - job.next_page
+        size = 1 + hint % remaining
+        pages = job.src_pages[job.next_page : job.next_page + size]
+        job.next_page += size
+        world.feed(process, RoomCall(room, SendChunk(pages, is_last=size == remaining)))
+
+
+def _write_complete(world: World, wid: int, hint: int) -> None:
+    write = world.transport.writes[wid]
+    ok = world.transport.land(write)
+    _report(world, wid, ok, "" if ok else "target unreachable")
+
+
+def _write_fail(world: World, wid: int, hint: int) -> None:
+    write = world.transport.writes[wid]
+    partial = hint % (len(write.dst_pages) + 1)
+    if partial:
+        world.transport.land(write, pages=partial)  # a failed write may have landed in part
+    _report(world, wid, False, "injected transport failure")
+
+
+def _write_land(world: World, wid: int, hint: int) -> None:
+    write = world.transport.writes[wid]
+    if not world.transport.land(write):
+        _report(world, wid, False, "target unreachable")
+
+
+def _write_report(world: World, wid: int, hint: int) -> None:
+    _report(world, wid, True, "")
+
+
+def _write_corrupt(world: World, wid: int, hint: int) -> None:
+    write = world.transport.writes[wid]
+    ok = world.transport.land(write, corrupt=True)
+    _report(world, wid, ok, "" if ok else "target unreachable")
+
+
+def _report(world: World, wid: int, ok: bool, reason: str) -> None:
+    """The writer's transport reports the write (if the writer process is still alive)."""
+    from pdflow.core.endpoint_io import TransferDone
+
+    write = world.transport.writes[wid]
+    world.transport.finish(write)
+    process = world.writer_process(write)
+    if process is None:
+        return
+    checksum = write.checksum if ok else None
+    done = TransferDone(write.room, write.generation, write.seq, ok, reason, checksum)
+    world.feed(process, done)
+
+
+def _advance(world: World, index: int, hint: int) -> None:
+    step = ADVANCE_STEPS[index]
+    if step is None:
+        deadline = world.next_deadline()
+        if deadline is not None and deadline > world.clock.now:
+            world.clock.advance_to(deadline)
+        else:
+            world.clock.advance(0.5)
+    else:
+        world.clock.advance(step)
+    world.fire_timers()
+
+
+def _abort(side: str) -> Callable[[World, tuple[int, int], int], None]:
+    def run(world: World, choice: tuple[int, int], hint: int) -> None:
+        process = (world.prefill if side == "prefill" else world.decode)[choice[0]]
+        world.feed(process, RoomCall(choice[1], AbortRequested(f"{side} engine aborted")))
+
+    return run
+
+
+def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
+    def run(world: World, choice: tuple[int, int], hint: int) -> None:
+        process = (world.prefill if side == "prefill" else world.decode)[choice[0]]
+        world.feed(process, ClearRoom(choice[1]))
+
+    return run
+
+
+def _heartbeat(ok: bool) -> Callable[[World, int, int], None]:
+    def run(world: World, rank: int, hint: int) -> None:
+        decode = world.decode[rank]
+        reachable = ok and not world.network.is_cut(
+            (world.prefill[0].me.address, decode.me.address)
+        )
+        incarnation = world.prefill_incarnation if reachable else None
+        world.feed(decode, HeartbeatResult(BOOTSTRAP, reachable, incarnation))
+
+    return run
+
+
+def _partition(world: World, choice: tuple[int, int], hint: int) -> None:
+    world.network.partition(world.prefill[choice[0]].me.address, world.decode[choice[1]].me.address)
+
+
+_APPLY: dict[str, Callable[[World, Any, int], object]] = {
+    "new_request": _new_request,
+    "open_prefill": _open_prefill,
+    "open_decode": _open_decode,
+    "duplicate_claim": _duplicate_claim,
+    "prefill_progress": _prefill_progress,
+    "decode_allocate": lambda w, rank, hint: w.admit(w.decode[rank]),
+    "local_event": lambda w, index, hint: w.run_local_event(index),
+    "deliver": lambda w, where, hint: w.deliver(w.network.take(where)),
+    "drop": lambda w, where, hint: w.network.drop(where),
+    "duplicate": lambda w, where, hint: w.network.duplicate(where),
+    "write_complete": _write_complete,
+    "write_fail": _write_fail,
+    "write_land": _write_land,
+    "write_land_late": _write_land,
+    "write_report": _write_report,
+    "write_corrupt": _write_corrupt,
+    "advance": _advance,
+    "abort_prefill": _abort("prefill"),
+    "abort_decode": _abort("decode"),
+    "clear_prefill": _clear("prefill"),
+    "clear_decode": _clear("decode"),
+    "crash_prefill": lambda w, choice, hint: w.crash_prefill(),
+    "crash_decode": lambda w, rank, hint: w.crash_decode(rank),
+    "heartbeat_ok": _heartbeat(True),
+    "heartbeat_fail": _heartbeat(False),
+    "partition": _partition,
+    "heal": lambda w, choice, hint: w.network.heal(),
+}
+
+
+# ---- settling (the liveness phase) ---------------------------------------------------------------
+def settle(world: World, max_rounds: int = 400) -> None:
+    """Heal the network, let every process finish its work and time run past every deadline.
+
+    Engines behave as a patient operator's would: they open what was requested, compute and
+    send every chunk, admit what fits, clear terminal rooms, probe the prefill's health. A room
+    still waiting for memory when nothing else can happen is aborted by its engine.
+    """
+    world.network.heal()
+    for _ in range(max_rounds):
+        if _work_once(world):
+            continue
+        for rank in range(len(world.decode)):
+            apply(world, "heartbeat_ok", rank)
+        if _work_once(world):
+            continue
+        deadline = world.next_deadline()
+        if deadline is not None:
+            world.clock.advance_to(max(deadline, world.clock.now + 1e-3))
+            world.fire_timers()
+            continue
+        if not _give_up_waiting_for_memory(world):
+            return
+    raise RuntimeError(f"the world did not settle within {max_rounds} rounds")
+
+
+def _work_once(world: World) -> bool:
+    did = False
+    for kind in (
+        "local_event",
+        "deliver",
+        "write_complete",
+        "write_report",
+        "open_prefill",
+        "open_decode",
+        "prefill_progress",
+        "decode_allocate",
+        "clear_prefill",
+        "clear_decode",
+    ):
+        while choices(world, kind):
+            apply(world, kind, 0, hint=1 << 20)
+            did = True
+    return did
+
+
+def _give_up_waiting_for_memory(world: World) -> bool:
+    gave_up = False
+    for decode in world.decode:
+        for room, job in sorted(decode.jobs.items()):
+            if job.stage == "queued" and room in decode.endpoint.rooms:
+                world.feed(decode, RoomCall(room, AbortRequested("no memory for this request")))
+                gave_up = True
+    return gave_up

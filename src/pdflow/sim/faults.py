@@ -1,0 +1,177 @@
+"""FaultPlan: everything a seed decides about one simulated world, drawn swarm-style.
+
+One ``random.Random(seed)`` draws the world's shape (both sides' parallelism, attention kind,
+allocation policy, pool sizes, timeouts) and how often the seeded driver picks each kind of
+action, faults included. The plan is plain data: it is the first thing a trace records, so a
+failure is reproduced by its seed alone.
+"""
+
+from __future__ import annotations
+
+import random
+
+import msgspec
+
+from pdflow.core.policy import AllocationPolicy
+
+MAX_RANKS_PER_SIDE = 4
+MHA_KV_HEADS = 4
+"""Divisible by every TP size drawn (1, 2, 4), so both sides split heads evenly."""
+
+
+class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    prefill_tp: int
+    prefill_cp: int
+    prefill_pp: int
+    prefill_dp: int
+    decode_tp: int
+    decode_pp: int
+    decode_dp: int
+    is_mla: bool
+    policy: AllocationPolicy
+    verify_checksums: bool
+    page_tokens: int
+    decode_pages: int
+    source_pages: int
+    bootstrap_timeout: float
+    waiting_timeout: float
+
+    @property
+    def prefill_ranks(self) -> int:
+        return self.prefill_tp * self.prefill_cp * self.prefill_pp * self.prefill_dp
+
+    @property
+    def decode_ranks(self) -> int:
+        return self.decode_tp * self.decode_pp * self.decode_dp
+
+    @property
+    def num_kv_heads(self) -> int:
+        return 1 if self.is_mla else MHA_KV_HEADS
+
+
+ACTION_KINDS = (
+    "new_request",
+    "open_prefill",
+    "open_decode",
+    "duplicate_claim",
+    "prefill_progress",
+    "decode_allocate",
+    "local_event",
+    "deliver",
+    "drop",
+    "duplicate",
+    "write_complete",
+    "write_fail",
+    "write_land",
+    "write_land_late",
+    "write_report",
+    "write_corrupt",
+    "advance",
+    "abort_prefill",
+    "abort_decode",
+    "clear_prefill",
+    "clear_decode",
+    "crash_prefill",
+    "crash_decode",
+    "heartbeat_ok",
+    "heartbeat_fail",
+    "partition",
+    "heal",
+)
+
+FAULT_KINDS = frozenset(
+    {
+        "drop",
+        "duplicate",
+        "write_fail",
+        "write_corrupt",
+        "abort_prefill",
+        "abort_decode",
+        "crash_prefill",
+        "crash_decode",
+        "heartbeat_fail",
+        "partition",
+        "duplicate_claim",
+    }
+)
+
+
+class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    seed: int
+    shape: WorldShape
+    weights: dict[str, float]
+    """Relative weight of each action kind for the seeded driver (0: never picked)."""
+    reorder_within_link: bool
+    """Deliver any pending message of a link, not only its oldest (a link that reorders)."""
+    max_open_requests: int
+    room_reuse: bool
+    """New requests may reuse a room id once every side has cleared it (next generation)."""
+
+    def to_builtins(self) -> dict[str, object]:
+        built: dict[str, object] = msgspec.to_builtins(self)
+        return built
+
+
+def draw_shape(rng: random.Random) -> WorldShape:
+    while True:
+        prefill = [
+            rng.choice((1, 2, 2, 4)),
+            rng.choice((1, 1, 2)),
+            rng.choice((1, 1, 2)),
+            rng.choice((1, 1, 2)),
+        ]
+        decode_tp = rng.choice((1, 2, 2, 4))
+        decode_pp = rng.choice((1, prefill[2]))
+        decode_dp = rng.choice((1, 1, 2))
+        policy = rng.choice((AllocationPolicy.EARLY, AllocationPolicy.PREFILL_COMPLETE))
+        sizes_ok = (
+            prefill[0] * prefill[1] * prefill[2] * prefill[3] <= MAX_RANKS_PER_SIDE
+            and decode_tp * decode_pp * decode_dp <= MAX_RANKS_PER_SIDE
+        )
+        # PrefillComplete keeps one waiting decode endpoint per room and prefill rank, so the
+        # policy needs each prefill rank to feed one decode rank (decode TP <= prefill TP).
+        policy_ok = policy is AllocationPolicy.EARLY or decode_tp <= prefill[0]
+        if sizes_ok and policy_ok:
+            break
+    return WorldShape(
+        prefill_tp=prefill[0],
+        prefill_cp=prefill[1],
+        prefill_pp=prefill[2],
+        prefill_dp=prefill[3],
+        decode_tp=decode_tp,
+        decode_pp=decode_pp,
+        decode_dp=decode_dp,
+        is_mla=rng.random() < 0.4,
+        policy=policy,
+        verify_checksums=rng.random() < 0.5,
+        page_tokens=4,
+        decode_pages=rng.choice((8, 12, 16)),
+        source_pages=64,
+        bootstrap_timeout=rng.choice((10.0, 30.0)),
+        waiting_timeout=rng.choice((10.0, 30.0)),
+    )
+
+
+def draw_plan(seed: int) -> FaultPlan:
+    """The whole plan for ``seed``; the same seed always gives the same plan."""
+    rng = random.Random(seed)
+    shape = draw_shape(rng)
+    weights: dict[str, float] = {}
+    for kind in ACTION_KINDS:
+        if kind in FAULT_KINDS:
+            # Swarm testing: each fault is switched off for some seeds and frequent in others.
+            weights[kind] = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
+        else:
+            weights[kind] = rng.choice((1.0, 2.0, 3.0))
+    # Time passing fires timeouts: frequent enough to reach them, rare enough to let work finish.
+    weights["advance"] = rng.choice((0.3, 0.6, 1.0))
+    if not shape.verify_checksums:
+        weights["write_corrupt"] = 0.0  # silent corruption is undetectable without checksums
+    return FaultPlan(
+        seed=seed,
+        shape=shape,
+        weights=weights,
+        reorder_within_link=rng.random() < 0.5,
+        max_open_requests=rng.choice((2, 4, 6)),
+        room_reuse=rng.random() < 0.6,
+    )

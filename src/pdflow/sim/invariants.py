@@ -1,0 +1,292 @@
+"""The protocol's invariants, checked after every step of a simulated world.
+
+Safety (every step): KVPoll monotone per room instance, Failed absorbing, terminal sticky; no
+message creates or revives a room; no status after a room was cleared; at most one terminal
+outcome per room instance and side; a decode Success agrees with its writers' outcomes and the
+pages hold exactly the bytes they sent; no write lands in a page its room instance does not own;
+admission never promises pages the ledger holds and never deadlocks.
+
+Liveness (:func:`check_quiescent`, after :func:`settle`): every room terminal and cleared, no
+outstanding write, the decode pool whole except for quarantine that a lost control message
+explains (such pages stay quarantined and reported, never released by a timer).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import TYPE_CHECKING
+
+from pdflow.core.endpoint_io import AnyEndpointInput, CloseSession, OpenReceiver, OpenRoom
+from pdflow.core.kvpoll import KVPoll, poll_may_follow
+from pdflow.core.messages import Abort, AbortAck, PeerId
+from pdflow.core.outputs import StatusChanged
+from pdflow.core.step import Step
+from pdflow.core.table import Fired
+from pdflow.sim.transport import source_content
+
+if TYPE_CHECKING:
+    from pdflow.sim.engine import DecodeProcess, PrefillProcess
+    from pdflow.sim.world import World
+
+Transition = tuple[str, str, str, str | None, str]
+"""(machine, from, on, guard, to): one spec row."""
+
+INVARIANTS = (
+    "kvpoll_monotone",
+    "failed_absorbing",
+    "terminal_sticky",
+    "no_resurrection",
+    "no_status_after_clear",
+    "one_terminal_outcome",
+    "sides_agree",
+    "success_bytes_exact",
+    "no_use_after_free",
+    "admission_consistent",
+    "admission_no_deadlock",
+    "no_early_timeout",
+    "lost_instance_fails_rooms",
+)
+
+
+class InvariantViolation(AssertionError):
+    """A simulated world broke a protocol invariant; the message lists every violation."""
+
+
+class Monitor:
+    def __init__(self, world: World) -> None:
+        self.world = world
+        self.violations: list[str] = []
+        self.polls: dict[tuple[str, int, int], KVPoll] = {}
+        self.outcomes: dict[tuple[str, int, int], KVPoll] = {}
+        self.prefill_outcomes: dict[tuple[PeerId, int, int], KVPoll] = {}
+        self.removed: set[tuple[str, int, int]] = set()
+        self.changed_at: dict[tuple[str, int, int], float] = {}
+        self.coverage: Counter[Transition] = Counter()
+        self.checks = 0
+        self._reported_uaf = 0
+
+    # ---- recording -------------------------------------------------------------------------------
+    def fail(self, message: str) -> None:
+        self.violations.append(f"t={self.world.clock.now:g}: {message}")
+
+    def record_fired(self, fired: tuple[Fired, ...]) -> None:
+        for f in fired:
+            self.coverage[(f.machine, f.source, f.on, f.guard, f.target)] += 1
+
+    def assert_ok(self) -> None:
+        if self.violations:
+            raise InvariantViolation("\n".join(self.violations))
+
+    # ---- per step ----------------------------------------------------------------------------
+    def observe(
+        self,
+        process: PrefillProcess | DecodeProcess,
+        inp: AnyEndpointInput,
+        step: Step,
+        before: set[int],
+    ) -> None:
+        self.record_fired(step.fired)
+        name = process.name
+        allowed = set(before)
+        if isinstance(inp, (OpenRoom, OpenReceiver)):
+            allowed.add(inp.room)
+            self.polls[(name, inp.room, inp.generation)] = KVPoll.Bootstrapping
+            self.changed_at[(name, inp.room, inp.generation)] = self.world.clock.now
+        created = set(process.endpoint.rooms) - allowed
+        if created:
+            self.fail(f"{name}: {type(inp).__name__} created rooms {sorted(created)}")
+        for output in step.outputs:
+            if isinstance(output, StatusChanged):
+                self._status(process, output)
+        self._check_writes()
+        if process.endpoint.role == "decode":
+            self._check_admission(process)  # type: ignore[arg-type]
+            self._check_lost_writers(process, step)  # type: ignore[arg-type]
+        self.checks += len(INVARIANTS)
+
+    def _status(self, process: PrefillProcess | DecodeProcess, change: StatusChanged) -> None:
+        key = (process.name, change.room, change.generation)
+        if key in self.removed:
+            self.fail(
+                f"{process.name}: room {change.room}/{change.generation} changed status "
+                f"to {change.poll.name} after it was cleared"
+            )
+            return
+        previous = self.polls.get(key)
+        if previous is None:
+            self.fail(
+                f"{process.name}: status for room {change.room}/{change.generation}, "
+                "which was never opened"
+            )
+            return
+        self._check_timeout(process, change, key)
+        if not poll_may_follow(previous, change.poll):
+            self.fail(
+                f"{process.name}: room {change.room}/{change.generation} went "
+                f"{previous.name} -> {change.poll.name}"
+            )
+        self.polls[key] = change.poll
+        self.changed_at[key] = self.world.clock.now
+        if not change.poll.is_terminal:
+            return
+        earlier = self.outcomes.get(key)
+        if earlier is not None and earlier is not change.poll:
+            self.fail(
+                f"{process.name}: room {change.room}/{change.generation} had two "
+                f"terminal outcomes, {earlier.name} then {change.poll.name}"
+            )
+        self.outcomes[key] = change.poll
+        if process.endpoint.role == "prefill":
+            self.prefill_outcomes[(process.me, change.room, change.generation)] = change.poll
+
+    def _check_timeout(
+        self,
+        process: PrefillProcess | DecodeProcess,
+        change: StatusChanged,
+        key: tuple[str, int, int],
+    ) -> None:
+        """A timeout fires no earlier than its budget after the room's last status change (every
+        budget is (re)armed at or after one)."""
+        prefill = process.endpoint.role == "prefill"
+        own = (
+            ("waiting for decode metadata",)
+            if prefill
+            else ("waiting for the prefill", "waiting for the transfer")
+        )
+        reason = change.reason
+        if not reason.startswith("timed out after") or not any(t in reason for t in own):
+            return  # not a timeout, or a peer's timeout relayed in its failure reason
+        shape = self.world.shape
+        budget = shape.bootstrap_timeout if prefill else shape.waiting_timeout
+        waited = self.world.clock.now - self.changed_at[key]
+        if waited < budget:
+            self.fail(
+                f"{process.name}: room {change.room}/{change.generation} timed out after "
+                f"{waited:g}s in {self.polls[key].name}, budget {budget:g}s"
+            )
+
+    def _check_lost_writers(self, process: DecodeProcess, step: Step) -> None:
+        """Once a writer is declared dead, no room still counts on it."""
+        dead = {o.peer for o in step.outputs if isinstance(o, CloseSession)}
+        for room_id, room in sorted(process.endpoint.rooms.items()):
+            verifying = room.state.name == "VERIFYING"  # every writer already finished
+            if (
+                not room.poll.is_terminal
+                and not verifying
+                and dead & {t.peer for t in room.targets}
+            ):
+                self.fail(
+                    f"{process.name}: room {room_id}/{room.generation} still "
+                    f"{room.poll.name} after its prefill instance was declared lost"
+                )
+
+    def room_removed(self, process: PrefillProcess | DecodeProcess, room: int, gen: int) -> None:
+        self.removed.add((process.name, room, gen))
+
+    def _check_writes(self) -> None:
+        found = self.world.transport.violations
+        for uaf in found[self._reported_uaf :]:
+            self.fail(f"use-after-free: {uaf.describe()}")
+        self._reported_uaf = len(found)
+
+    def _check_admission(self, process: DecodeProcess) -> None:
+        admission = process.admission
+        allocatable = process.endpoint.ledger.allocatable
+        if allocatable < admission.free_pages:
+            self.fail(
+                f"{process.name}: admission counts {admission.free_pages} free pages but "
+                f"the ledger can hand out only {allocatable}"
+            )
+        if admission.queue and not admission.admitted:
+            head = next(iter(admission.queue.values()))
+            decision = admission.decide(head)
+            if not decision.admit:
+                self.fail(
+                    f"{process.name}: admission deadlock: nothing admitted, yet the head "
+                    f"is refused ({decision.reason})"
+                )
+
+    def decode_succeeded(self, process: DecodeProcess, room_id: int) -> None:
+        room = process.endpoint.rooms[room_id]
+        job = process.jobs[room_id]
+        gen = room.generation
+        writers = self.world.writers_of(process.rank, room_id)
+        if len(room.succeeded) < len(writers):
+            self.fail(
+                f"{process.name}: room {room_id}/{gen} succeeded with "
+                f"{len(room.succeeded)} of {len(writers)} writers"
+            )
+        for peer in room.succeeded:
+            outcome = self.prefill_outcomes.get((peer, room_id, gen))
+            if outcome is not KVPoll.Success:
+                self.fail(
+                    f"{process.name}: room {room_id}/{gen} succeeded but its writer "
+                    f"{peer.address} is {outcome.name if outcome else 'without outcome'}"
+                )
+            segment = writers.index(peer.rank)
+            for index in range(job.request.num_pages):
+                page = job.pages[index]
+                landed = self.world.transport.read_segment(process.rank, page, segment)
+                if landed != source_content(room_id, gen, peer.rank, index):
+                    self.fail(
+                        f"{process.name}: room {room_id}/{gen} succeeded but page {page} "
+                        f"holds wrong bytes from {peer.address} (page {index})"
+                    )
+                    return
+
+
+def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) -> bool:
+    """A room still fenced after settling is fine only if an ABORT or its ACK was lost."""
+    address = world.decode[decode_rank].me.address
+    for envelope in world.network.lost:
+        message = envelope.message
+        if (
+            isinstance(message, (Abort, AbortAck))
+            and (message.room, message.generation) == (room, gen)
+            and message.decode.address == address
+        ):
+            return True
+    return False
+
+
+def check_quiescent(world: World) -> list[str]:
+    """Liveness, once the world has settled: what is still held, open or outstanding."""
+    problems: list[str] = []
+    for process in world.processes():
+        rooms = process.endpoint.rooms
+        for room_id in sorted(rooms):
+            room = rooms[room_id]
+            problems.append(
+                f"{process.name}: room {room_id}/{room.generation} still open in "
+                f"{room.state.name} after settling"
+            )
+    for p in world.prefill:
+        if p.endpoint.outstanding_writes:
+            problems.append(f"{p.name}: {p.endpoint.outstanding_writes} writes still outstanding")
+    for d in world.decode:
+        ledger = d.endpoint.ledger
+        report = {(q.room, q.generation): q for q in ledger.report(world.clock.now)}
+        for held in ledger.snapshot().rooms:
+            key = (held.room, held.generation)
+            if key not in report:
+                problems.append(
+                    f"{d.name}: room {key[0]}/{key[1]} still holds pages "
+                    f"{held.pages} in {held.state}"
+                )
+            elif not explained_quarantine(world, d.rank, *key):
+                problems.append(
+                    f"{d.name}: room {key[0]}/{key[1]} pages {held.pages} stay "
+                    f"quarantined waiting on {report[key].waiting_on}, no message lost"
+                )
+        quarantined = {key for key in report if explained_quarantine(world, d.rank, *key)}
+        stuck = [
+            rid
+            for rid in d.admission.admitted
+            if tuple(int(x) for x in rid.split("/")) not in quarantined
+        ]
+        if stuck:
+            problems.append(f"{d.name}: admitted requests never finished: {stuck}")
+    for (name, room_id, gen), poll in world.monitor.polls.items():
+        if not poll.is_terminal and world.is_live(name):
+            problems.append(f"{name}: room {room_id}/{gen} never reached a terminal outcome")
+    return problems

@@ -1,0 +1,234 @@
+"""Deliberately broken variants of the core, one per real bug class, to show the checker bites.
+
+Each mutant patches one method, guard or action of the core for the duration of a ``with``
+block and restores it afterwards. ``pdflow check --mutants`` (and tests/property/
+test_mutants.py) run the model checker under each one and report how many steps it took to
+catch it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+from pdflow.core.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoint_io import HeartbeatResult
+from pdflow.core.inputs import Input, SuccessArrived
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import Abort
+from pdflow.core.outputs import Output, StatusChanged
+from pdflow.core.page_ledger import RoomPages
+from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.sender_room import SenderRoom
+from pdflow.core.table import Fired
+
+Patch = tuple[Any, str, Callable[[Any], Any]]
+"""(owner, attribute, make_replacement(original))."""
+
+
+@dataclass(frozen=True)
+class Mutant:
+    name: str
+    bug_class: str
+    description: str
+    patches: tuple[Patch, ...]
+
+
+@contextlib.contextmanager
+def applied(mutant: Mutant) -> Iterator[Mutant]:
+    # An inherited attribute is patched on the class itself and deleted again afterwards.
+    saved = [(owner, attr, owner.__dict__.get(attr)) for owner, attr, _ in mutant.patches]
+    try:
+        for owner, attr, make in mutant.patches:
+            setattr(owner, attr, make(getattr(owner, attr)))
+        yield mutant
+    finally:
+        for owner, attr, original in saved:
+            if original is None:
+                delattr(owner, attr)
+            else:
+                setattr(owner, attr, original)
+
+
+# ---- replacements ------------------------------------------------------------------------------
+def _always(value: bool) -> Callable[[Any], Any]:
+    def make(original: Any) -> Any:
+        def guard(self: Any, inp: Input, now: float) -> bool:
+            return value
+
+        return guard
+
+    return make
+
+
+def _ack_only_last_peer(original: Any) -> Any:
+    def ack_everyone(self: SenderRoom) -> list[Output]:
+        acks: list[Output] = original(self)
+        return acks[-1:]
+
+    return ack_everyone
+
+
+def _lift_failed(original: Any) -> Any:
+    def fire(self: ReceiverRoom, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        if self.state is ReceiverState.FAILED and isinstance(inp, SuccessArrived):
+            # max(Failed, Success) as a status merge: the late Success wins.
+            self.state = ReceiverState.SUCCESS
+            change = StatusChanged(self.key, self.generation, KVPoll.Success)
+            return [change], Fired(self.table.machine, self.key, "FAILED", "SuccessArrived",
+                                   None, "SUCCESS")  # fmt: skip
+        result: tuple[list[Output], Fired] = original(self, inp, now)
+        return result
+
+    return fire
+
+
+def _accept_duplicate_claim(original: Any) -> Any:
+    def open_(self: PrefillEndpoint, inp: Any, now: float, outputs: Any, fired: Any) -> None:
+        self.rooms.pop(inp.room, None)  # the second claim silently replaces the first
+        original(self, inp, now, outputs, fired)
+
+    return open_
+
+
+def _heartbeat_keeps_rooms(original: Any) -> Any:
+    def instance_lost(
+        self: DecodeEndpoint, bootstrap: str, now: float, out: Any, fired: Any
+    ) -> None:
+        rooms, self.rooms = self.rooms, {}  # the loss is noted, but no room is failed
+        try:
+            original(self, bootstrap, now, out, fired)
+        finally:
+            self.rooms = rooms
+
+    return instance_lost
+
+
+def _chunk_offset_reused(original: Any) -> Any:
+    def send_chunk(self: SenderRoom, inp: Input, now: float) -> list[Output]:
+        start = self.next_page
+        self.next_page = 0  # every chunk is written at the first destination pages
+        outputs: list[Output] = original(self, inp, now)
+        self.next_page += start
+        return outputs
+
+    return send_chunk
+
+
+def _wait_clock_not_reset(original: Any) -> Any:
+    def restart(self: ReceiverRoom, inp: Input, now: float) -> list[Output]:
+        return []
+
+    return restart
+
+
+def _success_one_short(original: Any) -> Any:
+    def completes(self: ReceiverRoom, inp: Input) -> bool:
+        success = inp if isinstance(inp, SuccessArrived) else None
+        assert success is not None
+        distinct = len(self.succeeded | {success.prefill: None})
+        return distinct + 1 >= self.required_responses
+
+    return completes
+
+
+def _restart_not_detected(original: Any) -> Any:
+    def heartbeat(
+        self: DecodeEndpoint, inp: HeartbeatResult, now: float, out: Any, fired: Any
+    ) -> None:
+        if inp.ok:
+            inp = HeartbeatResult(inp.bootstrap, True, None)  # the incarnation is not compared
+        original(self, inp, now, out, fired)
+
+    return heartbeat
+
+
+def _status_resurrects(original: Any) -> Any:
+    def receive(self: DecodeEndpoint, inp: Any, now: float, out: Any, fired: Any) -> None:
+        message = inp.message
+        room = getattr(message, "room", None)
+        if room is not None and room not in self.rooms and hasattr(message, "status"):
+            # A late status re-creates the room it names, as a status table keyed by room would.
+            self.rooms[room] = ReceiverRoom(room, message.generation, self.me, now)
+        original(self, inp, now, out, fired)
+
+    return receive
+
+
+def _no_ack_for_unopened(original: Any) -> Any:
+    def park(self: PrefillEndpoint, message: Any, now: float, outputs: Any, fired: Any) -> None:
+        original(self, message, now, outputs, fired)
+        if isinstance(message, Abort):  # the ACK of a room not opened yet is never sent
+            outputs[:] = [o for o in outputs if getattr(o, "message", None) is None
+                          or type(o.message).__name__ != "AbortAck"]  # fmt: skip
+
+    return park
+
+
+def _cancel_before_sender_lost(original: Any) -> Any:
+    def open_(self: PrefillEndpoint, inp: Any, now: float, outputs: Any, fired: Any) -> None:
+        entry = self.early.get((inp.room, inp.generation))
+        if entry is not None:
+            entry.aborts.clear()  # parked cancels are forgotten when the room opens
+        original(self, inp, now, outputs, fired)
+
+    return open_
+
+
+MUTANTS: tuple[Mutant, ...] = (
+    Mutant("release_on_abort_without_ack", "sglang#35049/#32564",
+           "the fence frees a failed room's pages at once, without waiting for drain ACKs",
+           ((RoomPages, "_guard_no_writer_can_land", _always(True)),)),
+    Mutant("ack_before_drain", "sglang#38961",
+           "an ABORT is ACKed at once even while writes of the room are still in flight",
+           ((SenderRoom, "_guard_writes_outstanding", _always(False)),)),
+    Mutant("max_status_lifts_failed", "sglang update_status(max(...))",
+           "a late Success lifts a Failed receiver room to Success",
+           ((ReceiverRoom, "fire", _lift_failed),)),
+    Mutant("duplicate_claim_accepted", "sglang#34572 (room claimed twice)",
+           "opening a room id that is open replaces the existing room",
+           ((PrefillEndpoint, "_open", _accept_duplicate_claim),)),
+    Mutant("ack_only_last_peer", "sglang#40645 (MLA fan-out)",
+           "a drained sender ACKs only the last decode peer of the room",
+           ((SenderRoom, "_ack_everyone", _ack_only_last_peer),)),
+    Mutant("heartbeat_keeps_rooms", "sglang#16903",
+           "a prefill instance declared lost does not fail the rooms it serves",
+           ((DecodeEndpoint, "_instance_lost", _heartbeat_keeps_rooms),)),
+    Mutant("chunk_offset_reused", "sglang staging chunk counted twice (#37697)",
+           "every chunk is written at the first destination pages",
+           ((SenderRoom, "_act_send_chunk", _chunk_offset_reused),)),
+    Mutant("wait_clock_not_reset", "sglang#10110 (timeout clock shared)",
+           "the wait budget is not restarted when the ready signal arrives",
+           ((ReceiverRoom, "_act_restart_wait_clock", _wait_clock_not_reset),)),
+    Mutant("success_one_peer_short", "sglang#21297 (rank count)",
+           "a receiver succeeds with one required prefill rank still missing",
+           ((ReceiverRoom, "_completes", _success_one_short),)),
+    Mutant("restart_not_detected", "sglang#16903 / nixl#795",
+           "a heartbeat answered by a new incarnation is taken for the old one",
+           ((DecodeEndpoint, "_heartbeat", _restart_not_detected),)),
+    Mutant("late_status_resurrects", "sglang#17259 (stale room slot)",
+           "a status for a cleared room re-creates the room",
+           ((DecodeEndpoint, "_receive", _status_resurrects),)),
+    Mutant("checksum_mismatch_ignored", "silent KV corruption",
+           "a failed checksum verification is taken as a pass",
+           ((ReceiverRoom, "_guard_checksum_ok", _always(True)),)),
+    Mutant("release_on_any_ack", "sglang#38961 (one ACK target per room)",
+           "the first writer's ACK frees the pages though others may still write",
+           ((RoomPages, "_guard_clears_last_writer", _always(True)),)),
+    Mutant("unopened_abort_not_acked", "sglang#38961 (late ABORT never ACKed)",
+           "an ABORT for a room the prefill has not opened yet is never ACKed",
+           ((PrefillEndpoint, "_park", _no_ack_for_unopened),)),
+    Mutant("cancel_before_sender_lost", "sglang#9266 (cancel lost)",
+           "a cancel parked before the room opened is forgotten when it opens",
+           ((PrefillEndpoint, "_open", _cancel_before_sender_lost),)),
+)  # fmt: skip
+
+
+def by_name(name: str) -> Mutant:
+    for mutant in MUTANTS:
+        if mutant.name == name:
+            return mutant
+    raise KeyError(f"no mutant named {name!r}; known: {', '.join(m.name for m in MUTANTS)}")

@@ -1,0 +1,84 @@
+"""A simulated control network: one FIFO queue per directed link, with faults on demand.
+
+Every fault is a choice the driver makes: deliver any deliverable message (of any link; of any
+position in a link too when the plan lets links reorder), drop one, duplicate one, cut links
+(partition) and heal them. Messages on a cut link wait; they are delivered after the heal.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdflow.core.messages import AnyMessage, PeerId
+
+Link = tuple[str, str]
+
+
+@dataclass(frozen=True)
+class Envelope:
+    src: str
+    to: PeerId
+    message: AnyMessage
+    msg_id: str
+
+    @property
+    def link(self) -> Link:
+        return (self.src, self.to.address)
+
+
+@dataclass
+class Network:
+    reorder_within_link: bool
+    queues: dict[Link, list[Envelope]] = field(default_factory=dict)
+    cut: set[frozenset[str]] = field(default_factory=set)
+    lost: list[Envelope] = field(default_factory=list)
+    """Every message dropped, in order (the liveness check forgives what they explain)."""
+    sent: int = 0
+
+    def send(self, envelope: Envelope) -> None:
+        self.sent += 1
+        self.queues.setdefault(envelope.link, []).append(envelope)
+
+    def is_cut(self, link: Link) -> bool:
+        return frozenset(link) in self.cut
+
+    def in_flight(self) -> list[tuple[Link, int]]:
+        """Every queued message as (link, position), in a deterministic order."""
+        return [(link, i) for link in sorted(self.queues) for i in range(len(self.queues[link]))]
+
+    def deliverable(self) -> list[tuple[Link, int]]:
+        found: list[tuple[Link, int]] = []
+        for link in sorted(self.queues):
+            queue = self.queues[link]
+            if not queue or self.is_cut(link):
+                continue
+            positions = range(len(queue)) if self.reorder_within_link else range(1)
+            found.extend((link, i) for i in positions)
+        return found
+
+    def take(self, where: tuple[Link, int]) -> Envelope:
+        link, position = where
+        envelope = self.queues[link].pop(position)
+        if not self.queues[link]:
+            del self.queues[link]
+        return envelope
+
+    def drop(self, where: tuple[Link, int]) -> Envelope:
+        envelope = self.take(where)
+        self.lost.append(envelope)
+        return envelope
+
+    def duplicate(self, where: tuple[Link, int]) -> Envelope:
+        link, position = where
+        envelope = self.queues[link][position]
+        self.queues[link].insert(position + 1, envelope)
+        return envelope
+
+    def partition(self, a: str, b: str) -> None:
+        self.cut.add(frozenset((a, b)))
+
+    def heal(self) -> None:
+        self.cut.clear()
+
+    def __len__(self) -> int:
+        return sum(len(q) for q in self.queues.values())

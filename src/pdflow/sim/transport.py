@@ -1,0 +1,161 @@
+"""A fake data plane that moves real bytes between per-rank page buffers.
+
+Each prefill rank owns source pages, filled with content derived from (room, generation, rank,
+page index); each decode rank owns destination pages. A decode page is split in segments, one
+per prefill rank writing into it (heads or layers of the KV). A write copies the source bytes
+it was given at StartTransfer and lands them later, when the driver says so: whole, partially
+(a failed write), corrupted, or never (its target process died, or the decode closed the
+session to its writer). Every landing is checked against the decode ledger *at landing time*:
+a byte written into a page its room instance does not own is a use-after-free, recorded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import zlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pdflow.core.messages import PeerId
+from pdflow.core.sender_room import CHECKSUM_MODULUS
+
+SEGMENT_BYTES = 16
+
+
+def source_content(room: int, generation: int, writer_rank: int, page_index: int) -> bytes:
+    """What prefill rank ``writer_rank`` holds for page ``page_index`` of a room instance."""
+    key = f"{room}/{generation}/{writer_rank}/{page_index}".encode()
+    return hashlib.blake2b(key, digest_size=SEGMENT_BYTES).digest()
+
+
+def segment_checksum(data: bytes | bytearray) -> int:
+    return zlib.crc32(bytes(data))
+
+
+def fold_checksums(values: list[int]) -> int:
+    """The additive fold SenderRoom applies to the checksums of one peer's writes."""
+    return sum(values) % CHECKSUM_MODULUS
+
+
+@dataclass
+class Write:
+    wid: int
+    writer_rank: int
+    writer: PeerId
+    target_rank: int
+    target: PeerId
+    room: int
+    generation: int
+    seq: int
+    dst_pages: tuple[int, ...]
+    segment: int
+    data: tuple[bytes, ...]
+    landed: bool = False
+
+    @property
+    def checksum(self) -> int:
+        return fold_checksums([segment_checksum(d) for d in self.data])
+
+
+@dataclass(frozen=True)
+class UseAfterFree:
+    write: int
+    decode_rank: int
+    page: int
+    room: int
+    generation: int
+    owner: tuple[int, int] | None
+
+    def describe(self) -> str:
+        owner = "nobody (free)" if self.owner is None else f"room {self.owner[0]}/{self.owner[1]}"
+        return (
+            f"write {self.write} of room {self.room}/{self.generation} landed in page "
+            f"{self.page} of decode rank {self.decode_rank}, owned by {owner}"
+        )
+
+
+OwnerLookup = Callable[[int, int], tuple[int, int] | None]
+"""(decode rank, page) -> the (room, generation) owning it in the ledger, or None."""
+
+
+@dataclass
+class FakeTransport:
+    segments: int
+    decode_pages: int
+    owner_of: OwnerLookup
+    memory: dict[int, list[bytearray]] = field(default_factory=dict)
+    sources: dict[int, list[bytes]] = field(default_factory=dict)
+    live_targets: dict[int, PeerId] = field(default_factory=dict)
+    closed: set[tuple[int, PeerId]] = field(default_factory=set)
+    writes: dict[int, Write] = field(default_factory=dict)
+    violations: list[UseAfterFree] = field(default_factory=list)
+    landed_bytes: int = 0
+    _next_wid: int = 0
+
+    # ---- process lives ---------------------------------------------------------------------
+    def decode_started(self, rank: int, me: PeerId) -> None:
+        """A decode process (re)started: fresh memory; nothing of the old life survives."""
+        self.memory[rank] = [
+            bytearray(self.segments * SEGMENT_BYTES) for _ in range(self.decode_pages)
+        ]
+        self.live_targets[rank] = me
+
+    def close_session(self, decode_rank: int, writer: PeerId) -> int:
+        """The decode closed its session to ``writer``: its pending writes can never land."""
+        self.closed.add((decode_rank, writer))
+        doomed = [
+            w.wid
+            for w in self.writes.values()
+            if w.target_rank == decode_rank and w.writer == writer and not w.landed
+        ]
+        return len(doomed)
+
+    def can_land(self, write: Write) -> bool:
+        return (
+            self.live_targets.get(write.target_rank) == write.target
+            and (write.target_rank, write.writer) not in self.closed
+        )
+
+    # ---- writes ----------------------------------------------------------------------------
+    def next_write_id(self) -> int:
+        self._next_wid += 1
+        return self._next_wid - 1
+
+    def add(self, write: Write) -> None:
+        self.writes[write.wid] = write
+
+    def land(self, write: Write, *, pages: int | None = None, corrupt: bool = False) -> bool:
+        """Apply the write's bytes (the first ``pages`` only, if given). False: nothing landed."""
+        if write.landed or not self.can_land(write):
+            return False
+        memory = self.memory[write.target_rank]
+        count = len(write.dst_pages) if pages is None else pages
+        start = write.segment * SEGMENT_BYTES
+        for index, (page, data) in enumerate(zip(write.dst_pages, write.data, strict=True)):
+            if index >= count:
+                break
+            owner = self.owner_of(write.target_rank, page)
+            if owner != (write.room, write.generation):
+                self.violations.append(
+                    UseAfterFree(
+                        write.wid, write.target_rank, page, write.room, write.generation, owner
+                    )
+                )
+            payload = bytes(b ^ 0xFF for b in data) if corrupt and index == 0 else data
+            memory[page][start : start + SEGMENT_BYTES] = payload
+            self.landed_bytes += len(payload)
+        write.landed = pages is None
+        return True
+
+    def finish(self, write: Write) -> None:
+        del self.writes[write.wid]
+
+    def read_segment(self, decode_rank: int, page: int, segment: int) -> bytes:
+        start = segment * SEGMENT_BYTES
+        return bytes(self.memory[decode_rank][page][start : start + SEGMENT_BYTES])
+
+    def checksum_of(self, decode_rank: int, pages: tuple[int, ...], segment: int) -> int:
+        """What a checksum kernel would compute over one writer's segment of these pages."""
+        return fold_checksums(
+            [segment_checksum(self.read_segment(decode_rank, page, segment)) for page in pages]
+        )

@@ -1,0 +1,634 @@
+"""World: a whole PD deployment in one process, every effect simulated and every choice explicit.
+
+One prefill instance (its ranks share an incarnation and register with a bootstrap
+:class:`~pdflow.core.registry.Registry`) and a decode instance of independent ranks, each a
+pure endpoint driven by a fake engine (:mod:`pdflow.sim.engine`) over a simulated network and a
+fake transport that moves real bytes. Nothing happens unless a driver applies an action (see
+:mod:`pdflow.sim.actions`); every endpoint step is checked by the :class:`Monitor` and recorded
+in the trace.
+"""
+
+from __future__ import annotations
+
+import itertools
+import random
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from pdflow.core.admission import (
+    AdmissionQueue,
+    CancelRequest,
+    EnqueueRequest,
+    FinishRequest,
+    RequestAdmitted,
+    RequestRejected,
+)
+from pdflow.core.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoint_io import (
+    AnyEndpointInput,
+    ChecksumChecked,
+    CloseSession,
+    DecodeEndpointConfig,
+    NeedTopology,
+    PrefillEndpointConfig,
+    PrefillInfo,
+    PrefillRank,
+    PublishPages,
+    Received,
+    RoomCall,
+    RoomRemoved,
+    SessionClosed,
+    TimerFired,
+    TopologyFailed,
+    TopologyKnown,
+)
+from pdflow.core.errors import InvalidInput, ProtocolError
+from pdflow.core.inputs import AbortRequested
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import Output, SendMessage, StartTransfer, StatusChanged, VerifyChecksums
+from pdflow.core.page_ledger import PagesFreed
+from pdflow.core.policy import Timeouts
+from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.registry import (
+    PrefillRankInfo,
+    PrefillServerInfo,
+    QueryRank,
+    QueryTopology,
+    RegisterRank,
+    Registry,
+)
+from pdflow.core.step import Step
+from pdflow.core.topology import AttentionKind, Parallelism, PdTopology, resolve_rank_mapping
+from pdflow.core.topology import PrefillRank as Coordinates
+from pdflow.sim.clock import VirtualClock
+from pdflow.sim.engine import (
+    DecodeProcess,
+    PrefillProcess,
+    ReceiverJob,
+    Request,
+    SenderJob,
+    admission_budget,
+)
+from pdflow.sim.faults import FaultPlan
+from pdflow.sim.invariants import Monitor
+from pdflow.sim.network import Envelope, Network
+from pdflow.sim.tracing import TraceWriter
+from pdflow.sim.transport import FakeTransport, Write, source_content
+from pdflow.trace.observe import room_summaries, touched_rooms
+
+BOOTSTRAP = "10.0.9.1:8998"
+PREFILL_IP = "10.0.0.1"
+PREFILL_PORT = 7000
+DECODE_IP = "10.0.1.1"
+DECODE_PORT = 8000
+KV_DTYPE = "auto"
+
+
+@dataclass(frozen=True)
+class LocalEvent:
+    """Work a process's shell has queued (a topology fetch, a checksum, a session close)."""
+
+    side: str
+    rank: int
+    life: int
+    kind: str
+    payload: Any
+
+
+class World:
+    def __init__(self, plan: FaultPlan, *, record: bool = True) -> None:
+        self.plan = plan
+        self.shape = plan.shape
+        self.rng = random.Random(plan.seed ^ 0x5EED)
+        self.clock = VirtualClock()
+        self.network = Network(reorder_within_link=plan.reorder_within_link)
+        self.trace = TraceWriter(plan.seed, plan.to_builtins()) if record else None
+        self.monitor = Monitor(self)
+        self.timeouts = Timeouts(self.shape.bootstrap_timeout, self.shape.waiting_timeout)
+        self.prefill_coords = [
+            Coordinates(dp=dp, cp=cp, tp=tp, pp=pp)
+            for dp, cp, tp, pp in itertools.product(
+                range(self.shape.prefill_dp),
+                range(self.shape.prefill_cp),
+                range(self.shape.prefill_tp),
+                range(self.shape.prefill_pp),
+            )
+        ]
+        self.decode_coords = list(
+            itertools.product(
+                range(self.shape.decode_dp),
+                range(self.shape.decode_tp),
+                range(self.shape.decode_pp),
+            )
+        )
+        segments = self.shape.prefill_tp * self.shape.prefill_cp * self.shape.prefill_pp
+        self.transport = FakeTransport(segments, self.shape.decode_pages, self._owner_of)
+        self.registry = Registry()
+        self.prefill_life = 0
+        self.prefill_incarnation = ""
+        self.prefill: list[PrefillProcess] = []
+        self.decode: list[DecodeProcess] = []
+        self.lives: dict[str, int] = {}
+        self.requests: list[Request] = []
+        self.generations: dict[int, int] = {}
+        self.local_events: list[LocalEvent] = []
+        self.steps = 0
+        self.actions = 0
+        self._start_prefill_instance()
+        for rank in range(self.shape.decode_ranks):
+            self._start_decode(rank)
+
+    # ---- process lives -----------------------------------------------------------------------
+    def _draw_incarnation(self, prefix: str) -> str:
+        return f"{prefix}{self.rng.getrandbits(32):08x}"
+
+    def prefill_peer(self, rank: int) -> PeerId:
+        return PeerId(f"{PREFILL_IP}:{PREFILL_PORT + rank}", self.prefill_incarnation, rank)
+
+    def _start_prefill_instance(self) -> None:
+        """Start (or restart) every prefill rank: one new incarnation shared by all."""
+        self.prefill_life += 1
+        self.prefill_incarnation = self._draw_incarnation("p")
+        self.prefill = []
+        for rank in range(self.shape.prefill_ranks):
+            config = PrefillEndpointConfig(
+                me=self.prefill_peer(rank), policy=self.shape.policy, timeouts=self.timeouts
+            )
+            name = f"prefill{rank}.{self.prefill_life}"
+            process = PrefillProcess(
+                rank,
+                self.prefill_life,
+                name,
+                config,
+                PrefillEndpoint(config),
+                free_sources=list(range(self.shape.source_pages)),
+            )
+            self.prefill.append(process)
+            self.transport.sources[rank] = [b""] * self.shape.source_pages
+            if self.trace is not None:
+                self.trace.header(name, "prefill", config)
+            self._register(rank)
+
+    def _register(self, rank: int) -> None:
+        c = self.prefill_coords[rank]
+        reply = self.registry.reply_to(
+            RegisterRank(
+                attn_tp_size=self.shape.prefill_tp,
+                attn_tp_rank=c.tp,
+                attn_cp_size=self.shape.prefill_cp,
+                attn_cp_rank=c.cp,
+                attn_dp_size=self.shape.prefill_dp,
+                attn_dp_rank=c.dp,
+                pp_size=self.shape.prefill_pp,
+                pp_rank=c.pp,
+                system_dp_size=1,
+                system_dp_rank=0,
+                rank_ip=PREFILL_IP,
+                rank_port=PREFILL_PORT + rank,
+                page_size=self.shape.page_tokens,
+                kv_cache_dtype=KV_DTYPE,
+                decode_allocation_policy=self.shape.policy,
+                incarnation=self.prefill_incarnation,
+            ),
+            self.clock.now,
+        )
+        if reply.status != 200:
+            raise RuntimeError(f"the registry refused prefill rank {rank}: {reply.body}")
+
+    def _start_decode(self, rank: int) -> None:
+        life = self.lives.get(f"decode{rank}", 0) + 1
+        self.lives[f"decode{rank}"] = life
+        dp, tp, pp = self.decode_coords[rank]
+        me = PeerId(f"{DECODE_IP}:{DECODE_PORT + rank}", self._draw_incarnation("d"), rank)
+        config = DecodeEndpointConfig(
+            me=me,
+            tp_size=self.shape.decode_tp,
+            tp_rank=tp,
+            dp_size=self.shape.decode_dp,
+            dp_rank=dp,
+            pp_size=self.shape.decode_pp,
+            pp_rank=pp,
+            num_kv_heads=self.shape.num_kv_heads,
+            num_pages=self.shape.decode_pages,
+            page_size=self.shape.page_tokens,
+            kv_cache_dtype=KV_DTYPE,
+            is_mla=self.shape.is_mla,
+            policy=self.shape.policy,
+            timeouts=self.timeouts,
+            verify_checksums=self.shape.verify_checksums,
+        )
+        name = f"decode{rank}.{life}"
+        budget = admission_budget(self.shape.decode_pages, self.shape.page_tokens)
+        process = DecodeProcess(
+            rank, life, name, config, DecodeEndpoint(config), AdmissionQueue(budget)
+        )
+        if rank < len(self.decode):
+            self.decode[rank] = process
+        else:
+            self.decode.append(process)
+        self.transport.decode_started(rank, me)
+        if self.trace is not None:
+            self.trace.header(name, "decode", config)
+
+    def crash_prefill(self) -> None:
+        """Every prefill rank dies and restarts with a new incarnation; its state is lost."""
+        for request in self.requests:
+            if request.prefill_life == self.prefill_life:
+                request.unopened_prefill.clear()
+        self._start_prefill_instance()
+        self.local_events = [e for e in self.local_events if e.side != "prefill"]
+
+    def crash_decode(self, rank: int) -> None:
+        for request in self.requests:
+            if request.decode_lives.get(rank) == self.decode[rank].life:
+                request.unopened_decode.discard(rank)
+        self._start_decode(rank)
+
+    # ---- topology ----------------------------------------------------------------------------
+    def topology(self) -> PdTopology:
+        s = self.shape
+        return PdTopology(
+            prefill=Parallelism(tp=s.prefill_tp, cp=s.prefill_cp, pp=s.prefill_pp, dp=s.prefill_dp),
+            decode=Parallelism(tp=s.decode_tp, pp=s.decode_pp, dp=s.decode_dp),
+            attention=AttentionKind.MLA if s.is_mla else AttentionKind.MHA,
+            num_kv_heads=s.num_kv_heads,
+        )
+
+    def writers_of(self, decode_rank: int, room: int) -> list[int]:
+        """Prefill ranks writing into this decode rank's pages for ``room``, in segment order."""
+        dp, tp, pp = self.decode_coords[decode_rank]
+        mapping = resolve_rank_mapping(
+            self.topology(),
+            decode_engine_rank=dp * self.shape.decode_tp + tp,
+            room=room,
+            decode_pp_rank=pp,
+        )
+        return [self.prefill_coords.index(t.rank) for t in mapping.writers]
+
+    def prefill_ranks_of(self, room: int) -> tuple[int, ...]:
+        group = room % self.shape.prefill_dp
+        return tuple(i for i, c in enumerate(self.prefill_coords) if c.dp == group)
+
+    def _answer_topology(self) -> TopologyKnown | TopologyFailed:
+        reply = self.registry.reply_to(QueryTopology(), self.clock.now)
+        if reply.status != 200:
+            return TopologyFailed(BOOTSTRAP, f"registry answered {reply.status}: {reply.body}")
+        server = msgspec.convert(reply.body, PrefillServerInfo)
+        ranks = []
+        for c in self.prefill_coords:
+            answer = self.registry.reply_to(QueryRank(c.dp, c.cp, c.tp, c.pp), self.clock.now)
+            info = msgspec.convert(answer.body, PrefillRankInfo)
+            port = info.rank_port
+            peer = PeerId(f"{info.rank_ip}:{port}", info.incarnation or "", port - PREFILL_PORT)
+            ranks.append(PrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer))
+        # The registry does not carry the attention kind; both sides of a world agree on it.
+        return TopologyKnown(
+            PrefillInfo(
+                bootstrap=BOOTSTRAP,
+                tp_size=server.attn_tp_size,
+                cp_size=server.attn_cp_size,
+                pp_size=server.pp_size,
+                dp_size=server.dp_size,
+                page_size=server.page_size or 0,
+                kv_cache_dtype=server.kv_cache_dtype or "",
+                policy=server.decode_allocation_policy,
+                ranks=tuple(ranks),
+                is_mla=self.shape.is_mla,
+                follow_bootstrap_room=server.follow_bootstrap_room,
+            )
+        )
+
+    # ---- feeding endpoints -------------------------------------------------------------------
+    def feed(self, process: PrefillProcess | DecodeProcess, inp: AnyEndpointInput) -> Step:
+        """One core step of one endpoint: check it, record it, carry out its outputs."""
+        endpoint = process.endpoint
+        before = set(endpoint.rooms)
+        now = self.clock.now
+        try:
+            step = endpoint.handle(inp, now)
+        except Exception as exc:  # recorded, then re-raised: the driver decides what it means
+            self._record(process, inp, Step(timer_at=endpoint.timer_at()), exc)
+            raise
+        seq = self._record(process, inp, step, None)
+        self.steps += 1
+        self.monitor.observe(process, inp, step, before)
+        for index, output in enumerate(step.outputs):
+            self._carry_out(process, output, f"{process.name}:{seq}:{index}")
+        return step
+
+    def _record(
+        self,
+        process: PrefillProcess | DecodeProcess,
+        inp: AnyEndpointInput,
+        step: Step,
+        error: Exception | None,
+    ) -> int:
+        if self.trace is None:
+            return self.steps
+        touched = touched_rooms(inp, step if error is None else None)
+        rooms = room_summaries(process.endpoint, touched)
+        return self.trace.step(
+            self.clock.now,
+            process.name,
+            inp,
+            step.outputs,
+            step.fired,
+            rooms,
+            step.timer_at,
+            error,
+        )
+
+    def _carry_out(
+        self, process: PrefillProcess | DecodeProcess, output: Output, msg_id: str
+    ) -> None:
+        if isinstance(output, SendMessage):
+            self.network.send(Envelope(process.me.address, output.to, output.message, msg_id))
+        elif isinstance(output, StartTransfer):
+            assert isinstance(process, PrefillProcess)
+            self._start_write(process, output)
+        elif isinstance(output, StatusChanged):
+            self._status_changed(process, output)
+        elif isinstance(output, RoomRemoved):
+            self._room_removed(process, output)
+        elif isinstance(output, PagesFreed):
+            assert isinstance(process, DecodeProcess)
+            self._pages_freed(process, output)
+        elif isinstance(output, NeedTopology):
+            self._queue_local(process, "topology", output.bootstrap)
+        elif isinstance(output, CloseSession):
+            assert isinstance(process, DecodeProcess)
+            self.transport.close_session(process.rank, output.peer)
+            self._queue_local(process, "session_closed", output.peer)
+        elif isinstance(output, VerifyChecksums):
+            self._queue_local(process, "checksum", output)
+
+    def _queue_local(
+        self, process: PrefillProcess | DecodeProcess, kind: str, payload: Any
+    ) -> None:
+        side = "prefill" if isinstance(process, PrefillProcess) else "decode"
+        self.local_events.append(LocalEvent(side, process.rank, process.life, kind, payload))
+
+    def run_local_event(self, index: int) -> None:
+        event = self.local_events.pop(index)
+        if event.side != "decode" or self.decode[event.rank].life != event.life:
+            return  # the process that asked has died
+        process = self.decode[event.rank]
+        if event.kind == "topology":
+            self.feed(process, self._answer_topology())
+        elif event.kind == "session_closed":
+            self.feed(process, SessionClosed(event.payload))
+        elif event.kind == "checksum":
+            verify: VerifyChecksums = event.payload
+            room = process.endpoint.rooms.get(verify.room)
+            if room is not None and room.generation == verify.generation:
+                # (The shell cancels the check of a room the engine has cleared meanwhile.)
+                self.feed(process, self._check_checksums(process, verify))
+
+    def _check_checksums(self, process: DecodeProcess, verify: VerifyChecksums) -> ChecksumChecked:
+        job = process.jobs.get(verify.room)
+        if job is None:
+            return ChecksumChecked(verify.room, verify.generation, False, "room is gone")
+        bad = []
+        for peer, expected in verify.expected:
+            segment = self.writers_of(process.rank, verify.room).index(peer.rank)
+            actual = self.transport.checksum_of(
+                process.rank, job.pages[: job.request.num_pages], segment
+            )
+            if actual != expected:
+                bad.append(f"{peer.address}: expected {expected:#x}, got {actual:#x}")
+        return ChecksumChecked(verify.room, verify.generation, not bad, "; ".join(bad))
+
+    # ---- engine reactions --------------------------------------------------------------------
+    def _status_changed(
+        self, process: PrefillProcess | DecodeProcess, change: StatusChanged
+    ) -> None:
+        job = process.jobs.get(change.room)
+        if job is None or job.request.generation != change.generation:
+            return
+        job.poll = change.poll
+        if isinstance(process, PrefillProcess):
+            return
+        assert isinstance(job, ReceiverJob)
+        if change.poll is KVPoll.WaitingForInput and job.stage == "resolving":
+            self._enqueue(process, job)
+        elif change.poll is KVPoll.Success:
+            self.monitor.decode_succeeded(process, change.room)
+
+    def _enqueue(self, process: DecodeProcess, job: ReceiverJob) -> None:
+        request = job.request
+        step = process.admission.handle(
+            EnqueueRequest(request.rid, request.input_len, request.max_new), self.clock.now
+        )
+        self.monitor.record_fired(step.fired)
+        if any(isinstance(o, RequestRejected) for o in step.outputs):
+            job.stage = "rejected"
+            self.feed(process, RoomCall(request.room, AbortRequested("rejected by admission")))
+            return
+        job.stage = "queued"
+        process.requests[request.rid] = job
+
+    def admit(self, process: DecodeProcess) -> None:
+        """The decode scheduler admits what fits and publishes each admitted room's pages."""
+        from pdflow.core.admission import AdmitRequests
+
+        step = process.admission.handle(AdmitRequests(), self.clock.now)
+        self.monitor.record_fired(step.fired)
+        for output in step.outputs:
+            if isinstance(output, RequestAdmitted):
+                self._publish(process, process.requests[output.request_id], output.reserve_pages)
+
+    def _publish(self, process: DecodeProcess, job: ReceiverJob, count: int) -> None:
+        ledger = process.endpoint.ledger
+        free = [p for p in range(ledger.pool_size) if ledger.is_free(p)]
+        if len(free) < count:
+            self.monitor.fail(
+                f"{process.name}: admission granted {count} pages for room {job.request.rid} but "
+                f"the ledger has only {len(free)} free"
+            )
+            return
+        job.pages = tuple(sorted(self.rng.sample(free, count)))
+        job.stage = "admitted"
+        room = job.request.room
+        self.feed(process, PublishPages(room, job.pages, aux_index=room % 8))
+
+    def _pages_freed(self, process: DecodeProcess, freed: PagesFreed) -> None:
+        rid = f"{freed.room}/{freed.generation}"
+        job = process.requests.pop(rid, None)
+        if job is not None and job.stage == "admitted":
+            job.stage = "finished"
+            step = process.admission.handle(FinishRequest(rid), self.clock.now)
+            self.monitor.record_fired(step.fired)
+
+    def _room_removed(self, process: PrefillProcess | DecodeProcess, removed: RoomRemoved) -> None:
+        self.monitor.room_removed(process, removed.room, removed.generation)
+        job = process.jobs.pop(removed.room, None)
+        if isinstance(process, PrefillProcess):
+            assert job is None or isinstance(job, SenderJob)
+            if job is not None:
+                process.free_sources.extend(job.src_pages)
+            return
+        assert job is None or isinstance(job, ReceiverJob)
+        if job is not None and job.stage == "queued":
+            job.stage = "cancelled"
+            process.requests.pop(job.request.rid, None)
+            step = process.admission.handle(CancelRequest(job.request.rid), self.clock.now)
+            self.monitor.record_fired(step.fired)
+
+    # ---- message delivery --------------------------------------------------------------------
+    def process_at(self, address: str) -> PrefillProcess | DecodeProcess:
+        for process in self.processes():
+            if process.me.address == address:
+                return process
+        raise KeyError(f"no process listens on {address}")
+
+    def deliver(self, envelope: Envelope) -> None:
+        process = self.process_at(envelope.to.address)
+        self.feed(process, Received(envelope.message, envelope.msg_id))
+
+    # ---- writes ------------------------------------------------------------------------------
+    def _start_write(self, process: PrefillProcess, start: StartTransfer) -> None:
+        target_rank = start.peer.rank
+        writers = self.writers_of(target_rank, start.room)
+        data = tuple(self.transport.sources[process.rank][p] for p in start.src_pages)
+        self.transport.add(
+            Write(
+                wid=self.transport.next_write_id(),
+                writer_rank=process.rank,
+                writer=process.me,
+                target_rank=target_rank,
+                target=start.peer,
+                room=start.room,
+                generation=start.generation,
+                seq=start.seq,
+                dst_pages=start.dst_pages,
+                segment=writers.index(process.rank),
+                data=data,
+            )
+        )
+
+    def writer_process(self, write: Write) -> PrefillProcess | None:
+        """The prefill process that can still report this write (None: it has died)."""
+        process = self.prefill[write.writer_rank]
+        return process if process.me == write.writer else None
+
+    # ---- timers ------------------------------------------------------------------------------
+    def next_deadline(self) -> float | None:
+        deadlines = [p.endpoint.timer_at() for p in self.processes()]
+        present = [d for d in deadlines if d is not None]
+        return min(present) if present else None
+
+    def fire_timers(self) -> None:
+        now = self.clock.now
+        for process in self.processes():
+            due = process.endpoint.timer_at()
+            if due is not None and due <= now:
+                self.feed(process, TimerFired())
+
+    # ---- requests ----------------------------------------------------------------------------
+    def room_busy(self, room: int) -> bool:
+        if any(room in p.endpoint.rooms for p in self.processes()):
+            return True
+        return any(
+            r.room == room and (r.unopened_prefill or r.unopened_decode) for r in self.requests
+        )
+
+    def active_requests(self) -> list[Request]:
+        return [r for r in self.requests if self.room_busy(r.room)]
+
+    def new_request(self, hint: int) -> Request:
+        retired = sorted(room for room in self.generations if not self.room_busy(room))
+        if self.plan.room_reuse and retired and hint % 2 == 0:
+            room = retired[(hint // 2) % len(retired)]
+        else:
+            room = max(self.generations, default=-1) + 1
+        generation = self.generations.get(room, 0) + 1
+        self.generations[room] = generation
+        input_len = 1 + (hint >> 3) % (4 * self.shape.page_tokens)
+        decode_group = (hint >> 7) % self.shape.decode_dp
+        decode_ranks = tuple(
+            i for i, (dp, _, _) in enumerate(self.decode_coords) if dp == decode_group
+        )
+        prefill_ranks = self.prefill_ranks_of(room)
+        request = Request(
+            room=room,
+            generation=generation,
+            input_len=input_len,
+            max_new=(hint >> 9) % 9,
+            num_pages=-(-input_len // self.shape.page_tokens),
+            prefill_ranks=prefill_ranks,
+            decode_ranks=decode_ranks,
+            prefill_life=self.prefill_life,
+            decode_lives={r: self.decode[r].life for r in decode_ranks},
+            unopened_prefill=set(prefill_ranks),
+            unopened_decode=set(decode_ranks),
+        )
+        self.requests.append(request)
+        return request
+
+    def open_prefill(self, request: Request, rank: int) -> None:
+        from pdflow.core.endpoint_io import OpenRoom
+
+        request.unopened_prefill.discard(rank)
+        process = self.prefill[rank]
+        take = request.num_pages
+        sources = tuple(process.free_sources[:take])
+        del process.free_sources[:take]
+        for index, page in enumerate(sources):
+            self.transport.sources[rank][page] = source_content(
+                request.room, request.generation, rank, index
+            )
+        process.jobs[request.room] = SenderJob(request, sources)
+        try:
+            self.feed(process, OpenRoom(request.room, request.generation))
+        except InvalidInput:
+            # The endpoint refused the claim (the room id is still held for another
+            # generation) and changed nothing: the engine fails this request on this rank.
+            del process.jobs[request.room]
+            process.free_sources[:0] = sources
+
+    def open_decode(self, request: Request, rank: int) -> None:
+        from pdflow.core.endpoint_io import OpenReceiver
+
+        request.unopened_decode.discard(rank)
+        process = self.decode[rank]
+        process.jobs[request.room] = ReceiverJob(request)
+        self.feed(process, OpenReceiver(request.room, request.generation, BOOTSTRAP))
+
+    def mark_complete(self, process: PrefillProcess, room: int) -> None:
+        from pdflow.core.inputs import PrefillCompleted
+
+        process.jobs[room].computed = True
+        self.feed(process, RoomCall(room, PrefillCompleted()))
+
+    # ---- checks ------------------------------------------------------------------------------
+    def _owner_of(self, decode_rank: int, page: int) -> tuple[int, int] | None:
+        ledger = self.decode[decode_rank].endpoint.ledger
+        for held in ledger.snapshot().rooms:
+            if page in held.pages:
+                return (held.room, held.generation)
+        return None
+
+    def processes(self) -> Iterator[PrefillProcess | DecodeProcess]:
+        yield from self.prefill
+        yield from self.decode
+
+    def expect_refusal(
+        self, process: PrefillProcess | DecodeProcess, inp: AnyEndpointInput
+    ) -> None:
+        """Feed an input the endpoint must refuse with a typed error, changing nothing."""
+        before = msgspec.json.encode(process.endpoint.snapshot())
+        try:
+            self.feed(process, inp)
+        except ProtocolError:
+            after = msgspec.json.encode(process.endpoint.snapshot())
+            if after != before:
+                self.monitor.fail(f"{process.name}: a refused {type(inp).__name__} changed state")
+            return
+        self.monitor.fail(f"{process.name}: {type(inp).__name__} was accepted, not refused")
+
+    def is_live(self, name: str) -> bool:
+        return any(p.name == name for p in self.processes())

@@ -1,0 +1,303 @@
+"""Endpoint scenarios, one per bug class seen in peers' PD transfer code.
+
+Each test drives real endpoints (and, where bytes matter, the simulator's fake transport)
+through the story of one reported bug and checks that pdflow's protocol rules it out.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.core.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoint_io import (
+    ClearRoom,
+    CloseSession,
+    DecodeEndpointConfig,
+    Dropped,
+    HeartbeatResult,
+    OpenReceiver,
+    OpenRoom,
+    PrefillEndpointConfig,
+    PrefillInfo,
+    PrefillRank,
+    PublishPages,
+    Received,
+    RoomCall,
+    SessionClosed,
+    TimerFired,
+    TopologyKnown,
+    TransferDone,
+)
+from pdflow.core.errors import InvalidInput, LocalProtocolError
+from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.kvpoll import KVPoll
+from pdflow.core.messages import Abort, AbortAck, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.core.outputs import SendMessage, StartTransfer, StatusChanged
+from pdflow.core.page_ledger import PagesFreed, PagesQuarantined
+from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.step import Step
+
+BOOT = "10.0.9.1:8998"
+TIMEOUTS = Timeouts(bootstrap_timeout=30.0, waiting_timeout=30.0)
+PREFILL_A = PeerId("10.0.0.1:7000", "inc-a", 0)
+PREFILL_B = PeerId("10.0.0.1:7000", "inc-b", 0)
+DECODE = PeerId("10.0.1.1:8000", "dec-1", 0)
+
+
+def info(prefill: PeerId, policy: AllocationPolicy = AllocationPolicy.EARLY) -> PrefillInfo:
+    return PrefillInfo(
+        bootstrap=BOOT,
+        tp_size=1,
+        cp_size=1,
+        pp_size=1,
+        dp_size=1,
+        page_size=16,
+        kv_cache_dtype="auto",
+        policy=policy,
+        ranks=(PrefillRank(dp=0, cp=0, tp=0, pp=0, peer=prefill),),
+    )
+
+
+def prefill(
+    me: PeerId = PREFILL_A, policy: AllocationPolicy = AllocationPolicy.EARLY
+) -> PrefillEndpoint:
+    return PrefillEndpoint(PrefillEndpointConfig(me=me, policy=policy, timeouts=TIMEOUTS))
+
+
+def decode(policy: AllocationPolicy = AllocationPolicy.EARLY) -> DecodeEndpoint:
+    return DecodeEndpoint(
+        DecodeEndpointConfig(me=DECODE, num_pages=8, policy=policy, timeouts=TIMEOUTS)
+    )
+
+
+def sent(step: Step, kind: type) -> list:
+    return [
+        o.message
+        for o in step.outputs
+        if isinstance(o, SendMessage) and isinstance(o.message, kind)
+    ]
+
+
+def polls(step: Step) -> list[KVPoll]:
+    return [o.poll for o in step.outputs if isinstance(o, StatusChanged)]
+
+
+def published_decode(
+    room: int = 1, gen: int = 1, prefill_peer: PeerId = PREFILL_A, pages: tuple[int, ...] = (0, 1)
+) -> tuple[DecodeEndpoint, RoomMetadata]:
+    """A decode endpoint whose room has resolved its prefill and published ``pages``."""
+    d = decode()
+    d.handle(OpenReceiver(room, gen, BOOT), 0.0)
+    d.handle(TopologyKnown(info(prefill_peer)), 0.0)
+    step = d.handle(PublishPages(room, pages, aux_index=0), 0.0)
+    (metadata,) = sent(step, RoomMetadata)
+    return d, metadata
+
+
+def transferring_prefill(
+    metadata: RoomMetadata, me: PeerId = PREFILL_A
+) -> tuple[PrefillEndpoint, StartTransfer]:
+    """A prefill endpoint with one write of ``metadata``'s room in flight."""
+    p = prefill(me)
+    p.handle(OpenRoom(metadata.room, metadata.generation), 0.0)
+    p.handle(Received(metadata), 0.0)
+    p.handle(RoomCall(metadata.room, InitTransfer(len(metadata.dst_pages))), 0.0)
+    step = p.handle(RoomCall(metadata.room, SendChunk((10, 11), is_last=True)), 0.0)
+    (write,) = [o for o in step.outputs if isinstance(o, StartTransfer)]
+    return p, write
+
+
+def test_abort_mid_transfer_keeps_pages_until_the_drain_ack() -> None:
+    """sglang#35049 / #32564: a decode abort mid-transfer must not free pages a write may hit."""
+    d, metadata = published_decode()
+    p, write = transferring_prefill(metadata)
+    step = d.handle(RoomCall(1, AbortRequested("client went away")), 1.0)
+    assert [o for o in step.outputs if isinstance(o, PagesQuarantined)]
+    (abort,) = sent(step, Abort)
+    d.handle(ClearRoom(1), 1.0)
+    assert not d.ledger.is_free(0) and not d.ledger.is_free(1)
+    # The abort reaches the prefill while its write is still landing: no ACK yet.
+    assert not sent(p.handle(Received(abort), 1.5), AbortAck)
+    assert not d.ledger.is_free(0)
+    drained = p.handle(TransferDone(1, 1, write.seq, ok=True, checksum=0), 2.0)
+    (ack,) = sent(drained, AbortAck)
+    freed = d.handle(Received(ack), 2.5)
+    assert next(o for o in freed.outputs if isinstance(o, PagesFreed)).pages == (0, 1)
+    assert d.ledger.is_free(0) and d.ledger.is_free(1)
+
+
+def test_ack_that_never_comes_keeps_pages_quarantined_and_reported() -> None:
+    """sglang#38961: when the drain ACK never arrives the pages stay quarantined, reported with
+    their age and the writer they wait on, and no timer ever releases them."""
+    d, _ = published_decode()
+    d.handle(RoomCall(1, AbortRequested("cancelled")), 1.0)
+    d.handle(ClearRoom(1), 1.0)
+    for now in (10.0, 100.0, 10_000.0):
+        d.handle(TimerFired(), now)
+        assert not d.ledger.is_free(0)
+    (held,) = d.ledger.report(10_000.0)
+    assert held.pages == (0, 1) and held.waiting_on == (PREFILL_A,)
+    assert held.age_s == pytest.approx(9_999.0)
+
+
+def test_abort_of_a_transfer_leaks_nothing_on_either_side() -> None:
+    """sglang#9266 / #8177: after an abort both sides return every page and forget the room."""
+    d, metadata = published_decode()
+    p, write = transferring_prefill(metadata)
+    (abort,) = sent(d.handle(RoomCall(1, AbortRequested("abort")), 1.0), Abort)
+    p.handle(Received(abort), 1.0)
+    p.handle(ClearRoom(1), 1.0)  # still draining: removed once the write completes
+    (ack,) = sent(p.handle(TransferDone(1, 1, write.seq, ok=False, reason="x"), 2.0), AbortAck)
+    d.handle(Received(ack), 2.0)
+    d.handle(ClearRoom(1), 2.0)
+    assert not p.rooms and p.outstanding_writes == 0
+    assert not d.rooms and d.ledger.allocatable == d.ledger.pool_size
+
+
+def test_prefill_restart_serves_new_rooms_and_drops_old_incarnation_messages() -> None:
+    """sglang#16903: a restarted prefill (new incarnation) serves new rooms without restarting
+    the decode; messages of the old incarnation are dropped and its writers are cleared."""
+    d, _ = published_decode()
+    step = d.handle(HeartbeatResult(BOOT, ok=True, incarnation="inc-b"), 5.0)
+    assert polls(step) == [KVPoll.Failed]
+    assert [o for o in step.outputs if isinstance(o, CloseSession)] == [CloseSession(PREFILL_A)]
+    freed = d.handle(SessionClosed(PREFILL_A), 5.0)
+    assert [o for o in freed.outputs if isinstance(o, PagesFreed)]
+    late = StatusReport_success(PREFILL_A, room=2, gen=1)
+    # A new room resolves against the new incarnation...
+    d.handle(ClearRoom(1), 5.0)
+    d.handle(OpenReceiver(2, 1, BOOT), 6.0)
+    d.handle(TopologyKnown(info(PREFILL_B)), 6.0)
+    step = d.handle(PublishPages(2, (2, 3), aux_index=0), 6.0)
+    (metadata,) = sent(step, RoomMetadata)
+    assert metadata.prefill == PREFILL_B
+    # ...and a status of the old incarnation for it is refused, never counted as Success.
+    step = d.handle(Received(late), 6.5)
+    assert [o for o in step.outputs if isinstance(o, Dropped)]
+    assert d.rooms[2].poll is KVPoll.Transferring
+    # The new prefill drops metadata addressed to the old incarnation.
+    p = prefill(PREFILL_B)
+    p.handle(OpenRoom(2, 1), 6.0)
+    stale = RoomMetadata(
+        room=2,
+        generation=1,
+        decode=DECODE,
+        prefill=PREFILL_A,
+        session_id="s",
+        dst_pages=(2, 3),
+        aux_index=0,
+        required_dst_info_num=1,
+    )
+    dropped = p.handle(Received(stale), 6.5)
+    assert [o.kind for o in dropped.outputs if isinstance(o, Dropped)] == ["stale_incarnation"]
+    assert p.rooms[2].poll is KVPoll.Bootstrapping
+
+
+def StatusReport_success(prefill_peer: PeerId, *, room: int, gen: int):
+    from pdflow.core.messages import StatusReport
+
+    return StatusReport(
+        room=room, generation=gen, status=KVPoll.Success, prefill=prefill_peer, decode=DECODE
+    )
+
+
+def test_room_reuse_late_messages_of_an_earlier_use_never_touch_the_new_one() -> None:
+    """Room ids are reused with a new generation: a late ACK or status of generation 1 has no
+    effect on generation 2 of the same room id."""
+    d, _ = published_decode(room=1, gen=1)
+    (_abort,) = sent(d.handle(RoomCall(1, AbortRequested("x")), 1.0), Abort)
+    d.handle(ClearRoom(1), 1.0)
+    # Generation 1's pages (0, 1) stay quarantined; generation 2 gets other pages.
+    d.handle(OpenReceiver(1, 2, BOOT), 2.0)
+    d.handle(PublishPages(1, (2, 3), aux_index=0), 2.0)
+    late_status = d.handle(Received(StatusReport_success(PREFILL_A, room=1, gen=1)), 3.0)
+    assert [o for o in late_status.outputs if isinstance(o, Dropped)]
+    assert d.rooms[1].poll is KVPoll.Transferring
+    ack = AbortAck(room=1, generation=1, prefill=PREFILL_A, decode=DECODE)
+    freed = d.handle(Received(ack), 3.0)
+    assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(0, 1)]
+    assert not d.ledger.is_free(2) and not d.ledger.is_free(3)
+    assert d.rooms[1].generation == 2 and d.rooms[1].poll is KVPoll.Transferring
+
+
+def test_abort_for_an_unknown_room_is_acked_at_once() -> None:
+    """An ABORT for a room the prefill never opened is ACKed at once: nothing can be writing."""
+    p = prefill()
+    abort = Abort(room=9, generation=1, decode=DECODE, prefill=PREFILL_A, reason="x")
+    (ack,) = sent(p.handle(Received(abort), 0.0), AbortAck)
+    assert (ack.room, ack.generation, ack.prefill) == (9, 1, PREFILL_A)
+    assert not p.rooms
+
+
+def test_cancel_before_the_sender_exists_is_not_lost() -> None:
+    """A cancel that arrives before the engine opens the room fails the room on open."""
+    p = prefill()
+    p.handle(Received(Abort(room=9, generation=1, decode=DECODE, prefill=PREFILL_A)), 0.0)
+    step = p.handle(OpenRoom(9, 1), 1.0)
+    assert polls(step) == [KVPoll.Failed]
+    assert p.rooms[9].poll is KVPoll.Failed
+
+
+def test_duplicate_room_claim_fails_and_changes_nothing() -> None:
+    """Opening a room id already open fails the new claim; the existing room is untouched."""
+    p = prefill()
+    p.handle(OpenRoom(3, 1), 0.0)
+    before = p.snapshot()
+    with pytest.raises(LocalProtocolError, match="duplicate claim"):
+        p.handle(OpenRoom(3, 2), 1.0)
+    assert p.snapshot() == before
+    d = decode()
+    d.handle(OpenReceiver(3, 1, BOOT), 0.0)
+    before_d = d.snapshot()
+    with pytest.raises(LocalProtocolError, match="duplicate claim"):
+        d.handle(OpenReceiver(3, 2, BOOT), 1.0)
+    assert d.snapshot() == before_d
+
+
+def test_late_status_after_clear_has_no_effect() -> None:
+    """A status that arrives after the engine cleared the room is dropped and creates nothing."""
+    d, _ = published_decode()
+    d.handle(RoomCall(1, AbortRequested("x")), 1.0)
+    d.handle(ClearRoom(1), 1.0)
+    step = d.handle(Received(StatusReport_success(PREFILL_A, room=1, gen=1)), 2.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["unknown_room"]
+    assert not d.rooms and not polls(step)
+
+
+def test_refused_claim_under_prefill_complete_changes_nothing() -> None:
+    """Found by the model checker: under prefill_complete, a decode's bootstrap request for an
+    earlier generation of a room id (a request the prefill never opened) holds the id in the
+    ready table. Opening the next generation is refused with InvalidInput, and that refusal
+    must leave the endpoint unchanged: before the fix, the room was already created when the
+    table refused, so a half-opened room lived on and reported statuses."""
+    policy = AllocationPolicy.PREFILL_COMPLETE
+    p = prefill(policy=policy)
+    stale = BootstrapRequest(room=4, generation=1, decode=DECODE, prefill=PREFILL_A)
+    p.handle(Received(stale), 0.0)
+    before = p.snapshot()
+    with pytest.raises(InvalidInput, match="generation"):
+        p.handle(OpenRoom(4, 2), 1.0)
+    assert p.snapshot() == before
+    assert 4 not in p.rooms
+    with pytest.raises(LocalProtocolError):
+        p.handle(RoomCall(4, PrefillCompleted()), 1.0)
+
+
+def test_late_topology_answer_does_not_hide_the_old_writers() -> None:
+    """Found by the model checker: a second, late topology answer naming a restarted prefill
+    (new incarnation) overwrote the cached topology. The heartbeat then compared against the
+    new incarnation, so the old writers were never declared dead: a room fenced on them kept
+    its pages quarantined forever although their process was gone. A topology answer for an
+    instance already cached is now dropped; the heartbeat reports the restart, which clears
+    the old writers."""
+    d, _ = published_decode()
+    late = d.handle(TopologyKnown(info(PREFILL_B)), 1.0)
+    assert [o.kind for o in late.outputs if isinstance(o, Dropped)] == ["stale_topology"]
+    d.handle(RoomCall(1, AbortRequested("x")), 2.0)
+    d.handle(ClearRoom(1), 2.0)
+    assert not d.ledger.is_free(0)
+    step = d.handle(HeartbeatResult(BOOT, ok=True, incarnation="inc-b"), 3.0)
+    assert CloseSession(PREFILL_A) in step.outputs
+    freed = d.handle(SessionClosed(PREFILL_A), 3.0)
+    assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(0, 1)]
