@@ -301,3 +301,31 @@ def test_late_topology_answer_does_not_hide_the_old_writers() -> None:
     assert CloseSession(PREFILL_A) in step.outputs
     freed = d.handle(SessionClosed(PREFILL_A), 3.0)
     assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(0, 1)]
+
+
+def test_a_cancel_before_open_outlives_every_timer_and_duplicate() -> None:
+    """Found by the model checker (seed 2377): a decode aborts a room the prefill has not opened,
+    the prefill ACKs (so the decode frees the pages), and a duplicate of the room's metadata
+    arrives after the parked entry would have expired. The cancel must still win: the room
+    opens Failed and never writes into the freed pages (sglang#35049 class, via duplication)."""
+    from pdflow.core.endpoint_io import OpenRoom, PrefillEndpointConfig, Received, TimerFired
+    from pdflow.core.kvpoll import KVPoll
+    from pdflow.core.messages import Abort, AbortAck, PeerId, RoomMetadata
+    from pdflow.core.outputs import SendMessage
+    from pdflow.core.policy import Timeouts
+    from pdflow.core.prefill_endpoint import PrefillEndpoint
+
+    me = PeerId("127.0.0.1:7000", "p1", 0)
+    decode = PeerId("127.0.0.1:8000", "d1", 0)
+    prefill = PrefillEndpoint(PrefillEndpointConfig(me=me, timeouts=Timeouts(10.0, 10.0)))
+    metadata = RoomMetadata(room=2, generation=1, decode=decode, prefill=me, session_id="s",
+                            dst_pages=(5, 6), aux_index=0, required_dst_info_num=1)  # fmt: skip
+    prefill.handle(Received(metadata), 0.0)
+    acked = prefill.handle(Received(Abort(2, 1, decode, me, "waiting timeout")), 1.0)
+    assert [type(o.message) for o in acked.outputs if isinstance(o, SendMessage)] == [AbortAck]
+    prefill.handle(TimerFired(), 1_000.0)
+    late = prefill.handle(Received(metadata), 1_001.0)
+    assert [o.kind for o in late.outputs if hasattr(o, "kind")] == ["aborted_room"]
+    prefill.handle(OpenRoom(2, 1), 1_002.0)
+    summary = prefill.summary(2)
+    assert summary is not None and summary.poll is KVPoll.Failed and summary.peers == 0

@@ -162,6 +162,10 @@ class PrefillEndpoint:
             self._room_input(room, AbortRequested(refused[0].reason), now, outputs, fired)
         early = self.early.pop((inp.room, inp.generation), None)
         self.early_deadlines.arm((inp.room, inp.generation), None)
+        for key in [k for k in self.early if k[0] == inp.room and k[1] < inp.generation]:
+            # The engine moved on to a later generation: older cancels have nothing to guard.
+            del self.early[key]
+            self.early_deadlines.arm(key, None)
         if early is None:
             return
         for md in early.metadata:
@@ -249,11 +253,17 @@ class PrefillEndpoint:
             self.early[key] = entry
             self.early_deadlines.arm(key, entry.expires_at)
         if isinstance(message, Abort):
-            # Nothing of an unopened room can be writing: ACK now, and remember the cancel so
-            # that a later OpenRoom of this generation fails at once.
+            # Nothing of an unopened room can be writing: ACK now. The ACK promises the decode
+            # that this generation will never write, so the cancel is kept, with no expiry,
+            # until the engine opens this generation (which then fails at once) or a later
+            # one: a duplicate or late metadata must never revive it.
             entry.aborts.append(message)
+            entry.metadata.clear()
+            self.early_deadlines.arm(key, None)
             outputs.append(self._ack(message))
             self._ready_table(FailRoom(message.room, "aborted by decode"), now, outputs, fired)
+        elif entry.aborts:
+            self._drop(outputs, "aborted_room", f"metadata for cancelled room {key}")
         else:
             entry.metadata.append(message)
 
