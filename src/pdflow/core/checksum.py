@@ -28,6 +28,10 @@ import msgspec
 from pdflow.core.errors import InvalidInput
 
 CHECKSUM_MODULUS = 2**31 - 1
+
+ROOM_FOLD_MODULUS = 1 << 64
+"""A room's digest is the sum of its transfers' digests modulo this (order-independent, so
+completions may arrive in any order); the sender reports the fold, the decode recomputes it."""
 # Pure-Python pieces stay small so the position weights stay cheap machine-size integers.
 _PIECE_BYTES = 1 << 16
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import enum
 from typing import cast
 
+from pdflow.core.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdflow.core.inputs import (
     AbortArrived,
@@ -30,8 +31,6 @@ from pdflow.core.outputs import Output, SendMessage, StartTransfer
 from pdflow.core.policy import AllocationPolicy, Timeouts
 from pdflow.core.step import Step
 from pdflow.core.table import STATUS_CHANGED, Fired, Table, TableMachine, row
-
-CHECKSUM_MODULUS = 1 << 64
 
 
 class SenderState(enum.Enum):
@@ -433,7 +432,7 @@ class SenderRoom(TableMachine[SenderState]):
         if current is None or checksum is None:
             self.checksums[peer] = None
         else:
-            self.checksums[peer] = (current + checksum) % CHECKSUM_MODULUS
+            self.checksums[peer] = (current + checksum) % ROOM_FOLD_MODULUS
 
     def _fail(self, reason: str) -> list[Output]:
         self.reason = reason

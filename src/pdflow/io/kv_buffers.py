@@ -22,12 +22,11 @@ from typing import Protocol
 
 import msgspec
 
-from pdflow.core.checksum import ByteRange, Checksum
+from pdflow.core.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
 from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
 from pdflow.core.messages import PeerId
 from pdflow.core.outputs import StartTransfer
 from pdflow.core.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
-from pdflow.core.sender_room import CHECKSUM_MODULUS as ROOM_FOLD_MODULUS
 from pdflow.dataplane.backend import load_optional
 from pdflow.dataplane.executor import Executor
 from pdflow.dataplane.numpy_backend import NumpyExecutor

@@ -16,8 +16,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from pdflow.core.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.messages import PeerId
-from pdflow.core.sender_room import CHECKSUM_MODULUS
 
 SEGMENT_BYTES = 16
 
@@ -34,7 +34,7 @@ def segment_checksum(data: bytes | bytearray) -> int:
 
 def fold_checksums(values: list[int]) -> int:
     """The additive fold SenderRoom applies to the checksums of one peer's writes."""
-    return sum(values) % CHECKSUM_MODULUS
+    return sum(values) % ROOM_FOLD_MODULUS
 
 
 @dataclass
