@@ -13,32 +13,12 @@ from __future__ import annotations
 import functools
 from collections import Counter
 
-from pdflow.core.errors import ProtocolError
-from pdflow.core.inputs import AbortRequested, Input, TransferCompleted
-from pdflow.core.messages import PeerId
-from pdflow.core.page_ledger import (
-    Fence,
-    PageLedger,
-    ReleaseUnpublished,
-    Reserve,
-    SessionClosed,
-    WriterDead,
-)
-from pdflow.core.receiver_room import ReceiverState
-from pdflow.core.sender_room import SenderState
-from pdflow.core.table import Fired
-from pdflow.sim.coverage import missing, summary
+from pdflow.sim.cells import cell_coverage
+from pdflow.sim.coverage import PROTOCOL_MACHINES, missing, summary
 from pdflow.sim.invariants import Transition
 from pdflow.sim.runner import run_seed
-from tests.unit.room_fixtures import receiver_in, receiver_samples, sender_in, sender_samples
 
-PROTOCOL_MACHINES = ("SenderRoom", "ReceiverRoom", "PageLedger")
 WORLD_SEEDS = 120
-
-
-def _add(counter: Counter[Transition], fired: Fired | tuple[Fired, ...]) -> None:
-    for f in fired if isinstance(fired, tuple) else (fired,):
-        counter[(f.machine, f.source, f.on, f.guard, f.target)] += 1
 
 
 @functools.cache
@@ -51,48 +31,8 @@ def world_coverage() -> Counter[Transition]:
     return reached
 
 
-def targeted_room_coverage() -> Counter[Transition]:
-    reached: Counter[Transition] = Counter()
-    drives = [
-        (sender_in, sender_samples, SenderState),
-        (receiver_in, receiver_samples, ReceiverState),
-    ]
-    for build, samples, states in drives:
-        for state in states:
-            for steps in samples(build(state)).values():
-                room = build(state)
-                try:
-                    for inp in steps:
-                        _, fired = room.fire(inp, 2.0)
-                        _add(reached, fired)
-                except ProtocolError:
-                    continue  # no such cell: test_room_cells checks the refusal
-    # An engine abort between chunks, with every write so far completed.
-    sender = sender_in(SenderState.TRANSFERRING)
-    for seq in sorted(sender.outstanding):
-        _add(reached, sender.fire(TransferCompleted(seq, True), 2.0)[1])
-    _add(reached, sender.fire(AbortRequested("engine gave up"), 2.0)[1])
-    return reached
-
-
-def targeted_ledger_coverage() -> Counter[Transition]:
-    reached: Counter[Transition] = Counter()
-    writer = PeerId("10.0.0.1:7000", "inc", 0)
-    ledger = PageLedger(4)
-    steps: list[Input] = [Reserve(1, 1, (0,)), ReleaseUnpublished(1, 1)]
-    steps += [
-        Reserve(2, 1, (1,)),
-        Fence(2, 1, (writer,)),
-        SessionClosed(writer),
-        WriterDead(writer),
-    ]
-    for inp in steps:
-        _add(reached, ledger.handle(inp, 1.0).fired)  # type: ignore[arg-type]
-    return reached
-
-
 def test_every_protocol_transition_is_reached() -> None:
-    reached = world_coverage() + targeted_room_coverage() + targeted_ledger_coverage()
+    reached = world_coverage() + cell_coverage()
     unreached = missing(reached, PROTOCOL_MACHINES)
     assert not unreached, f"{len(unreached)} spec transitions never reached:\n" + "\n".join(
         unreached

@@ -14,6 +14,11 @@ the prefill_complete table its shell keeps. (The registry answers topology queri
 exercised by its own tests; the staging ring is not part of the simulated data plane.)"""
 
 
+PROTOCOL_MACHINES = ("SenderRoom", "ReceiverRoom", "PageLedger")
+"""The machines whose every transition the model check must reach (worlds plus cell drives);
+the admission queue and prefill-complete table are reported, and covered by their own tests."""
+
+
 def spec_transitions(machines: Iterable[str] = DRIVEN_MACHINES) -> set[Transition]:
     found: set[Transition] = set()
     for name in machines:
