@@ -19,7 +19,8 @@ DEFAULT_TRACE_DIR = Path("pdflow-check-traces")
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     check = sub.add_parser("check", help="model-check the protocol in simulated worlds")
     check.add_argument("--seed", type=int, default=0, help="first seed (examples use seed+i)")
-    check.add_argument("--examples", type=int, default=100, help="worlds to run (default 100)")
+    check.add_argument("--examples", type=int, default=None,
+                       help="worlds to run (default 100; 200 per mutant with --mutants)")
     check.add_argument("--steps", type=int, default=300, help="actions per world (default 300)")
     check.add_argument("--mutants", action="store_true", help="check that every mutant is caught")
     check.add_argument(
@@ -32,6 +33,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
+    if args.examples is None:
+        args.examples = 200 if args.mutants else 100
     if args.examples < 1 or args.steps < 1:
         print("--examples and --steps must be at least 1")
         return 2

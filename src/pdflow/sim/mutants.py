@@ -169,13 +169,13 @@ def _no_ack_for_unopened(original: Any) -> Any:
 
 
 def _cancel_before_sender_lost(original: Any) -> Any:
-    def open_(self: PrefillEndpoint, inp: Any, now: float, outputs: Any, fired: Any) -> None:
-        entry = self.early.get((inp.room, inp.generation))
-        if entry is not None:
-            entry.aborts.clear()  # parked cancels are forgotten when the room opens
-        original(self, inp, now, outputs, fired)
+    def park(self: PrefillEndpoint, message: Any, now: float, outputs: Any, fired: Any) -> None:
+        if isinstance(message, Abort):  # ACKed, then forgotten: the room opens as if never aborted
+            outputs.append(self._ack(message))
+            return
+        original(self, message, now, outputs, fired)
 
-    return open_
+    return park
 
 
 MUTANTS: tuple[Mutant, ...] = (
@@ -222,8 +222,8 @@ MUTANTS: tuple[Mutant, ...] = (
            "an ABORT for a room the prefill has not opened yet is never ACKed",
            ((PrefillEndpoint, "_park", _no_ack_for_unopened),)),
     Mutant("cancel_before_sender_lost", "sglang#9266 (cancel lost)",
-           "a cancel parked before the room opened is forgotten when it opens",
-           ((PrefillEndpoint, "_open", _cancel_before_sender_lost),)),
+           "an ABORT for a room not opened yet is ACKed but not remembered",
+           ((PrefillEndpoint, "_park", _cancel_before_sender_lost),)),
 )  # fmt: skip
 
 
