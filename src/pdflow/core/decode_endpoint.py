@@ -373,7 +373,7 @@ class DecodeEndpoint:
     def _ring(self, inp: Input, now: float, out: list[Output], fired: list[Fired]) -> list[Output]:
         if self.staging is None:
             raise LocalProtocolError("this decode endpoint has no staging ring (capacity 0)")
-        produced, transition = self.staging.step(inp, now)
+        produced, transition = self.staging.fire(inp, now)
         out.extend(produced)
         fired.append(transition)
         if any(isinstance(o, WatermarkAdvanced) for o in produced) and self.waiting_for_staging:
@@ -496,7 +496,7 @@ class DecodeEndpoint:
     def _room_input(
         self, room: ReceiverRoom, inp: Input, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
-        produced, transition = room.step(inp, now)
+        produced, transition = room.fire(inp, now)
         fired.append(transition)
         for output in produced:
             out.append(output)

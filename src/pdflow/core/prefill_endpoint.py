@@ -298,7 +298,7 @@ class PrefillEndpoint:
     def _room_input(
         self, room: SenderRoom, inp: Input, now: float, outputs: list[Output], fired: list[Fired]
     ) -> None:
-        produced, transition = room.step(inp, now)
+        produced, transition = room.fire(inp, now)
         outputs.extend(produced)
         fired.append(transition)
         self._arm(room)

@@ -31,8 +31,7 @@ from pdflow.core.kvpoll import KVPoll
 from pdflow.core.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
 from pdflow.core.outputs import ArmFence, Output, SendMessage, VerifyChecksums
 from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.step import Step
-from pdflow.core.table import STATUS_CHANGED, Fired, Table, TableMachine, row
+from pdflow.core.table import STATUS_CHANGED, Table, TableMachine, row
 
 
 class ReceiverState(enum.Enum):
@@ -203,13 +202,6 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         if self.state is ReceiverState.TRANSFERRING:
             return self.transfer_deadline
         return None
-
-    def handle(self, inp: Input, now: float) -> Step:
-        outputs, fired = self.fire(inp, now)
-        return Step(tuple(outputs), self.timer_at(), (fired,))
-
-    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
-        return self.fire(inp, now)
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:

@@ -20,8 +20,7 @@ import msgspec
 from pdflow.core.inputs import Input, Tick
 from pdflow.core.outputs import Output
 from pdflow.core.policy import AllocationPolicy
-from pdflow.core.step import Step
-from pdflow.core.table import Fired, Table, TableMachine, row
+from pdflow.core.table import Table, TableMachine, row
 
 DEFAULT_DP_RANK_TTL_S = 120.0
 """How long a room -> dp rank entry lives (SGLang's BOOTSTRAP_ENTRY_CLEANUP_INTERVAL)."""
@@ -310,13 +309,6 @@ class Registry(TableMachine[RegistryState]):
     @property
     def requires_token(self) -> bool:
         return self._token is not None
-
-    def handle(self, inp: Input, now: float) -> Step:
-        outputs, fired = self.fire(inp, now)
-        return Step(tuple(outputs), self.timer_at(), (fired,))
-
-    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
-        return self.fire(inp, now)
 
     def reply_to(self, inp: Input, now: float) -> Reply:
         """Handle a request and return its one answer (every input but ``Tick`` has one)."""

@@ -29,8 +29,7 @@ from pdflow.core.kvpoll import KVPoll
 from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport
 from pdflow.core.outputs import Output, SendMessage, StartTransfer
 from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.step import Step
-from pdflow.core.table import STATUS_CHANGED, Fired, Table, TableMachine, row
+from pdflow.core.table import STATUS_CHANGED, Table, TableMachine, row
 
 
 class SenderState(enum.Enum):
@@ -198,14 +197,6 @@ class SenderRoom(TableMachine[SenderState]):
 
     def timer_at(self) -> float | None:
         return self.bootstrap_deadline if self.state is SenderState.BOOTSTRAPPING else None
-
-    def handle(self, inp: Input, now: float) -> Step:
-        outputs, fired = self.fire(inp, now)
-        return Step(tuple(outputs), self.timer_at(), (fired,))
-
-    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
-        """Like :meth:`handle`, for endpoints that assemble one Step from several machines."""
-        return self.fire(inp, now)
 
     # ---- validation: raise before anything changes -------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:

@@ -23,8 +23,7 @@ import msgspec
 from pdflow.core.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.inputs import Input
 from pdflow.core.outputs import Output
-from pdflow.core.step import Step
-from pdflow.core.table import Fired, Table, TableMachine, row
+from pdflow.core.table import Table, TableMachine, row
 
 
 class RingState(enum.Enum):
@@ -202,13 +201,6 @@ class StagingRing(TableMachine[RingState]):
         self.live: dict[tuple[int, int], Allocation] = {}
 
     # ---- public API ----------------------------------------------------------------------------
-    def handle(self, inp: Input, now: float) -> Step:
-        outputs, fired = self.fire(inp, now)
-        return Step(tuple(outputs), None, (fired,))
-
-    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
-        return self.fire(inp, now)
-
     def is_ready(self, offset: int, round: int, end: int) -> bool:
         """May ``[offset, end)`` of ``round`` be written, given the current watermark?"""
         if not 0 <= offset <= end <= self.capacity:

@@ -5,7 +5,17 @@ from __future__ import annotations
 import msgspec
 
 from pdflow.core.outputs import Output
-from pdflow.core.table import Fired
+
+
+class Fired(msgspec.Struct, frozen=True):
+    """One transition taken, as recorded in steps, traces and coverage."""
+
+    machine: str
+    key: int
+    source: str
+    on: str
+    guard: str | None
+    target: str
 
 
 class Step(msgspec.Struct, frozen=True):

@@ -13,12 +13,13 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-import msgspec
-
 from pdflow.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from pdflow.core.inputs import Input
 from pdflow.core.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.outputs import Output, StatusChanged, emit_name
+from pdflow.core.step import Fired, Step
+
+__all__ = ["STATUS_CHANGED", "ConformanceError", "Fired", "Row", "Table", "TableMachine", "row"]
 
 S = TypeVar("S", bound=enum.Enum)
 
@@ -38,17 +39,6 @@ class Row(Generic[S]):
     guard: str | None = None
     emits: frozenset[str] = field(default_factory=frozenset)
     action: str = "nothing"
-
-
-class Fired(msgspec.Struct, frozen=True):
-    """One transition taken, as recorded in steps, traces and coverage."""
-
-    machine: str
-    key: int
-    source: str
-    on: str
-    guard: str | None
-    target: str
 
 
 def row(
@@ -150,6 +140,15 @@ class TableMachine(Generic[S]):
     key: int
     generation: int = 0
     reason: str = ""
+
+    def timer_at(self) -> float | None:
+        """The machine's next deadline; machines with timers override it."""
+        return None
+
+    def handle(self, inp: Input, now: float) -> Step:
+        """Drive the machine alone; endpoints that combine machines call :meth:`fire`."""
+        outputs, fired = self.fire(inp, now)
+        return Step(tuple(outputs), self.timer_at(), (fired,))
 
     def _guard(self, name: str, inp: Input, now: float) -> bool:
         check: Callable[[Input, float], bool] = getattr(self, f"_guard_{name}")
