@@ -50,7 +50,7 @@ from pdflow.core.inputs import (
     Tick,
 )
 from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, PeerId, StatusReport
+from pdflow.core.messages import AbortAck, StatusReport, peer_order
 from pdflow.core.outputs import ArmFence, Output
 from pdflow.core.page_ledger import (
     AckArrived,
@@ -470,7 +470,7 @@ class DecodeEndpoint:
         info = self.topologies.pop(bootstrap, None)
         self.heartbeat_failures.pop(bootstrap, None)
         self.counters["prefill_instances_lost"] += 1
-        peers = sorted({r.peer for r in info.ranks}, key=_peer_order) if info else []
+        peers = sorted({r.peer for r in info.ranks}, key=peer_order) if info else []
         for room_id in sorted(self.rooms):
             room = self.rooms[room_id]
             if self.room_bootstrap.get(room_id) != bootstrap or room.poll.is_terminal:
@@ -554,7 +554,3 @@ class DecodeEndpoint:
             dict(sorted(self.heartbeat_failures.items())),
             dict(sorted(self.counters.items())),
         )
-
-
-def _peer_order(peer: PeerId) -> tuple[str, str, int]:
-    return (peer.address, peer.incarnation, peer.rank)

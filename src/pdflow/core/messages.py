@@ -23,6 +23,11 @@ class PeerId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     rank: int = 0
 
 
+def peer_order(peer: PeerId) -> tuple[str, str, int]:
+    """A total order on peers, so fan-outs and reports never depend on set iteration."""
+    return (peer.address, peer.incarnation, peer.rank)
+
+
 class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
     """Base of every control message."""
 

@@ -21,7 +21,7 @@ import msgspec
 
 from pdflow.core.errors import InvalidInput
 from pdflow.core.inputs import Input
-from pdflow.core.messages import PeerId
+from pdflow.core.messages import PeerId, peer_order
 from pdflow.core.outputs import Output
 from pdflow.core.step import Step
 from pdflow.core.table import Fired, Table, TableMachine, row
@@ -353,8 +353,8 @@ class PageLedger:
             reserved=held - quarantined,
             quarantined=quarantined,
             rooms=rooms,
-            dead_writers=tuple(sorted(self._health.dead, key=_peer_order)),
-            closed_sessions=tuple(sorted(self._health.closed, key=_peer_order)),
+            dead_writers=tuple(sorted(self._health.dead, key=peer_order)),
+            closed_sessions=tuple(sorted(self._health.closed, key=peer_order)),
         )
 
     def report(self, now: float) -> tuple[QuarantinedRoom, ...]:
@@ -400,7 +400,3 @@ class PageLedger:
             if not machine.holds_pages():
                 del self._rooms[key]
         return Step(tuple(outputs), None, tuple(fired))
-
-
-def _peer_order(peer: PeerId) -> tuple[str, str, int]:
-    return (peer.address, peer.incarnation, peer.rank)

@@ -26,7 +26,7 @@ from pdflow.core.inputs import (
     TransferCompleted,
 )
 from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport
+from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport, peer_order
 from pdflow.core.outputs import Output, SendMessage, StartTransfer
 from pdflow.core.policy import AllocationPolicy, Timeouts
 from pdflow.core.table import STATUS_CHANGED, Table, TableMachine, row
@@ -430,7 +430,7 @@ class SenderRoom(TableMachine[SenderState]):
         return [self._status_to(peer, KVPoll.Failed) for peer in self._writable_peers()]
 
     def _ack_everyone(self) -> list[Output]:
-        everyone = dict.fromkeys([*self.peers, *sorted(self.acks_owed, key=_peer_order)])
+        everyone = dict.fromkeys([*self.peers, *sorted(self.acks_owed, key=peer_order)])
         self.acks_owed.clear()
         return [self._ack(peer) for peer in everyone]
 
@@ -454,7 +454,3 @@ class SenderRoom(TableMachine[SenderState]):
                 reason=self.reason,
             ),
         )
-
-
-def _peer_order(peer: PeerId) -> tuple[str, str, int]:
-    return (peer.address, peer.incarnation, peer.rank)
