@@ -39,6 +39,13 @@ class Row(Generic[S]):
     guard: str | None = None
     emits: frozenset[str] = field(default_factory=frozenset)
     action: str = "nothing"
+    # Derived once, so the hot path formats no strings and hashes no enums.
+    guard_attr: str = field(init=False, compare=False, repr=False)
+    action_attr: str = field(init=False, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "guard_attr", f"_guard_{self.guard}" if self.guard else "")
+        object.__setattr__(self, "action_attr", f"_act_{self.action}")
 
 
 def row(
@@ -73,24 +80,33 @@ class Table(Generic[S]):
         self.remote_inputs = frozenset(cls.__name__ for cls in remote_inputs)
         self.rows = tuple(rows)
         self.poll_of = poll_of
-        cells: dict[tuple[S, str], list[Row[S]]] = {}
+        cells: dict[tuple[str, str], list[Row[S]]] = {}
         for r in self.rows:
             if r.on not in self.inputs:
                 raise ValueError(f"{machine}: row uses unknown input {r.on}")
-            cells.setdefault((r.source, r.on), []).append(r)
+            cells.setdefault((r.source.name, r.on), []).append(r)
         for (source, on), cell in cells.items():
             unguarded = [r for r in cell if r.guard is None]
             if len(unguarded) > 1 or (unguarded and cell[-1].guard is not None):
                 raise ValueError(
-                    f"{machine}: cell ({source.name}, {on}) needs at most one unguarded row, last"
+                    f"{machine}: cell ({source}, {on}) needs at most one unguarded row, last"
                 )
+        # Keyed by state *name*: Enum hashing runs in Python and dominated the step cost.
         self._cells = {key: tuple(value) for key, value in cells.items()}
+        self.poll_by_name: dict[str, KVPoll] | None = (
+            None if poll_of is None else {state.name: poll_of(state) for state in states}
+        )
         self._check_status_rows(poll_of)
 
     def _check_status_rows(self, poll_of: Callable[[S], KVPoll] | None) -> None:
         if poll_of is None:
             return
         for r in self.rows:
+            if not poll_may_follow(poll_of(r.source), poll_of(r.target)):
+                raise ValueError(
+                    f"{self.machine}: row {r.source.name} --{r.on}--> {r.target.name} moves "
+                    f"KVPoll {poll_of(r.source).name} -> {poll_of(r.target).name} backwards"
+                )
             changes_poll = poll_of(r.source) is not poll_of(r.target)
             if changes_poll != (STATUS_CHANGED in r.emits):
                 raise ValueError(
@@ -111,7 +127,7 @@ class Table(Generic[S]):
         )
 
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
-        return self._cells.get((state, on), ())
+        return self._cells.get((state._name_, on), ())
 
     def transitions(self) -> set[tuple[str, str, str | None, str]]:
         return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
@@ -150,12 +166,12 @@ class TableMachine(Generic[S]):
         outputs, fired = self.fire(inp, now)
         return Step(tuple(outputs), self.timer_at(), (fired,))
 
-    def _guard(self, name: str, inp: Input, now: float) -> bool:
-        check: Callable[[Input, float], bool] = getattr(self, f"_guard_{name}")
+    def _guard(self, chosen: Row[S], inp: Input, now: float) -> bool:
+        check: Callable[[Input, float], bool] = getattr(self, chosen.guard_attr)
         return check(inp, now)
 
-    def _act(self, name: str, inp: Input, now: float) -> list[Output]:
-        action: Callable[[Input, float], list[Output]] = getattr(self, f"_act_{name}")
+    def _act(self, chosen: Row[S], inp: Input, now: float) -> list[Output]:
+        action: Callable[[Input, float], list[Output]] = getattr(self, chosen.action_attr)
         return action(inp, now)
 
     def _act_nothing(self, inp: Input, now: float) -> list[Output]:
@@ -170,36 +186,31 @@ class TableMachine(Generic[S]):
         if not cell:
             raise self.table.refusal(self.state, on)
         self._validate(inp, now)
-        chosen = next((r for r in cell if r.guard is None or self._guard(r.guard, inp, now)), None)
+        chosen = next((r for r in cell if r.guard is None or self._guard(r, inp, now)), None)
         if chosen is None:
             raise self.table.refusal(self.state, on)
         before = self.state
-        outputs = self._act(chosen.action, inp, now)
+        outputs = self._act(chosen, inp, now)
         self.state = chosen.target
-        poll_of = self.table.poll_of
-        if poll_of is not None and poll_of(chosen.target) is not poll_of(before):
-            # The driver, not each action, reports poll changes: one place, never forgotten.
-            outputs.append(
-                StatusChanged(self.key, self.generation, poll_of(chosen.target), self.reason)
-            )
-        self._self_check(before, chosen, outputs)
-        fired = Fired(
-            self.table.machine, self.key, before.name, on, chosen.guard, chosen.target.name
-        )
-        return outputs, fired
+        polls = self.table.poll_by_name
+        source, target = before._name_, chosen.target._name_
+        if polls is not None:
+            poll_before, poll_after = polls[source], polls[target]
+            if poll_after is not poll_before:
+                # The driver, not each action, reports poll changes: one place, never forgotten.
+                outputs.append(StatusChanged(self.key, self.generation, poll_after, self.reason))
+            if not poll_may_follow(poll_before, poll_after):
+                raise ConformanceError(
+                    f"{self.table.machine}: KVPoll went {poll_before.name} -> {poll_after.name}"
+                )
+        self._self_check(chosen, outputs)
+        return outputs, Fired(self.table.machine, self.key, source, on, chosen.guard, target)
 
-    def _self_check(self, before: S, chosen: Row[S], outputs: list[Output]) -> None:
+    def _self_check(self, chosen: Row[S], outputs: list[Output]) -> None:
         for output in outputs:
             name = emit_name(output)
             if name not in chosen.emits:
                 raise ConformanceError(
-                    f"{self.table.machine}: {before.name} --{chosen.on}--> "
+                    f"{self.table.machine}: {chosen.source.name} --{chosen.on}--> "
                     f"{chosen.target.name} emitted {name}, not in its row"
                 )
-        if self.table.poll_of is None:
-            return
-        poll_before, poll_after = self.table.poll_of(before), self.table.poll_of(self.state)
-        if not poll_may_follow(poll_before, poll_after):
-            raise ConformanceError(
-                f"{self.table.machine}: KVPoll went {poll_before.name} -> {poll_after.name}"
-            )
