@@ -109,7 +109,8 @@ def transferring_prefill(
 
 
 def test_abort_mid_transfer_keeps_pages_until_the_drain_ack() -> None:
-    """sglang#35049 / #32564: a decode abort mid-transfer must not free pages a write may hit."""
+    """sglang#35049 / #32564 / #24527: a decode abort mid-transfer must not free pages a late
+    write may still hit (silent cross-request KV corruption)."""
     d, metadata = published_decode()
     p, write = transferring_prefill(metadata)
     step = d.handle(RoomCall(1, AbortRequested("client went away")), 1.0)
