@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
+from collections.abc import Iterator
+from pathlib import Path
 
 import anyio
 import msgspec
@@ -22,9 +25,28 @@ def _quiet_logs() -> None:
     os.environ.setdefault("GLOG_minloglevel", "2")  # Mooncake's C++ INFO lines
 
 
+@contextlib.contextmanager
+def _engine_chatter_to(path: Path) -> Iterator[None]:
+    """Send what native code writes on fd 2 (Mooncake's C++ INFO lines) to a log file, so the
+    progress bar stays readable; Python's own errors are still shown (see run_and_show)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with path.open("ab") as log:
+        os.dup2(log.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+
+
 def run_and_show(options: DemoOptions, *, as_json: bool) -> int:
     _quiet_logs()
     console = Console(stderr=as_json)
+    engine_log = Path(options.out_dir) / "engine.log"
+    chatter = contextlib.nullcontext() if as_json else _engine_chatter_to(engine_log)
     with Progress(
         TextColumn("[bold]requests"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=as_json, disable=as_json,
@@ -38,12 +60,19 @@ def run_and_show(options: DemoOptions, *, as_json: bool) -> int:
             if not as_json:
                 progress.console.print(f"[dim]-[/dim] {text}")
 
-        report = anyio.run(run_demo, options, on_progress, notes, backend="asyncio")
+        try:
+            with chatter:
+                report = anyio.run(run_demo, options, on_progress, notes, backend="asyncio")
+        except BaseException:
+            if not as_json:
+                console.print(f"[red]the demo crashed; native engine output is in {engine_log}")
+            raise
     ok = report.tokens_equal and report.pages_quarantined == 0 and report.pages_leaked == 0
     if as_json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
     else:
         _show(console, report)
+        console.print(f"  native engine log: {engine_log}")
     if not ok:
         console.print("[bold red]DEMO FAILED[/bold red]: "
                       + ("decode tokens differ from the single-process run; "
