@@ -277,19 +277,26 @@ class EndpointHost:
 
 
 # ---- transfer queues ---------------------------------------------------------------------------
-Job = Callable[[], Awaitable[None]]
+Job = Callable[[int], Awaitable[None]]
 
 
 class TransferQueues:
-    """``count`` FIFO queues, each drained by one worker; a key always maps to the same queue,
-    so one slow decode peer holds up only the peers that share its queue."""
+    """``count`` FIFO queues, each drained by ``lanes`` workers; a key always maps to the same
+    queue, so one slow decode peer holds up only the peers that share its queue, while a peer's
+    own rooms still overlap their writes ``lanes`` at a time. A job is told the index of the
+    worker running it (``0 .. workers-1``), which it may use for per-worker scratch space."""
 
-    def __init__(self, count: int) -> None:
-        if count < 1:
-            raise ValueError(f"transfer_queues must be at least 1, got {count}")
+    def __init__(self, count: int, lanes: int = 1) -> None:
+        if count < 1 or lanes < 1:
+            raise ValueError(f"need at least 1 queue and 1 lane, got {count} and {lanes}")
+        self.lanes = lanes
         pairs = [anyio.create_memory_object_stream[Job](math.inf) for _ in range(count)]
         self._senders = [send for send, _ in pairs]
         self._receivers = [receive for _, receive in pairs]
+
+    @property
+    def workers(self) -> int:
+        return len(self._senders) * self.lanes
 
     def queue_of(self, key: str) -> int:
         return zlib.crc32(key.encode()) % len(self._senders)
@@ -298,14 +305,16 @@ class TransferQueues:
         self._senders[self.queue_of(key)].send_nowait(job)
 
     def start(self, tasks: TaskGroup) -> None:
-        for receiver in self._receivers:
-            tasks.start_soon(self._work, receiver)
+        for index, receiver in enumerate(self._receivers):
+            for lane in range(self.lanes):
+                tasks.start_soon(self._work, receiver.clone(), index * self.lanes + lane)
+            receiver.close()  # the clones keep the queue open
 
     @staticmethod
-    async def _work(receiver: MemoryObjectReceiveStream[Job]) -> None:
+    async def _work(receiver: MemoryObjectReceiveStream[Job], worker: int) -> None:
         async with receiver:
             async for job in receiver:
-                await job()
+                await job(worker)
 
     def close(self) -> None:
         for sender in self._senders:

@@ -156,6 +156,7 @@ class PrefillNode:
         planner_factory: type[TransferPlanner] = TransferPlanner,
         rng: random.Random | None = None,
         staging_slot_bytes: int = 0,
+        transfer_lanes: int = 4,
     ) -> None:
         if not ranks:
             raise ValueError("a prefill node needs at least one rank")
@@ -173,7 +174,7 @@ class PrefillNode:
         self._planners = {r.tp_rank: planner_factory(r) for r in ranks}
         self._rng = rng or random.Random()
         self._decode_kv: dict[tuple[int, PeerId], KvArgs] = {}
-        self._queues = TransferQueues(self.settings.transfer_queues)
+        self._queues = TransferQueues(self.settings.transfer_queues, transfer_lanes)
         self._stack = AsyncExitStack()
         self.ranks: list[PrefillRank] = []
         self._hosts: list[EndpointHost] = []
@@ -226,7 +227,7 @@ class PrefillNode:
                 self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
                 self._registered.append((addr, rank_kv.layout.buffer_bytes))
         if self.staging_slot_bytes:
-            size = self.staging_slot_bytes * self.settings.transfer_queues
+            size = self.staging_slot_bytes * self._queues.workers
             self._staging = (ctypes.c_uint8 * size)()
             self.transport.register_buffer(ctypes.addressof(self._staging), size)
             self._registered.append((ctypes.addressof(self._staging), size))
@@ -306,15 +307,17 @@ class PrefillNode:
                 output.to.address, output.message, msg_id
             )
         elif isinstance(output, StartTransfer):
-            self._queues.submit(peer_key(output.peer), lambda: self._transfer(host, output))
+            self._queues.submit(
+                peer_key(output.peer), lambda worker: self._transfer(host, output, worker)
+            )
         elif not host.surface_common(output, "prefill"):
             log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
 
-    async def _transfer(self, host: EndpointHost, start: StartTransfer) -> None:
-        done = await self._write(host, start)
+    async def _transfer(self, host: EndpointHost, start: StartTransfer, worker: int) -> None:
+        done = await self._write(host, start, worker)
         await host.feed(done)
 
-    async def _write(self, host: EndpointHost, start: StartTransfer) -> TransferDone:
+    async def _write(self, host: EndpointHost, start: StartTransfer, worker: int) -> TransferDone:
         def failed(reason: str) -> TransferDone:
             return TransferDone(start.room, start.generation, start.seq, False, reason)
 
@@ -325,7 +328,7 @@ class PrefillNode:
                 "layout (KvArgs precedes its first metadata); it may have restarted"
             )
         try:
-            staged = self._staged_plan(host.rank, start, args)
+            staged = self._staged_plan(host.rank, start, args, worker)
             ops = (
                 self._planners[host.rank].plan(start, args) if staged is None else staged.write_ops
             )
@@ -352,8 +355,11 @@ class PrefillNode:
         for page in pages:
             executor.gather(page)
 
-    def _staged_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> StagedWrite | None:
-        """Gather-then-one-write when the decode placed a staging region for the room."""
+    def _staged_plan(
+        self, rank: int, start: StartTransfer, args: KvArgs, worker: int
+    ) -> StagedWrite | None:
+        """Gather-then-one-write when the decode placed a staging region for the room; the
+        gather goes to the running worker's own slot."""
         local = self._planners[rank].local
         if (
             self._staging is None
@@ -374,9 +380,7 @@ class PrefillNode:
             )
         if not start.src_pages:
             return StagedWrite((), ())
-        slot = ctypes.addressof(self._staging) + (
-            self._queues.queue_of(peer_key(start.peer)) * self.staging_slot_bytes
-        )
+        slot = ctypes.addressof(self._staging) + worker * self.staging_slot_bytes
         dst = (args.staging_addr + start.staging_offset
                + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
         gather = staged_slices(local.layout, start.src_pages, region, slot)
