@@ -14,14 +14,16 @@ import math
 import secrets
 import zlib
 from collections.abc import Awaitable, Callable
+from contextlib import AsyncExitStack
 from pathlib import Path
-from typing import Any
+from types import TracebackType
+from typing import Any, Self
 
 import anyio
 import msgspec
 import structlog
 import zmq.asyncio
-from anyio.abc import TaskGroup
+from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from pdflow.core.endpoint_io import Dropped, EndpointInput, RoomRemoved, TimerFired
@@ -319,6 +321,45 @@ class TransferQueues:
     def close(self) -> None:
         for sender in self._senders:
             sender.close()
+
+
+class NodeLifecycle:
+    """What both nodes share: their events and metrics, and ``async with`` start and shutdown
+    (a failed start unwinds what it began; shutdown cancels the tasks, then releases)."""
+
+    runtime: NodeRuntime
+    _stack: AsyncExitStack
+    _tasks: TaskGroup
+
+    @property
+    def metrics_text(self) -> str:
+        return self.runtime.metrics.text()
+
+    def subscribe(self) -> ObjectReceiveStream[NodeEvent]:
+        return self.runtime.events.subscribe()
+
+    async def _start(self) -> None:
+        raise NotImplementedError
+
+    async def _release(self) -> None:
+        raise NotImplementedError
+
+    async def __aenter__(self) -> Self:
+        try:
+            await self._start()
+        except BaseException:
+            await self._stack.aclose()
+            await self._release()
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:  # fmt: skip
+        try:
+            self._tasks.cancel_scope.cancel()
+            await self._stack.__aexit__(exc_type, exc, tb)
+        finally:
+            await self._release()
 
 
 def peer_key(peer: PeerId) -> str:

@@ -13,7 +13,6 @@ import ctypes
 import random
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from types import TracebackType
 
 import anyio
 import anyio.to_thread
@@ -64,7 +63,7 @@ from pdflow.io.kv_buffers import (
 )
 from pdflow.io.node_common import (
     EndpointHost,
-    NodeEvent,
+    NodeLifecycle,
     NodeRuntime,
     PagesHeld,
     PagesReleased,
@@ -147,7 +146,7 @@ class DecodeRank:
         return report
 
 
-class DecodeNode:
+class DecodeNode(NodeLifecycle):
     """``async with DecodeNode(...) as node``: serve until the block ends, then shut down."""
 
     def __init__(
@@ -189,32 +188,6 @@ class DecodeNode:
         self.staging_bytes = staging_bytes
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self.room_staging: dict[tuple[int, int], int] = {}
-
-    # ---- public --------------------------------------------------------------------------------
-    @property
-    def metrics_text(self) -> str:
-        return self.runtime.metrics.text()
-
-    def subscribe(self) -> anyio.abc.ObjectReceiveStream[NodeEvent]:
-        return self.runtime.events.subscribe()
-
-    # ---- lifetime ------------------------------------------------------------------------------
-    async def __aenter__(self) -> DecodeNode:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            await self._release()
-            raise
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
-        try:
-            self._tasks.cancel_scope.cancel()
-            await self._stack.__aexit__(exc_type, exc, tb)
-        finally:
-            await self._release()
 
     async def _start(self) -> None:
         for rank_kv in self.rank_kv:

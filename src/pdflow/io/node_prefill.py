@@ -13,7 +13,6 @@ import ctypes
 import random
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
-from types import TracebackType
 
 import anyio
 import anyio.to_thread
@@ -56,7 +55,7 @@ from pdflow.io.kv_buffers import (
 )
 from pdflow.io.node_common import (
     EndpointHost,
-    NodeEvent,
+    NodeLifecycle,
     NodeRuntime,
     RoomClock,
     RoomStatus,
@@ -139,7 +138,7 @@ class StagedWrite(msgspec.Struct, frozen=True):
     write_ops: tuple[WriteOp, ...]
 
 
-class PrefillNode:
+class PrefillNode(NodeLifecycle):
     """``async with PrefillNode(...) as node``: serve until the block ends, then shut down."""
 
     def __init__(
@@ -183,32 +182,6 @@ class PrefillNode:
         # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
         self.staging_slot_bytes = staging_slot_bytes
         self._staging: ctypes.Array[ctypes.c_uint8] | None = None
-
-    # ---- public --------------------------------------------------------------------------------
-    @property
-    def metrics_text(self) -> str:
-        return self.runtime.metrics.text()
-
-    def subscribe(self) -> anyio.abc.ObjectReceiveStream[NodeEvent]:
-        return self.runtime.events.subscribe()
-
-    # ---- lifetime ------------------------------------------------------------------------------
-    async def __aenter__(self) -> PrefillNode:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            self._release()
-            raise
-        return self
-
-    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                        tb: TracebackType | None) -> None:  # fmt: skip
-        try:
-            self._tasks.cancel_scope.cancel()
-            await self._stack.__aexit__(exc_type, exc, tb)
-        finally:
-            self._release()
 
     async def _start(self) -> None:
         settings = self.settings
@@ -270,7 +243,7 @@ class PrefillNode:
                     incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
                 ))  # fmt: skip
 
-    def _release(self) -> None:
+    async def _release(self) -> None:
         self._queues.close()
         for addr, _ in self._registered:
             try:
