@@ -70,7 +70,7 @@ from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
 from pdflow.core.staging_ring import (
     Assign,
     CheckReady,
-    FreeRoom,
+    Free,
     StagingAssigned,
     StagingOversized,
     StagingReady,
@@ -122,10 +122,8 @@ class DecodeEndpoint:
         self.heartbeat_failures: Counter[str] = Counter()
         self.ledger = PageLedger(config.num_pages)
         self.staging = StagingRing(config.staging_capacity) if config.staging_capacity else None
-        # Staging regions are keyed by a fresh id per room use, so a reused room id can never
-        # inherit the region of its earlier life.
-        self.staging_ids: dict[tuple[int, int], int] = {}
-        self.next_staging_id = 0
+        # A room's region is the ring allocation (room, chunk=generation): a reused room id
+        # never inherits the region of its earlier life, which may still be fenced.
         self.waiting_for_staging: dict[int, PublishPages] = {}
         self.deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.counters: Counter[str] = Counter()
@@ -320,20 +318,12 @@ class DecodeEndpoint:
         """Staged when the ring is on and several prefill ranks write slices of one page."""
         return self.staging is not None and len(room.writers) > 1
 
-    def _staging_id(self, room: ReceiverRoom) -> int:
-        key = (room.key, room.generation)
-        if key not in self.staging_ids:
-            self.staging_ids[key] = self.next_staging_id
-            self.next_staging_id += 1
-        return self.staging_ids[key]
-
     def _place_staging(
         self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
         fired: list[Fired],
     ) -> None:  # fmt: skip
         nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
-        sid = self._staging_id(room)
-        placed = self._ring(Assign(sid, 0, max(nbytes, 1)), now, out, fired)
+        placed = self._ring(Assign(room.key, room.generation, max(nbytes, 1)), now, out, fired)
         oversized = [o for o in placed if isinstance(o, StagingOversized)]
         if oversized:
             del self.waiting_for_staging[room.key]
@@ -342,7 +332,8 @@ class DecodeEndpoint:
             return
         assigned = next(o for o in placed if isinstance(o, StagingAssigned))
         if any(
-            isinstance(o, StagingReady) for o in self._ring(CheckReady(sid, 0), now, out, fired)
+            isinstance(o, StagingReady)
+            for o in self._ring(CheckReady(room.key, room.generation), now, out, fired)
         ):
             del self.waiting_for_staging[room.key]
             out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
@@ -358,9 +349,8 @@ class DecodeEndpoint:
     def _release_staging(
         self, room: int, generation: int, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
-        sid = self.staging_ids.pop((room, generation), None)
-        if sid is not None:
-            self._ring(FreeRoom(sid), now, out, fired)
+        if self.staging is not None and (room, generation) in self.staging.live:
+            self._ring(Free(room, generation), now, out, fired)
 
     def _release_unpublished(
         self, room: ReceiverRoom, now: float, out: list[Output], fired: list[Fired]

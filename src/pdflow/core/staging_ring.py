@@ -201,6 +201,10 @@ class StagingRing(TableMachine[RingState]):
         self.live: dict[tuple[int, int], Allocation] = {}
 
     # ---- public API ----------------------------------------------------------------------------
+    def _fired_key(self, inp: Input) -> int:
+        room: int = getattr(inp, "room", self.key)
+        return room
+
     def is_ready(self, offset: int, round: int, end: int) -> bool:
         """May ``[offset, end)`` of ``round`` be written, given the current watermark?"""
         if not 0 <= offset <= end <= self.capacity:

@@ -204,7 +204,13 @@ class TableMachine(Generic[S]):
                     f"{self.table.machine}: KVPoll went {poll_before.name} -> {poll_after.name}"
                 )
         self._self_check(chosen, outputs)
-        return outputs, Fired(self.table.machine, self.key, source, on, chosen.guard, target)
+        key = self._fired_key(inp)
+        return outputs, Fired(self.table.machine, key, source, on, chosen.guard, target)
+
+    def _fired_key(self, inp: Input) -> int:
+        """What a recorded transition is about: the machine's key (a room, for room machines);
+        machines serving many rooms override it to name the input's room."""
+        return self.key
 
     def _self_check(self, chosen: Row[S], outputs: list[Output]) -> None:
         for output in outputs:

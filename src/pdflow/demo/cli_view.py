@@ -125,4 +125,6 @@ def _show(console: Console, report: DemoReport) -> None:
         for path in report.traces:
             console.print(f"  {path}")
         console.print(f"  replay:   pdflow replay {files}")
-        console.print(f"  timeline: pdflow trace show {files} --html out/demo/timeline.html")
+        console.print(f"  timeline: pdflow trace show {files} --room R")
+    if report.timeline:
+        console.print(f"[bold]timeline page[/bold] (open in a browser): {report.timeline}")

@@ -52,7 +52,7 @@ class RequestRecord(msgspec.Struct):
     kv_bytes: int = 0
 
 
-class DemoReport(msgspec.Struct):
+class DemoReport(msgspec.Struct, kw_only=True):
     transport: str
     requests: int
     succeeded: int
@@ -69,6 +69,7 @@ class DemoReport(msgspec.Struct):
     pages_leaked: int
     faults: list[str]
     traces: list[str]
+    timeline: str | None = None
     wall_s: float
     records: list[RequestRecord]
 
@@ -235,8 +236,24 @@ async def run_demo(options: DemoOptions, on_progress: Callable[[int], None],
         snapshot = decode.node.ranks[0].snapshot()
         free_in_engine = decode_cache.allocator.num_free
         tasks.cancel_scope.cancel()
-    return _report(options, transports.kind, router, records, snapshot, free_in_engine,
-                   out_dir, time.perf_counter() - started)
+    report = _report(options, transports.kind, router, records, snapshot, free_in_engine,
+                     out_dir, time.perf_counter() - started)
+    report.timeline = _timeline_page(report.traces, out_dir / "timeline.html")
+    return report
+
+
+def _timeline_page(traces: list[str], out: Path) -> str | None:
+    """The swimlane page of every room of this run (the same as `pdflow trace show --html`)."""
+    from pdflow.trace.merge import load_traces
+    from pdflow.trace.timeline import build_timelines
+    from pdflow.trace.timeline_html import write_html
+
+    if not traces:
+        return None
+    trace = load_traces([Path(p) for p in traces])
+    timelines = build_timelines(trace)
+    write_html(out, timelines, list(trace.headers), "pdflow demo", None)
+    return str(out)
 
 
 async def _run_all(router: Router, records: list[RequestRecord], prompts: list[list[int]],
