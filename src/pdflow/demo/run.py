@@ -24,7 +24,10 @@ from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import ModelConfig, TinyTransformer, generate_reference, make_prompts
 from pdflow.io.settings import Settings, load_settings
 
-MAX_ATTEMPTS = 3
+MAX_ATTEMPTS = 5
+RETRY_BACKOFF_S = 0.25
+"""A retry waits attempt x this: long enough for the decode's heartbeat to notice a prefill that
+died or restarted (two probes at 0.5 s in the demo), so the next attempt meets the new life."""
 
 
 class DemoOptions(msgspec.Struct, frozen=True):
@@ -116,6 +119,8 @@ class Router:
             if abort_at is not None:
                 self.fault(f"request {record.index}: aborted by the decode mid-transfer; retried "
                            f"on room {record.room} generation {attempt + 1}")
+            if attempt + 1 < MAX_ATTEMPTS:
+                await anyio.sleep(RETRY_BACKOFF_S * (attempt + 1))
         record.ok = False
 
     def fault(self, text: str) -> None:
@@ -282,12 +287,16 @@ async def _run_all(router: Router, records: list[RequestRecord], prompts: list[l
 
 
 async def _settle(decode: DecodeEngine, timeout_s: float = 15.0) -> None:
-    """Wait until every fenced page came back (the demo fails loudly if one never does)."""
+    """Wait until every fenced page came back to the ledger *and* the engine has taken the
+    matching PagesReleased events (they arrive on a stream); the report then shows what is left,
+    and the demo fails loudly if a page never came back."""
     rank = decode.node.ranks[0]
     with anyio.move_on_after(timeout_s):
         while True:
-            ledger = rank.snapshot().ledger
-            if ledger.free == ledger.pool_size and not rank.snapshot().rooms:
+            snapshot = rank.snapshot()
+            ledger = snapshot.ledger
+            engine_whole = decode.cache.allocator.num_free == decode.cache.num_pages
+            if ledger.free == ledger.pool_size and not snapshot.rooms and engine_whole:
                 return
             await anyio.sleep(0.05)
 
