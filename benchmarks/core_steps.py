@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import time
 import tracemalloc
 from collections import deque
@@ -32,6 +31,7 @@ from typing import Any
 
 import msgspec
 
+from benchmarks.common import write_json
 from pdflow.core.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoint_io import (
     ClearRoom,
@@ -340,9 +340,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         memory_rooms=args.memory_rooms,
     )
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

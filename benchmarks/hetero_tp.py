@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks.common import gbps
 from pdflow.core.layout import KvDtype, KvLayout, packed_layout, rank_head_range
 from pdflow.core.planning import WriteOp, plan_head_slices, plan_staged
 from pdflow.dataplane import Backend, make_executor, memmove_write_ops
@@ -48,9 +49,6 @@ def _layout(
         dtype=KvDtype.BF16,
     )
 
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
 def run(
@@ -156,16 +154,16 @@ def run(
         "per_slice": {
             "ops": slice_ops,
             "seconds": slice_s,
-            "gbps": _gbps(payload, slice_s),
+            "gbps": gbps(payload, slice_s),
             "plan_seconds": slice_plan_s,
         },
         "staged": {
             "ops": len(staged_plans),
             "seconds": staged_s,
-            "gbps": _gbps(payload, staged_s),
+            "gbps": gbps(payload, staged_s),
             "plan_seconds": staged_plan_s,
         },
-        "memcpy_gbps": _gbps(payload, memcpy_s),
+        "memcpy_gbps": gbps(payload, memcpy_s),
         "staged_over_per_slice": slice_s / staged_s,
         "checksum": staged_checksum.hex,
     }

@@ -23,7 +23,6 @@ one sender engine (the receiver is the other engine).
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from typing import Any
 import anyio
 import numpy as np
 
+from benchmarks.common import gbps, write_json
 from pdflow.core.checksum import ByteRange
 from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
 from pdflow.core.planning import WriteOp, plan_head_slices, plan_staged, total_bytes
@@ -110,9 +110,6 @@ class RankKv:
             2 * shape.layers, shape.pages, shape.page_size, self.heads.count, shape.head_dim
         )
 
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
 
 def _expected_decode(
@@ -236,8 +233,8 @@ async def _measure(
     if not np.array_equal(decode.pages_view(shape), expected):
         raise RuntimeError("staged path left decode KV that differs from the numpy reference")
 
-    slice_gbps = _gbps(slice_bytes, slice_s)
-    staged_gbps = _gbps(payload, staged_s)
+    slice_gbps = gbps(slice_bytes, slice_s)
+    staged_gbps = gbps(payload, staged_s)
     return {
         "benchmark": "hetero_tp_mooncake",
         "transport": "mooncake tcp, loopback, two engines in one process",
@@ -272,7 +269,7 @@ async def _measure(
             "seconds": staged_s,
             "gbps": staged_gbps,
             "write_seconds": write_s,
-            "write_gbps": _gbps(payload, write_s),
+            "write_gbps": gbps(payload, write_s),
         },
         "staged_over_per_slice": staged_gbps / slice_gbps,
         "checksum_compared_layers": slice_layers,
@@ -349,9 +346,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     print(format_result(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -22,6 +21,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
+from benchmarks.common import gbps, write_json
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport, load_engine_class
 
 MIB = 1 << 20
@@ -49,9 +49,6 @@ def _open_raw_engine(host: str) -> Any:
         raise RuntimeError(f"Mooncake engine failed to initialise on {host}")
     return engine
 
-
-def _gbps(nbytes: int, seconds: float) -> float:
-    return nbytes / seconds / 1e9
 
 
 async def _measure(
@@ -110,9 +107,9 @@ async def _measure(
             medians = {name: statistics.median(values) for name, values in timings.items()}
             row = {
                 "size_bytes": float(size),
-                "memcpy_gbps": _gbps(size, medians["memcpy"]),
-                "raw_mooncake_gbps": _gbps(size, medians["raw"]),
-                "pdflow_gbps": _gbps(size, medians["pdflow"]),
+                "memcpy_gbps": gbps(size, medians["memcpy"]),
+                "raw_mooncake_gbps": gbps(size, medians["raw"]),
+                "pdflow_gbps": gbps(size, medians["pdflow"]),
             }
             row["raw_vs_memcpy"] = row["raw_mooncake_gbps"] / row["memcpy_gbps"]
             row["pdflow_vs_raw"] = row["pdflow_gbps"] / row["raw_mooncake_gbps"]
@@ -161,9 +158,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sizes = [parse_size(part) for part in args.sizes.split(",") if part.strip()]
     result = run(sizes, args.repeats, args.host)
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
-        print(f"wrote {args.json}")
+        write_json(args.json, result)
     return 0
 
 

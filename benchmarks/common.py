@@ -1,0 +1,19 @@
+"""Small helpers every benchmark script shares."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    """Throughput in GB/s (10^9 bytes per second); infinite when nothing measurable elapsed."""
+    return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
+
+
+def write_json(path: Path, result: dict[str, Any]) -> None:
+    """Write a benchmark's result where ``--json`` asked, and say so."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {path}")
