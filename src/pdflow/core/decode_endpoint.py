@@ -12,13 +12,11 @@ from collections import Counter
 
 import msgspec
 
-from pdflow.core.deadlines import DeadlineQueue
 from pdflow.core.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
     CloseSession,
     DecodeEndpointConfig,
-    Dropped,
     EndpointInput,
     HeartbeatResult,
     NeedTopology,
@@ -67,6 +65,7 @@ from pdflow.core.page_ledger import (
 )
 from pdflow.core.page_ledger import SessionClosed as LedgerSessionClosed
 from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.room_host import RoomHost
 from pdflow.core.staging_ring import (
     Assign,
     CheckReady,
@@ -108,13 +107,13 @@ class DecodeSnapshot(msgspec.Struct, frozen=True):
     counters: dict[str, int]
 
 
-class DecodeEndpoint:
+class DecodeEndpoint(RoomHost[ReceiverRoom]):
+    open_hint = "OpenReceiver first; a cleared room needs a new OpenReceiver"
     role = "decode"
 
     def __init__(self, config: DecodeEndpointConfig) -> None:
         self.config = config
-        self.me = config.me
-        self.rooms: dict[int, ReceiverRoom] = {}
+        super().__init__(config.me)
         self.room_bootstrap: dict[int, str] = {}
         self.room_dp_rank: dict[int, int | None] = {}
         self.topologies: dict[str, PrefillInfo] = {}
@@ -125,8 +124,6 @@ class DecodeEndpoint:
         # A room's region is the ring allocation (room, chunk=generation): a reused room id
         # never inherits the region of its earlier life, which may still be fenced.
         self.waiting_for_staging: dict[int, PublishPages] = {}
-        self.deadlines: DeadlineQueue[int] = DeadlineQueue()
-        self.counters: Counter[str] = Counter()
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: EndpointInput, now: float) -> Step:
@@ -180,13 +177,7 @@ class DecodeEndpoint:
 
     # ---- rooms -----------------------------------------------------------------------------------
     def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:
-        if inp.room in self.rooms:
-            existing = self.rooms[inp.room]
-            raise LocalProtocolError(
-                f"room {inp.room} is already open (generation {existing.generation}, "
-                f"{existing.state.name}); a duplicate claim fails",
-                hint="fail this request; the router assigned a room id twice",
-            )
+        self._refuse_duplicate(inp.room)
         cfg = self.config
         room = ReceiverRoom(
             inp.room, inp.generation, self.me, now,
@@ -508,22 +499,6 @@ class DecodeEndpoint:
                 if isinstance(freed, PagesFreed):
                     self._release_staging(freed.room, freed.generation, now, out, fired)
 
-    def _arm(self, room: ReceiverRoom) -> None:
-        self.deadlines.arm(room.key, room.timer_at())
-
-    def _known_room(self, room_id: int) -> ReceiverRoom:
-        room = self.rooms.get(room_id)
-        if room is None:
-            raise LocalProtocolError(
-                f"room {room_id} is not open on {self.me.address}",
-                hint="OpenReceiver first; a cleared room needs a new OpenReceiver",
-            )
-        return room
-
-    def _drop(self, out: list[Output], kind: str, reason: str) -> None:
-        self.counters[f"dropped_{kind}"] += 1
-        out.append(Dropped(kind, reason))
-
     # ---- read-only views -------------------------------------------------------------------------
     def summary(self, room_id: int) -> ReceiverSummary | None:
         room = self.rooms.get(room_id)
@@ -538,7 +513,7 @@ class DecodeEndpoint:
     def snapshot(self) -> DecodeSnapshot:
         summaries = tuple(s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None)
         return DecodeSnapshot(
-            f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
+            self.label,
             summaries,
             self.ledger.snapshot(),
             dict(sorted(self.heartbeat_failures.items())),

@@ -8,14 +8,11 @@ write has drained.
 
 from __future__ import annotations
 
-from collections import Counter
-
 import msgspec
 
 from pdflow.core.deadlines import DeadlineQueue
 from pdflow.core.endpoint_io import (
     ClearRoom,
-    Dropped,
     EndpointInput,
     OpenRoom,
     PrefillEndpointConfig,
@@ -56,6 +53,7 @@ from pdflow.core.prefill_complete import (
     PrefillCompleteTable,
 )
 from pdflow.core.prefill_complete import OpenRoom as ClaimRoom
+from pdflow.core.room_host import RoomHost
 from pdflow.core.sender_room import SenderRoom, SenderState
 from pdflow.core.step import Step
 from pdflow.core.table import Fired
@@ -86,18 +84,16 @@ class PrefillSnapshot(msgspec.Struct, frozen=True):
     counters: dict[str, int]
 
 
-class PrefillEndpoint:
+class PrefillEndpoint(RoomHost[SenderRoom]):
+    open_hint = "OpenRoom first; a cleared room cannot be used again without OpenRoom"
     role = "prefill"
 
     def __init__(self, config: PrefillEndpointConfig) -> None:
         self.config = config
-        self.me = config.me
-        self.rooms: dict[int, SenderRoom] = {}
+        super().__init__(config.me)
         self.early: dict[tuple[int, int], EarlyArrivals] = {}
         self.remove_when_drained: set[int] = set()
-        self.deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.early_deadlines: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
-        self.counters: Counter[str] = Counter()
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.
         self.ready_table: PrefillCompleteTable | None = (
             PrefillCompleteTable(config.me, config.timeouts)
@@ -140,13 +136,7 @@ class PrefillEndpoint:
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
-        if inp.room in self.rooms:
-            existing = self.rooms[inp.room]
-            raise LocalProtocolError(
-                f"room {inp.room} is already open (generation {existing.generation}, "
-                f"{existing.state.name}); a duplicate claim fails",
-                hint="fail this request; the router assigned a room id twice",
-            )
+        self._refuse_duplicate(inp.room)
         # Claim first: a claim the ready table refuses with InvalidInput must change nothing.
         claim = self._ready_table(
             ClaimRoom(inp.room, inp.generation, inp.generation), now, outputs, fired
@@ -306,18 +296,6 @@ class PrefillEndpoint:
         if failed:
             self._ready_table(FailRoom(room.key, room.reason), now, outputs, fired)
 
-    def _arm(self, room: SenderRoom) -> None:
-        self.deadlines.arm(room.key, room.timer_at())
-
-    def _known_room(self, room_id: int) -> SenderRoom:
-        room = self.rooms.get(room_id)
-        if room is None:
-            raise LocalProtocolError(
-                f"room {room_id} is not open on {self.me.address}",
-                hint="OpenRoom first; a cleared room cannot be used again without OpenRoom",
-            )
-        return room
-
     def _remove(
         self, room: SenderRoom, now: float, outputs: list[Output], fired: list[Fired]
     ) -> None:
@@ -327,10 +305,6 @@ class PrefillEndpoint:
         self.deadlines.arm(room.key, None)
         self.counters[f"rooms_{room.poll.name.lower()}"] += 1
         outputs.append(RoomRemoved(room.key, room.generation))
-
-    def _drop(self, outputs: list[Output], kind: str, reason: str) -> None:
-        self.counters[f"dropped_{kind}"] += 1
-        outputs.append(Dropped(kind, reason))
 
     def _ack(self, abort: Abort) -> SendMessage:
         return SendMessage(
@@ -353,7 +327,7 @@ class PrefillEndpoint:
     def snapshot(self) -> PrefillSnapshot:
         summaries = tuple(s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None)
         return PrefillSnapshot(
-            f"{self.me.address}/{self.me.incarnation}#{self.me.rank}",
+            self.label,
             summaries,
             len(self.early),
             dict(sorted(self.counters.items())),

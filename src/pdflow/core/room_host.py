@@ -1,0 +1,56 @@
+"""What both endpoints do with their rooms, written once: claim, look up, arm, drop, label."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any, Generic, TypeVar
+
+from pdflow.core.deadlines import DeadlineQueue
+from pdflow.core.endpoint_io import Dropped
+from pdflow.core.errors import LocalProtocolError
+from pdflow.core.messages import PeerId
+from pdflow.core.outputs import Output
+from pdflow.core.table import TableMachine
+
+R = TypeVar("R", bound=TableMachine[Any])
+
+
+class RoomHost(Generic[R]):
+    """One rank's rooms by id, their deadlines and the rank's counters."""
+
+    open_hint = "open the room first"
+    """What the engine must call before using a room id (each endpoint names its own call)."""
+
+    def __init__(self, me: PeerId) -> None:
+        self.me = me
+        self.rooms: dict[int, R] = {}
+        self.deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self.counters: Counter[str] = Counter()
+
+    @property
+    def label(self) -> str:
+        return f"{self.me.address}/{self.me.incarnation}#{self.me.rank}"
+
+    def _refuse_duplicate(self, room_id: int) -> None:
+        existing = self.rooms.get(room_id)
+        if existing is not None:
+            raise LocalProtocolError(
+                f"room {room_id} is already open (generation {existing.generation}, "
+                f"{existing.state.name}); a duplicate claim fails",
+                hint="fail this request; the router assigned a room id twice",
+            )
+
+    def _known_room(self, room_id: int) -> R:
+        room = self.rooms.get(room_id)
+        if room is None:
+            raise LocalProtocolError(
+                f"room {room_id} is not open on {self.me.address}", hint=self.open_hint
+            )
+        return room
+
+    def _arm(self, room: R) -> None:
+        self.deadlines.arm(room.key, room.timer_at())
+
+    def _drop(self, outputs: list[Output], kind: str, reason: str) -> None:
+        self.counters[f"dropped_{kind}"] += 1
+        outputs.append(Dropped(kind, reason))
