@@ -22,8 +22,8 @@ from typing import Any
 
 import anyio
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank

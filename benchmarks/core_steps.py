@@ -32,8 +32,8 @@ from typing import Any
 import msgspec
 
 from benchmarks.common import write_json
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     DecodeEndpointConfig,
     Dropped,
@@ -51,13 +51,13 @@ from pdflow.core.endpoint_io import (
     TopologyKnown,
     TransferDone,
 )
-from pdflow.core.inputs import InitTransfer, SendChunk
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId, RoomMetadata
-from pdflow.core.outputs import Output, SendMessage, StartTransfer, StatusChanged
-from pdflow.core.page_ledger import PagesFreed
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import InitTransfer, SendChunk
+from pdflow.core.protocol.messages import PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.resources.page_ledger import PagesFreed
 
 Progress = Callable[[str], None]
 

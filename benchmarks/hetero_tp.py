@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 
 from benchmarks.common import gbps
-from pdflow.core.layout import KvDtype, KvLayout, packed_layout, rank_head_range
-from pdflow.core.planning import WriteOp, plan_head_slices, plan_staged
+from pdflow.core.dataplane.layout import KvDtype, KvLayout, packed_layout, rank_head_range
+from pdflow.core.dataplane.planning import WriteOp, plan_head_slices, plan_staged
 from pdflow.dataplane import Backend, make_executor, memmove_write_ops
 
 WriteOps = Callable[[Sequence[WriteOp]], None]

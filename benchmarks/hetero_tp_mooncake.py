@@ -33,9 +33,15 @@ import anyio
 import numpy as np
 
 from benchmarks.common import gbps, write_json
-from pdflow.core.checksum import ByteRange
-from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
-from pdflow.core.planning import WriteOp, plan_head_slices, plan_staged, total_bytes
+from pdflow.core.dataplane.checksum import ByteRange
+from pdflow.core.dataplane.layout import (
+    HeadRange,
+    KvDtype,
+    KvLayout,
+    packed_layout,
+    rank_head_range,
+)
+from pdflow.core.dataplane.planning import WriteOp, plan_head_slices, plan_staged, total_bytes
 from pdflow.dataplane import Backend, Executor, make_executor
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 

@@ -25,9 +25,9 @@ from typing import Any
 import anyio
 import anyio.to_thread
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype
-from pdflow.core.outputs import StartTransfer
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.io.kv_buffers import TransferPlanner, host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode

@@ -5,7 +5,7 @@ axis is flattened into one token row of ``width`` elements, and a *column* slice
 ``[col_start, col_start + col_count)`` of every token row is what moves (for KV: the shared heads
 times head_dim). The staging tensor is flat; its first ``len(buffers) * len(pages) * page_size *
 col_count`` elements hold the packed slices in buffer, page, token order, the byte layout fixed
-in :mod:`pdflow.core.planning`.
+in :mod:`pdflow.core.dataplane.planning`.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from pdflow.core.checksum import Checksum, fold, from_block_sums
+from pdflow.core.dataplane.checksum import Checksum, fold, from_block_sums
 
 # Position weights of one piece stay int64 and small enough that sums cannot overflow.
 CHECKSUM_PIECE_BYTES = 1 << 20
@@ -83,7 +83,7 @@ def _as_bytes(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def checksum(chunks: Sequence[torch.Tensor]) -> Checksum:
-    """Checksum (see :mod:`pdflow.core.checksum`) of the tensors' bytes, concatenated in order."""
+    """Checksum (see :mod:`pdflow.core.dataplane.checksum`) of the tensors' bytes, in order."""
     parts = []
     for chunk in chunks:
         data = _as_bytes(chunk)

@@ -6,7 +6,7 @@ or 1 bytes) that divides every address, stride and length of the call, so the el
 the KV cache does not matter. Two entry levels:
 
 * address level (``gather_slices``, ``scatter_slices``, ``copy_ranges``, ``checksum_ranges``):
-  the fields of :class:`pdflow.core.planning.StagedSlices` / write ops, used by
+  the fields of :class:`pdflow.core.dataplane.planning.StagedSlices` / write ops, used by
   :mod:`pdflow.dataplane`;
 * tensor level (``gather_to_staging``, ``scatter_from_staging``, ``copy_pages``, ``checksum``):
   the same signatures as :mod:`kernels.reference`, for tests and callers holding tensors.
@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from pdflow.core.checksum import Checksum, fold, from_block_sums
-from pdflow.core.planning import widest_word
+from pdflow.core.dataplane.checksum import Checksum, fold, from_block_sums
+from pdflow.core.dataplane.planning import widest_word
 
 _COPY_BLOCK = 1024
 # Ranges are split so that a launch's second grid axis stays far below CUDA's 65535 limit.

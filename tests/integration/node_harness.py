@@ -17,8 +17,8 @@ import anyio
 from anyio.abc import Process, TaskGroup
 from anyio.streams.buffered import BufferedByteReceiveStream
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, WriterFenced
 from pdflow.io.node_decode import DecodeNode

@@ -20,8 +20,8 @@ from typing import Any
 import anyio
 import structlog
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import load_settings

@@ -19,7 +19,7 @@ import anyio
 import httpx
 import pytest
 
-from pdflow.core.registry import PrefillServerInfo
+from pdflow.core.cluster.registry import PrefillServerInfo
 from pdflow.io.bootstrap_client import (
     BootstrapClient,
     BootstrapError,

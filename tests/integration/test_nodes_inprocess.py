@@ -16,10 +16,10 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype, rank_head_range
-from pdflow.core.messages import PROTOCOL_VERSION, PeerId, StatusReport
-from pdflow.core.outputs import StartTransfer
+from pdflow.core.dataplane.layout import KvDtype, rank_head_range
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId, StatusReport
+from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.host import memmove_write_ops
 from pdflow.io.codec import MAGIC, MsgpackCodec
 from pdflow.io.kv_buffers import (

@@ -10,8 +10,8 @@ from contextlib import asynccontextmanager
 import anyio
 import pytest
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_common import PagesReleased
 from pdflow.io.node_decode import DecodeNode

@@ -9,7 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.bootstrap_server import serve
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings

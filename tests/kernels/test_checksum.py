@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdflow.core.checksum import (
+from pdflow.core.dataplane.checksum import (
     CHECKSUM_MODULUS,
     Checksum,
     checksum_bytes,
@@ -10,7 +10,7 @@ from pdflow.core.checksum import (
     compare_checksums,
     fold,
 )
-from pdflow.core.errors import InvalidInput
+from pdflow.core.framework.errors import InvalidInput
 
 
 def by_definition(data: bytes) -> Checksum:

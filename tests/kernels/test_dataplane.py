@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from pdflow import dataplane
-from pdflow.core.checksum import checksum_bytes
-from pdflow.core.layout import KvDtype, packed_layout, rank_head_range
-from pdflow.core.planning import plan_head_slices, plan_pages, plan_staged
+from pdflow.core.dataplane.checksum import checksum_bytes
+from pdflow.core.dataplane.layout import KvDtype, packed_layout, rank_head_range
+from pdflow.core.dataplane.planning import plan_head_slices, plan_pages, plan_staged
 from pdflow.dataplane import Backend, available_backends, make_executor
 from pdflow.dataplane import backend as backend_module
 
@@ -137,9 +137,9 @@ def test_package_imports_and_works_with_no_optional_packages() -> None:
             sys.modules[name] = None  # makes any import of it raise ImportError
         import ctypes
         import pdflow
-        from pdflow.core.layout import KvDtype, packed_layout
-        from pdflow.core.planning import plan_staged
-        from pdflow.core.layout import HeadRange
+        from pdflow.core.dataplane.layout import KvDtype, packed_layout
+        from pdflow.core.dataplane.planning import plan_staged
+        from pdflow.core.dataplane.layout import HeadRange
         from pdflow.dataplane import make_executor
         ex = make_executor()
         assert ex.backend.value == "python", ex.backend

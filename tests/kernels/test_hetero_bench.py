@@ -2,7 +2,7 @@
 
 from benchmarks.hetero_tp import run
 
-from pdflow.core.planning import WriteOp
+from pdflow.core.dataplane.planning import WriteOp
 from pdflow.dataplane import Backend, memmove_write_ops
 
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from kernels import reference, triton_kernels
-from pdflow.core.checksum import checksum_bytes
+from pdflow.core.dataplane.checksum import checksum_bytes
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 TOTAL_HEADS = 8

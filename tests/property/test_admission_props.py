@@ -14,7 +14,8 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflow.core.admission import (
+from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.resources.admission import (
     AdmissionBudget,
     AdmissionQueue,
     AdmitRequests,
@@ -27,7 +28,6 @@ from pdflow.core.admission import (
     RequestRejected,
     footprint,
 )
-from pdflow.core.errors import LocalProtocolError
 
 EXAMPLES = settings(max_examples=int(os.environ.get("PDFLOW_EXAMPLES", "200")), deadline=None)
 NOW = 0.0

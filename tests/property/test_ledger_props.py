@@ -7,9 +7,9 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdflow.core.errors import InvalidInput, LocalProtocolError
-from pdflow.core.messages import PeerId
-from pdflow.core.page_ledger import (
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.resources.page_ledger import (
     AckArrived,
     Fence,
     PageLedger,

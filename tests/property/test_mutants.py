@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.receiver_room import ReceiverRoom
+from pdflow.core.rooms.receiver_room import ReceiverRoom
 from pdflow.sim.mutants import MUTANTS, Mutant, applied
 from pdflow.sim.runner import run_seed
 

@@ -8,8 +8,8 @@ from typing import NamedTuple
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflow.core.layout import KvDtype, KvLayout, rank_head_range
-from pdflow.core.planning import (
+from pdflow.core.dataplane.layout import KvDtype, KvLayout, rank_head_range
+from pdflow.core.dataplane.planning import (
     StagedSlices,
     WriteOp,
     plan_head_slices,

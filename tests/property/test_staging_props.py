@@ -6,7 +6,7 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from pdflow.core.staging_ring import (
+from pdflow.core.resources.staging_ring import (
     Allocation,
     Assign,
     CheckReady,

@@ -13,8 +13,7 @@ from collections import Counter
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflow.core.layout import rank_head_range
-from pdflow.core.topology import (
+from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
@@ -24,6 +23,7 @@ from pdflow.core.topology import (
     prefill_unique_rank,
     resolve_rank_mapping,
 )
+from pdflow.core.dataplane.layout import rank_head_range
 
 EXAMPLES = settings(max_examples=int(os.environ.get("PDFLOW_EXAMPLES", "150")), deadline=None)
 

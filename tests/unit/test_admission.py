@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.admission import (
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, ProtocolError
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.core.resources.admission import (
     ADMISSION_TABLE,
     AdmissionBlocked,
     AdmissionBudget,
@@ -23,9 +26,6 @@ from pdflow.core.admission import (
     decide_admission,
     footprint,
 )
-from pdflow.core.errors import InvalidInput, LocalProtocolError, ProtocolError
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.table import Fired
 
 # One-token pages keep the arithmetic readable; page rounding has its own tests.
 BUDGET = AdmissionBudget(pool_pages=20, page_size=1, reserve_tokens=2, clip_max_new=100)

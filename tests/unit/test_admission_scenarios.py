@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.admission import (
+from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.resources.admission import (
     AdmissionBlocked,
     AdmissionBudget,
     AdmissionQueue,
@@ -15,7 +16,6 @@ from pdflow.core.admission import (
     RequestAdmitted,
     RequestRejected,
 )
-from pdflow.core.errors import LocalProtocolError
 
 
 def admitted(queue: AdmissionQueue) -> list[str]:

@@ -4,9 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype, packed_layout
-from pdflow.core.messages import PROTOCOL_VERSION, Abort, PeerId, RoomMetadata, StatusReport
+from pdflow.core.dataplane.layout import KvDtype, packed_layout
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    PeerId,
+    RoomMetadata,
+    StatusReport,
+)
 from pdflow.io.codec import MAGIC, FrameError, MsgpackCodec
 from pdflow.io.kv_buffers import KvArgs
 

@@ -10,7 +10,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdflow.core.messages import Abort, PeerId
+from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
 from pdflow.io.control import ControlChannel
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     DecodeEndpointConfig,
     OpenReceiver,
@@ -18,13 +18,13 @@ from pdflow.core.endpoint_io import (
     TopologyKnown,
     TransferDone,
 )
-from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import BootstrapRequest, PeerId, StatusReport
-from pdflow.core.outputs import SendMessage, StartTransfer
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.prefill_endpoint import PrefillEndpoint
-from pdflow.core.step import Step
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.messages import BootstrapRequest, PeerId, StatusReport
+from pdflow.core.protocol.outputs import SendMessage, StartTransfer
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 PC = AllocationPolicy.PREFILL_COMPLETE
 PREFILL = PeerId("127.0.0.1:7000", "p1", 0)

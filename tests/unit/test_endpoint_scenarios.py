@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     CloseSession,
     DecodeEndpointConfig,
@@ -28,15 +28,15 @@ from pdflow.core.endpoint_io import (
     TopologyKnown,
     TransferDone,
 )
-from pdflow.core.errors import InvalidInput, LocalProtocolError
-from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import Abort, AbortAck, BootstrapRequest, PeerId, RoomMetadata
-from pdflow.core.outputs import SendMessage, StartTransfer, StatusChanged
-from pdflow.core.page_ledger import PagesFreed, PagesQuarantined
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.prefill_endpoint import PrefillEndpoint
-from pdflow.core.step import Step
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.messages import Abort, AbortAck, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
 
 BOOT = "10.0.9.1:8998"
 TIMEOUTS = Timeouts(bootstrap_timeout=30.0, waiting_timeout=30.0)
@@ -196,7 +196,7 @@ def test_prefill_restart_serves_new_rooms_and_drops_old_incarnation_messages() -
 
 
 def StatusReport_success(prefill_peer: PeerId, *, room: int, gen: int):
-    from pdflow.core.messages import StatusReport
+    from pdflow.core.protocol.messages import StatusReport
 
     return StatusReport(
         room=room, generation=gen, status=KVPoll.Success, prefill=prefill_peer, decode=DECODE
@@ -309,12 +309,17 @@ def test_a_cancel_before_open_outlives_every_timer_and_duplicate() -> None:
     the prefill ACKs (so the decode frees the pages), and a duplicate of the room's metadata
     arrives after the parked entry would have expired. The cancel must still win: the room
     opens Failed and never writes into the freed pages (sglang#35049 class, via duplication)."""
-    from pdflow.core.endpoint_io import OpenRoom, PrefillEndpointConfig, Received, TimerFired
-    from pdflow.core.kvpoll import KVPoll
-    from pdflow.core.messages import Abort, AbortAck, PeerId, RoomMetadata
-    from pdflow.core.outputs import SendMessage
-    from pdflow.core.policy import Timeouts
-    from pdflow.core.prefill_endpoint import PrefillEndpoint
+    from pdflow.core.endpoints.endpoint_io import (
+        OpenRoom,
+        PrefillEndpointConfig,
+        Received,
+        TimerFired,
+    )
+    from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+    from pdflow.core.framework.kvpoll import KVPoll
+    from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
+    from pdflow.core.protocol.outputs import SendMessage
+    from pdflow.core.protocol.policy import Timeouts
 
     me = PeerId("127.0.0.1:7000", "p1", 0)
     decode = PeerId("127.0.0.1:8000", "d1", 0)

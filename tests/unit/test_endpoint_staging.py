@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
     DecodeEndpointConfig,
@@ -16,13 +16,13 @@ from pdflow.core.endpoint_io import (
     StagingPlaced,
     TopologyKnown,
 )
-from pdflow.core.inputs import AbortRequested
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport
-from pdflow.core.outputs import SendMessage, VerifyChecksums
-from pdflow.core.page_ledger import PagesFreed
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.step import Step
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.messages import AbortAck, PeerId, RoomMetadata, StatusReport
+from pdflow.core.protocol.outputs import SendMessage, VerifyChecksums
+from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.resources.page_ledger import PagesFreed
 
 RANK0 = PeerId("127.0.0.1:7000", "p1", 0)
 RANK1 = PeerId("127.0.0.1:7001", "p1", 1)

@@ -1,8 +1,7 @@
 import msgspec
 import pytest
 
-from pdflow.core.errors import InvalidInput
-from pdflow.core.layout import (
+from pdflow.core.dataplane.layout import (
     AuxRow,
     FullSequencePages,
     HeadRange,
@@ -16,6 +15,7 @@ from pdflow.core.layout import (
     rank_head_range,
     swa_window_start,
 )
+from pdflow.core.framework.errors import InvalidInput
 
 
 def small_layout(**overrides: object) -> KvLayout:

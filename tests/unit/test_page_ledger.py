@@ -4,10 +4,11 @@ from collections.abc import Callable
 
 import pytest
 
-from pdflow.core.errors import InvalidInput, LocalProtocolError, ProtocolError
-from pdflow.core.inputs import Input
-from pdflow.core.messages import PeerId
-from pdflow.core.page_ledger import (
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, ProtocolError
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.resources.page_ledger import (
     PAGE_LEDGER_TABLE,
     AckArrived,
     Fence,
@@ -24,7 +25,6 @@ from pdflow.core.page_ledger import (
     WriterDead,
     WriterHealth,
 )
-from pdflow.core.step import Step
 
 A = PeerId("10.0.0.1:7000", "a1")
 B = PeerId("10.0.0.2:7000", "b1")

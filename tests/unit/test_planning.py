@@ -1,8 +1,7 @@
 import pytest
 
-from pdflow.core.errors import InvalidInput
-from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout
-from pdflow.core.planning import (
+from pdflow.core.dataplane.layout import HeadRange, KvDtype, KvLayout, packed_layout
+from pdflow.core.dataplane.planning import (
     PageChunk,
     WriteOp,
     destination_ranges,
@@ -15,6 +14,7 @@ from pdflow.core.planning import (
     split_batches,
     total_bytes,
 )
+from pdflow.core.framework.errors import InvalidInput
 
 
 def layout_at(base: int, *, heads: int = 2, layers: int = 1, pages: int = 8) -> KvLayout:

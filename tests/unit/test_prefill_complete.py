@@ -2,13 +2,14 @@
 
 import pytest
 
-from pdflow.core.errors import InvalidInput, ProtocolError, RemoteProtocolError
-from pdflow.core.inputs import AbortRequested, Input, Tick
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId, StatusReport
-from pdflow.core.outputs import SendMessage, emit_name
-from pdflow.core.policy import Timeouts
-from pdflow.core.prefill_complete import (
+from pdflow.core.framework.errors import InvalidInput, ProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import AbortRequested, Input, Tick
+from pdflow.core.protocol.messages import PeerId, StatusReport
+from pdflow.core.protocol.outputs import SendMessage, emit_name
+from pdflow.core.protocol.policy import Timeouts
+from pdflow.core.rooms.prefill_complete import (
     DUPLICATE_ROOM,
     PREFILL_COMPLETE_TABLE,
     BootstrapArrived,
@@ -21,7 +22,6 @@ from pdflow.core.prefill_complete import (
     OwnerRefused,
     PrefillCompleteTable,
 )
-from pdflow.core.step import Step
 
 ME = PeerId("10.0.1.1:8000", "p1")
 D1 = PeerId("10.0.2.1:9000", "d1")

@@ -7,9 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.registry import (
+from pdflow.core.cluster.registry import (
     REGISTRY_TABLE,
     CheckHealth,
     PrefillServerInfo,
@@ -22,6 +20,8 @@ from pdflow.core.registry import (
     Reply,
     route_query,
 )
+from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.core.protocol.policy import AllocationPolicy
 from tests.unit.test_registry_support import TOKEN, rank, registry_in
 
 _C, _R = RegistryState.COLLECTING, RegistryState.READY

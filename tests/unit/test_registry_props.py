@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from pdflow.core.registry import QueryRank, QueryTopology, Registry, RegistryState
+from pdflow.core.cluster.registry import QueryRank, QueryTopology, Registry, RegistryState
 from tests.unit.test_registry_support import TOKEN, rank
 
 EXAMPLES = settings(max_examples=int(os.environ.get("PDFLOW_EXAMPLES", "150")), deadline=None)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.core.registry import RegisterRank, Registry, RegistryState
+from pdflow.core.cluster.registry import RegisterRank, Registry, RegistryState
 
 TOKEN = "s3cret-token"
 

@@ -11,9 +11,9 @@ from typing import Any
 
 import pytest
 
-from pdflow.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from pdflow.core.receiver_room import RECEIVER_TABLE, ReceiverState
-from pdflow.core.sender_room import SENDER_TABLE, SenderState
+from pdflow.core.framework.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverState
+from pdflow.core.rooms.sender_room import SENDER_TABLE, SenderState
 from tests.unit.room_fixtures import receiver_in, receiver_samples, sender_in, sender_samples
 
 CASES: list[tuple[Any, Any, Any, Any, str]] = [

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import (
     AbortRequested,
     ChecksumResult,
     FailureArrived,
@@ -18,12 +19,11 @@ from pdflow.core.inputs import (
     Tick,
     TransferCompleted,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, BootstrapRequest, RoomMetadata, StatusReport
-from pdflow.core.outputs import ArmFence, SendMessage, StartTransfer, StatusChanged
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.receiver_room import ReceiverState
-from pdflow.core.sender_room import SenderState
+from pdflow.core.protocol.messages import AbortAck, BootstrapRequest, RoomMetadata, StatusReport
+from pdflow.core.protocol.outputs import ArmFence, SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.rooms.receiver_room import ReceiverState
+from pdflow.core.rooms.sender_room import SenderState
 from tests.unit.room_fixtures import (
     DECODE,
     DECODE_B,

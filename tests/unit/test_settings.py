@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 from pdflow.io.settings import (
     Settings,
     SettingsError,

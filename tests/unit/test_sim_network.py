@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdflow.core.messages import Abort, PeerId
+from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.sim.network import Envelope, Network
 
 DECODE = PeerId("d:1", "i", 0)

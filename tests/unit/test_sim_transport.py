@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pdflow.core.messages import PeerId
+from pdflow.core.protocol.messages import PeerId
 from pdflow.sim.transport import SEGMENT_BYTES, FakeTransport, Write, source_content
 
 WRITER = PeerId("p:1", "inc", 0)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.policy import AllocationPolicy
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.sim.actions import apply, choices, settle
 from pdflow.sim.clock import VirtualClock
 from pdflow.sim.faults import ACTION_KINDS, FAULT_KINDS, draw_plan
@@ -90,7 +90,7 @@ def test_monitor_reports_a_write_into_freed_memory() -> None:
 
 
 def _noop_step(world: World):  # type: ignore[no-untyped-def]
-    from pdflow.core.endpoint_io import TimerFired
-    from pdflow.core.step import Step
+    from pdflow.core.endpoints.endpoint_io import TimerFired
+    from pdflow.core.framework.step import Step
 
     return TimerFired(), Step(), set(world.decode[0].endpoint.rooms)

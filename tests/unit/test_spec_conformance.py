@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 
 from pdflow.cli import main
-from pdflow.core.machines import MACHINES
-from pdflow.core.table import Table
+from pdflow.core.framework.machines import MACHINES
+from pdflow.core.framework.table import Table
 from pdflow.spec import check_spec, load_spec, spec_path
 from pdflow.spec.render import render_markdown
 
@@ -73,7 +73,7 @@ def test_protocol_doc_is_not_stale() -> None:
 
 
 def test_spec_defaults_match_the_code_defaults() -> None:
-    from pdflow.core.policy import Timeouts
+    from pdflow.core.protocol.policy import Timeouts
 
     spec = load_spec()
     assert spec.timers["bootstrap_timeout"].default_s == Timeouts().bootstrap_timeout == 300.0

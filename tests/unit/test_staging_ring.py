@@ -2,9 +2,14 @@
 
 import pytest
 
-from pdflow.core.errors import InvalidInput, LocalProtocolError, ProtocolError, RemoteProtocolError
-from pdflow.core.inputs import Input
-from pdflow.core.staging_ring import (
+from pdflow.core.framework.errors import (
+    InvalidInput,
+    LocalProtocolError,
+    ProtocolError,
+    RemoteProtocolError,
+)
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.resources.staging_ring import (
     STAGING_RING_TABLE,
     Assign,
     CheckReady,

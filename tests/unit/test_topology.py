@@ -6,9 +6,7 @@ from collections.abc import Callable
 
 import pytest
 
-from pdflow.core.errors import InvalidInput
-from pdflow.core.layout import HeadRange
-from pdflow.core.topology import (
+from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
@@ -19,6 +17,8 @@ from pdflow.core.topology import (
     prefill_unique_rank,
     resolve_rank_mapping,
 )
+from pdflow.core.dataplane.layout import HeadRange
+from pdflow.core.framework.errors import InvalidInput
 
 MHA, MLA = AttentionKind.MHA, AttentionKind.MLA
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from pdflow.core.endpoint_io import Received
+from pdflow.core.endpoints.endpoint_io import Received
 from pdflow.trace.format import StepRecord, TraceHeader, parse_message_id
 from pdflow.trace.merge import TraceMergeError, load_traces
 from pdflow.trace.recorder import TraceRecorder

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 
-from pdflow.core.endpoint_io import ClearRoom, OpenRoom, PrefillEndpointConfig, TimerFired
-from pdflow.core.errors import LocalProtocolError
-from pdflow.core.messages import PeerId
-from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.endpoint_io import ClearRoom, OpenRoom, PrefillEndpointConfig, TimerFired
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.protocol.messages import PeerId
 from pdflow.spec import spec_sha256
 from pdflow.trace.format import StepRecord, TraceHeader, decode_line, read_trace
 from pdflow.trace.merge import load_traces

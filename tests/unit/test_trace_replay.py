@@ -8,8 +8,8 @@ import msgspec
 import pytest
 
 from pdflow.cli import main
-from pdflow.core.endpoint_io import OpenReceiver, Received
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.endpoints.endpoint_io import OpenReceiver, Received
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.trace.format import StepRecord, TraceHeader
 from pdflow.trace.merge import load_traces
 from pdflow.trace.replay import ReplayRefused, replay

@@ -1,6 +1,7 @@
 """The data plane: execute transfer plans (writes, staging gather/scatter, checksums).
 
-Plans come from :mod:`pdflow.core.planning` as absolute addresses; an executor moves the bytes
+Plans come from :mod:`pdflow.core.dataplane.planning` as absolute addresses; an executor moves
+the bytes
 with the fastest backend this process has (Triton, then the torch reference, then numpy, then
 plain Python). torch, triton and numpy are optional: without them this package still imports
 and falls back.

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Protocol
 
-from pdflow.core.checksum import ByteRange, Checksum
-from pdflow.core.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.checksum import ByteRange, Checksum
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
 from pdflow.dataplane.backend import Backend, available_backends, load_optional
 from pdflow.dataplane.numpy_backend import NumpyExecutor
 from pdflow.dataplane.pure import PythonExecutor

@@ -5,7 +5,7 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from pdflow.core.planning import WriteOp
+from pdflow.core.dataplane.planning import WriteOp
 
 
 def memmove_write_ops(ops: Sequence[WriteOp]) -> None:

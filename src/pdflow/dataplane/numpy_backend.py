@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from pdflow.core.checksum import ByteRange, Checksum, fold, from_block_sums
-from pdflow.core.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.checksum import ByteRange, Checksum, fold, from_block_sums
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
 from pdflow.dataplane.backend import Backend
 from pdflow.dataplane.host import host_bytes, memmove_write_ops
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 
-from pdflow.core.checksum import ByteRange, Checksum, checksum_ranges
-from pdflow.core.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.checksum import ByteRange, Checksum, checksum_ranges
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
 from pdflow.dataplane.backend import Backend
 from pdflow.dataplane.host import memmove_write_ops, read_host
 

@@ -6,8 +6,8 @@ from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
-from pdflow.core.checksum import ByteRange, Checksum
-from pdflow.core.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.checksum import ByteRange, Checksum
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
 from pdflow.dataplane.backend import Backend, is_cuda_device
 from pdflow.dataplane.host import host_bytes, memmove_write_ops
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from types import ModuleType
 
-from pdflow.core.checksum import ByteRange, Checksum
-from pdflow.core.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.checksum import ByteRange, Checksum
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
 from pdflow.dataplane.backend import Backend
 
 

@@ -16,8 +16,8 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import KvDtype, KvLayout
+from pdflow.core.dataplane.layout import KvDtype, KvLayout
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer, decode, prefill_sharded
 from pdflow.io.kv_buffers import RankKv

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator, Sequence
 import anyio
 import anyio.to_thread
 
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.engines import DecodeEngine, PrefillEngine, RoomOutcome, rank_kv
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer

@@ -17,7 +17,7 @@ from pathlib import Path
 import anyio
 import msgspec
 
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.engines import DecodeEngine, RoomOutcome
 from pdflow.demo.instances import PrefillInstance, TransportFactory, decode_instance
 from pdflow.demo.kvcache import PagedKVCache
@@ -304,7 +304,7 @@ async def _settle(decode: DecodeEngine, timeout_s: float = 15.0) -> None:
 def _report(options: DemoOptions, transport: str, router: Router,
             records: list[RequestRecord], snapshot: object, free_in_engine: int,
             out_dir: Path, wall_s: float) -> DemoReport:  # fmt: skip
-    from pdflow.core.decode_endpoint import DecodeSnapshot
+    from pdflow.core.endpoints.decode_endpoint import DecodeSnapshot
 
     assert isinstance(snapshot, DecodeSnapshot)
     ledger = snapshot.ledger

@@ -19,7 +19,7 @@ import httpx
 import msgspec
 import structlog
 
-from pdflow.core.registry import PrefillRankInfo, PrefillServerInfo, RegisterRank
+from pdflow.core.cluster.registry import PrefillRankInfo, PrefillServerInfo, RegisterRank
 
 INCARNATION_HEADER = "X-Pdflow-Incarnation"
 _RETRYABLE_STATUS = frozenset({502, 503, 504})

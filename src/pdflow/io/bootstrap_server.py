@@ -29,8 +29,7 @@ from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.registry import (
+from pdflow.core.cluster.registry import (
     DEFAULT_DP_RANK_TTL_S,
     MISSING_INPUTS,
     CheckHealth,
@@ -41,6 +40,7 @@ from pdflow.core.registry import (
     Reply,
     route_query,
 )
+from pdflow.core.protocol.inputs import Input, Tick
 
 DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_TICK_INTERVAL_S = 5.0

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdflow.core.messages import PROTOCOL_VERSION, AnyMessage
+from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage
 from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20

@@ -11,7 +11,7 @@ from collections.abc import Awaitable, Callable, Iterable
 import anyio
 import structlog
 
-from pdflow.core.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.endpoint_io import HeartbeatResult
 from pdflow.io.bootstrap_client import HealthStatus
 
 log = structlog.get_logger("pdflow.heartbeat")

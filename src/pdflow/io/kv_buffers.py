@@ -1,9 +1,9 @@
 """KV buffers as the shell sees them: layouts, the layout handshake, write plans and digests.
 
 The core says *which* pages go where (``StartTransfer``); this module turns that into byte
-writes with :mod:`pdflow.core.planning`, using the KV layout each decode rank announced with a
-:class:`KvArgs` message (SGLang's "register KV args" frame). Equal head ranges copy whole pages,
-coalesced; different TP sizes copy head slices. The staged path (gather into a staging ring,
+writes with :mod:`pdflow.core.dataplane.planning`, using the KV layout each decode rank announced
+with a :class:`KvArgs` message (SGLang's "register KV args" frame). Equal head ranges copy whole
+pages, coalesced; different TP sizes copy head slices. The staged path (gather into a staging ring,
 one bulk write, scatter on the decode) plugs in by overriding :meth:`TransferPlanner.plan`.
 
 The end-to-end digest (:func:`kv_digest`) is what ``checksum`` in ``StatusReport`` carries when
@@ -22,11 +22,17 @@ from typing import Protocol
 
 import msgspec
 
-from pdflow.core.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
-from pdflow.core.layout import HeadRange, KvDtype, KvLayout, packed_layout, rank_head_range
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import StartTransfer
-from pdflow.core.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
+from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
+from pdflow.core.dataplane.layout import (
+    HeadRange,
+    KvDtype,
+    KvLayout,
+    packed_layout,
+    rank_head_range,
+)
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.backend import load_optional
 from pdflow.dataplane.executor import Executor
 from pdflow.dataplane.numpy_backend import NumpyExecutor
@@ -103,8 +109,8 @@ class WriterRegion(msgspec.Struct, frozen=True):
     The region of a room is writer-major: writer ``w`` (writers ordered by the decode heads they
     fill) owns ``room_pages * page_bytes`` bytes starting at ``w * room_pages * page_bytes``, and
     page ``i`` of the room sits at ``i * page_bytes`` inside it (each page laid out as
-    :func:`pdflow.core.planning.plan_staged` lays out a one-page chunk), so every chunk of one
-    writer is one contiguous bulk write whatever the chunking.
+    :func:`pdflow.core.dataplane.planning.plan_staged` lays out a one-page chunk), so every chunk of
+    one writer is one contiguous bulk write whatever the chunking.
     """
 
     writer_index: int

@@ -11,7 +11,7 @@ import msgspec
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdflow.core.page_ledger import QuarantinedRoom
+from pdflow.core.resources.page_ledger import QuarantinedRoom
 
 log = structlog.get_logger("pdflow.metrics")
 

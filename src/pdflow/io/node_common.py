@@ -26,11 +26,11 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pdflow.core.endpoint_io import Dropped, EndpointInput, RoomRemoved, TimerFired
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import Output, StatusChanged
-from pdflow.core.step import Step
+from pdflow.core.endpoints.endpoint_io import Dropped, EndpointInput, RoomRemoved, TimerFired
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.io.codec import WireCodec
 from pdflow.io.control import ControlChannel
 from pdflow.io.metrics import NodeMetrics, RoomReport

@@ -18,8 +18,10 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from pdflow.core.decode_endpoint import DecodeEndpoint, DecodeSnapshot
-from pdflow.core.endpoint_io import (
+from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.layout import HeadRange, rank_head_range
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
+from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
     CloseSession,
@@ -38,13 +40,11 @@ from pdflow.core.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
-from pdflow.core.inputs import AbortRequested
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.layout import HeadRange, rank_head_range
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import Output, SendMessage, VerifyChecksums
-from pdflow.core.page_ledger import PagesFreed, PagesQuarantined, QuarantinedRoom
-from pdflow.core.topology import Parallelism, prefill_unique_rank
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import Output, SendMessage, VerifyChecksums
+from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined, QuarantinedRoom
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec

@@ -19,7 +19,10 @@ import anyio.to_thread
 import msgspec
 import structlog
 
-from pdflow.core.endpoint_io import (
+from pdflow.core.cluster.registry import RegisterRank
+from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenRoom,
     PrefillEndpointConfig,
@@ -27,15 +30,12 @@ from pdflow.core.endpoint_io import (
     RoomCall,
     TransferDone,
 )
-from pdflow.core.errors import InvalidInput
-from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PROTOCOL_VERSION, PeerId
-from pdflow.core.outputs import Output, SendMessage, StartTransfer
-from pdflow.core.planning import StagedSlices, WriteOp
-from pdflow.core.prefill_endpoint import PrefillEndpoint, PrefillSnapshot
-from pdflow.core.registry import RegisterRank
-from pdflow.core.topology import Parallelism, prefill_unique_rank
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint, PrefillSnapshot
+from pdflow.core.framework.errors import InvalidInput
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId
+from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import BootstrapClient
 from pdflow.io.bootstrap_server import serve

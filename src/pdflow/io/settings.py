@@ -16,7 +16,7 @@ from typing import Any
 
 import msgspec
 
-from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 _MAX_PORT = 65535

@@ -11,10 +11,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from pdflow.core.admission import QueueState
-from pdflow.core.endpoint_io import ClearRoom, HeartbeatResult, OpenReceiver, OpenRoom, RoomCall
-from pdflow.core.inputs import AbortRequested, InitTransfer, SendChunk
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.endpoints.endpoint_io import (
+    ClearRoom,
+    HeartbeatResult,
+    OpenReceiver,
+    OpenRoom,
+    RoomCall,
+)
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk
+from pdflow.core.resources.admission import QueueState
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
 from pdflow.sim.world import BOOTSTRAP, World
 
@@ -228,7 +234,7 @@ def _write_corrupt(world: World, wid: int, hint: int) -> None:
 
 def _report(world: World, wid: int, ok: bool, reason: str) -> None:
     """The writer's transport reports the write (if the writer process is still alive)."""
-    from pdflow.core.endpoint_io import TransferDone
+    from pdflow.core.endpoints.endpoint_io import TransferDone
 
     write = world.transport.writes[wid]
     world.transport.finish(write)

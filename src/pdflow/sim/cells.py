@@ -13,8 +13,9 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from pdflow.core.errors import ProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.framework.errors import ProtocolError
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import (
     AbortArrived,
     AbortRequested,
     ChecksumResult,
@@ -34,8 +35,9 @@ from pdflow.core.inputs import (
     Tick,
     TransferCompleted,
 )
-from pdflow.core.messages import Abort, PeerId, RoomMetadata
-from pdflow.core.page_ledger import (
+from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+from pdflow.core.resources.page_ledger import (
     AckArrived,
     Fence,
     LedgerInput,
@@ -45,10 +47,8 @@ from pdflow.core.page_ledger import (
     SessionClosed,
     WriterDead,
 )
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
-from pdflow.core.sender_room import SenderRoom, SenderState
-from pdflow.core.table import Fired
+from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.rooms.sender_room import SenderRoom, SenderState
 from pdflow.sim.invariants import Transition
 
 ROOM = 42

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Iterable
 
-from pdflow.core.machines import MACHINES
+from pdflow.core.framework.machines import MACHINES
 from pdflow.sim.invariants import Transition
 
 DRIVEN_MACHINES = ("SenderRoom", "ReceiverRoom", "PageLedger", "AdmissionQueue", "PrefillComplete")

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdflow.core.admission import AdmissionBudget, AdmissionQueue
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import DecodeEndpointConfig, PrefillEndpointConfig
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId
-from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import DecodeEndpointConfig, PrefillEndpointConfig
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.resources.admission import AdmissionBudget, AdmissionQueue
 
 
 @dataclass

@@ -12,7 +12,7 @@ import random
 
 import msgspec
 
-from pdflow.core.policy import AllocationPolicy
+from pdflow.core.protocol.policy import AllocationPolicy
 
 MAX_RANKS_PER_SIDE = 4
 MHA_KV_HEADS = 4

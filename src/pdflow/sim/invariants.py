@@ -16,12 +16,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from pdflow.core.endpoint_io import AnyEndpointInput, CloseSession, OpenReceiver, OpenRoom
-from pdflow.core.kvpoll import KVPoll, poll_may_follow
-from pdflow.core.messages import Abort, AbortAck, PeerId
-from pdflow.core.outputs import StatusChanged
-from pdflow.core.step import Step
-from pdflow.core.table import Fired
+from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, CloseSession, OpenReceiver, OpenRoom
+from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
+from pdflow.core.framework.step import Step
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.messages import Abort, AbortAck, PeerId
+from pdflow.core.protocol.outputs import StatusChanged
 from pdflow.sim.transport import source_content
 
 if TYPE_CHECKING:

@@ -13,17 +13,17 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import HeartbeatResult
-from pdflow.core.inputs import Input, SuccessArrived
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import Abort
-from pdflow.core.outputs import Output, StatusChanged
-from pdflow.core.page_ledger import RoomPages
-from pdflow.core.prefill_endpoint import PrefillEndpoint
-from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
-from pdflow.core.sender_room import SenderRoom
-from pdflow.core.table import Fired
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import Input, SuccessArrived
+from pdflow.core.protocol.messages import Abort
+from pdflow.core.protocol.outputs import Output, StatusChanged
+from pdflow.core.resources.page_ledger import RoomPages
+from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.rooms.sender_room import SenderRoom
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 """(owner, attribute, make_replacement(original))."""

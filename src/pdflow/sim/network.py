@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pdflow.core.messages import AnyMessage, PeerId
+from pdflow.core.protocol.messages import AnyMessage, PeerId
 
 Link = tuple[str, str]
 

@@ -13,9 +13,13 @@ from pathlib import Path
 import msgspec
 
 import pdflow
-from pdflow.core.endpoint_io import AnyEndpointInput, DecodeEndpointConfig, PrefillEndpointConfig
-from pdflow.core.outputs import Output
-from pdflow.core.table import Fired
+from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
+    DecodeEndpointConfig,
+    PrefillEndpointConfig,
+)
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.outputs import Output
 from pdflow.spec.load import load_spec, spec_sha256
 from pdflow.trace.format import TRACE_FORMAT_VERSION, StepError, StepRecord, TraceHeader
 

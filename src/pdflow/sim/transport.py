@@ -16,8 +16,8 @@ import zlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from pdflow.core.checksum import ROOM_FOLD_MODULUS
-from pdflow.core.messages import PeerId
+from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
+from pdflow.core.protocol.messages import PeerId
 
 SEGMENT_BYTES = 16
 

@@ -1,7 +1,7 @@
 """World: a whole PD deployment in one process, every effect simulated and every choice explicit.
 
 One prefill instance (its ranks share an incarnation and register with a bootstrap
-:class:`~pdflow.core.registry.Registry`) and a decode instance of independent ranks, each a
+:class:`~pdflow.core.cluster.registry.Registry`) and a decode instance of independent ranks, each a
 pure endpoint driven by a fake engine (:mod:`pdflow.sim.engine`) over a simulated network and a
 fake transport that moves real bytes. Nothing happens unless a driver applies an action (see
 :mod:`pdflow.sim.actions`); every endpoint step is checked by the :class:`Monitor` and recorded
@@ -18,16 +18,23 @@ from typing import Any
 
 import msgspec
 
-from pdflow.core.admission import (
-    AdmissionQueue,
-    CancelRequest,
-    EnqueueRequest,
-    FinishRequest,
-    RequestAdmitted,
-    RequestRejected,
+from pdflow.core.cluster.registry import (
+    PrefillRankInfo,
+    PrefillServerInfo,
+    QueryRank,
+    QueryTopology,
+    RegisterRank,
+    Registry,
 )
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.cluster.topology import (
+    AttentionKind,
+    Parallelism,
+    PdTopology,
+    resolve_rank_mapping,
+)
+from pdflow.core.cluster.topology import PrefillRank as Coordinates
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     ChecksumChecked,
     CloseSession,
@@ -45,25 +52,29 @@ from pdflow.core.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
-from pdflow.core.errors import InvalidInput, ProtocolError
-from pdflow.core.inputs import AbortRequested
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import Output, SendMessage, StartTransfer, StatusChanged, VerifyChecksums
-from pdflow.core.page_ledger import PagesFreed
-from pdflow.core.policy import Timeouts
-from pdflow.core.prefill_endpoint import PrefillEndpoint
-from pdflow.core.registry import (
-    PrefillRankInfo,
-    PrefillServerInfo,
-    QueryRank,
-    QueryTopology,
-    RegisterRank,
-    Registry,
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import InvalidInput, ProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import (
+    Output,
+    SendMessage,
+    StartTransfer,
+    StatusChanged,
+    VerifyChecksums,
 )
-from pdflow.core.step import Step
-from pdflow.core.topology import AttentionKind, Parallelism, PdTopology, resolve_rank_mapping
-from pdflow.core.topology import PrefillRank as Coordinates
+from pdflow.core.protocol.policy import Timeouts
+from pdflow.core.resources.admission import (
+    AdmissionQueue,
+    CancelRequest,
+    EnqueueRequest,
+    FinishRequest,
+    RequestAdmitted,
+    RequestRejected,
+)
+from pdflow.core.resources.page_ledger import PagesFreed
 from pdflow.sim.clock import VirtualClock
 from pdflow.sim.engine import (
     DecodeProcess,
@@ -433,7 +444,7 @@ class World:
 
     def admit(self, process: DecodeProcess) -> None:
         """The decode scheduler admits what fits and publishes each admitted room's pages."""
-        from pdflow.core.admission import AdmitRequests
+        from pdflow.core.resources.admission import AdmitRequests
 
         step = process.admission.handle(AdmitRequests(), self.clock.now)
         self.monitor.record_fired(step.fired)
@@ -570,7 +581,7 @@ class World:
         return request
 
     def open_prefill(self, request: Request, rank: int) -> None:
-        from pdflow.core.endpoint_io import OpenRoom
+        from pdflow.core.endpoints.endpoint_io import OpenRoom
 
         request.unopened_prefill.discard(rank)
         process = self.prefill[rank]
@@ -591,7 +602,7 @@ class World:
             process.free_sources[:0] = sources
 
     def open_decode(self, request: Request, rank: int) -> None:
-        from pdflow.core.endpoint_io import OpenReceiver
+        from pdflow.core.endpoints.endpoint_io import OpenReceiver
 
         request.unopened_decode.discard(rank)
         process = self.decode[rank]
@@ -599,7 +610,7 @@ class World:
         self.feed(process, OpenReceiver(request.room, request.generation, BOOTSTRAP))
 
     def mark_complete(self, process: PrefillProcess, room: int) -> None:
-        from pdflow.core.inputs import PrefillCompleted
+        from pdflow.core.protocol.inputs import PrefillCompleted
 
         process.jobs[room].computed = True
         self.feed(process, RoomCall(room, PrefillCompleted()))

@@ -6,10 +6,10 @@ from typing import Any
 
 import msgspec
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.machines import MACHINES
-from pdflow.core.policy import Timeouts
-from pdflow.core.table import Table
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.machines import MACHINES
+from pdflow.core.framework.table import Table
+from pdflow.core.protocol.policy import Timeouts
 from pdflow.spec.load import Spec, SpecMachine
 
 Row = tuple[str | None, str, tuple[str, ...]]  # guard, target, emits

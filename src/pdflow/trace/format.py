@@ -17,12 +17,12 @@ from pathlib import Path
 
 import msgspec
 
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     DecodeEndpointConfig,
     PrefillEndpointConfig,
 )
-from pdflow.core.table import Fired
+from pdflow.core.framework.table import Fired
 
 TRACE_FORMAT_VERSION = 1
 CLOCKS = ("virtual", "monotonic")

@@ -17,7 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from pdflow.core.endpoint_io import Received
+from pdflow.core.endpoints.endpoint_io import Received
 from pdflow.trace.format import StepRecord, TraceHeader, parse_message_id, read_trace
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from pdflow.core.kvpoll import KVPoll, poll_may_follow
+from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.spec.load import Spec
 from pdflow.trace.format import StepRecord
 

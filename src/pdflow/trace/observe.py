@@ -6,15 +6,15 @@ from typing import Any, Protocol
 
 import msgspec
 
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     DecodeEndpointConfig,
     EndpointInput,
     PrefillEndpointConfig,
     Received,
 )
-from pdflow.core.outputs import Output
-from pdflow.core.step import Step
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.outputs import Output
 
 
 class TracedEndpoint(Protocol):

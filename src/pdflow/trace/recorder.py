@@ -22,8 +22,8 @@ import msgspec
 import structlog
 
 import pdflow
-from pdflow.core.endpoint_io import EndpointInput
-from pdflow.core.step import Step
+from pdflow.core.endpoints.endpoint_io import EndpointInput
+from pdflow.core.framework.step import Step
 from pdflow.spec import load_spec, spec_sha256
 from pdflow.trace.format import (
     CLOCKS,

@@ -16,9 +16,9 @@ from typing import Any
 
 import msgspec
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import DecodeEndpointConfig, EndpointInput
-from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import DecodeEndpointConfig, EndpointInput
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.spec import spec_sha256
 from pdflow.trace.format import StepError, StepRecord, TraceHeader
 from pdflow.trace.merge import Trace, paused_gc

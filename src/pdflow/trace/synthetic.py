@@ -19,8 +19,8 @@ import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-from pdflow.core.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     DecodeEndpointConfig,
     EndpointInput,
@@ -38,14 +38,14 @@ from pdflow.core.endpoint_io import (
     TopologyKnown,
     TransferDone,
 )
-from pdflow.core.errors import InvalidInput, ProtocolError
-from pdflow.core.inputs import AbortRequested, InitTransfer, SendChunk
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import Output, SendMessage, StartTransfer, StatusChanged
-from pdflow.core.page_ledger import PagesFreed
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import InvalidInput, ProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+from pdflow.core.resources.page_ledger import PagesFreed
 from pdflow.trace.format import message_id
 from pdflow.trace.observe import TracedEndpoint
 from pdflow.trace.recorder import TraceRecorder

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenReceiver,
     OpenRoom,
@@ -20,8 +20,8 @@ from pdflow.core.endpoint_io import (
     TimerFired,
     TransferDone,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import PeerId
 from pdflow.trace.format import StepRecord, message_id
 from pdflow.trace.merge import Trace
 from pdflow.trace.observe import input_rooms

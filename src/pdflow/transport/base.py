@@ -17,8 +17,8 @@ import msgspec
 class WriteOpLike(Protocol):
     """One write: `length` bytes from local `src_addr` to remote `dst_addr` (absolute addresses).
 
-    `pdflow.core.planning.WriteOp` satisfies this protocol, as does any object with these three
-    integer attributes.
+    `pdflow.core.dataplane.planning.WriteOp` satisfies this protocol, as does any object with these
+    three integer attributes.
     """
 
     @property

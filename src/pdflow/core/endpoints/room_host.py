@@ -5,12 +5,12 @@ from __future__ import annotations
 from collections import Counter
 from typing import Any, Generic, TypeVar
 
-from pdflow.core.deadlines import DeadlineQueue
-from pdflow.core.endpoint_io import Dropped
-from pdflow.core.errors import LocalProtocolError
-from pdflow.core.messages import PeerId
-from pdflow.core.outputs import Output
-from pdflow.core.table import TableMachine
+from pdflow.core.endpoints.endpoint_io import Dropped
+from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.framework.table import TableMachine
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import Output
 
 R = TypeVar("R", bound=TableMachine[Any])
 

@@ -17,10 +17,10 @@ from typing import Any, cast
 
 import msgspec
 
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.outputs import Output
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.table import Table, TableMachine, row
+from pdflow.core.framework.table import Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.core.protocol.outputs import Output
+from pdflow.core.protocol.policy import AllocationPolicy
 
 DEFAULT_DP_RANK_TTL_S = 120.0
 """How long a room -> dp rank entry lives (SGLang's BOOTSTRAP_ENTRY_CLEANUP_INTERVAL)."""

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
-from pdflow.core.messages import AnyMessage, PeerId
-from pdflow.core.outputs import Output
-from pdflow.core.policy import AllocationPolicy, Timeouts
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.messages import AnyMessage, PeerId
+from pdflow.core.protocol.outputs import Output
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 
 class EndpointInput(msgspec.Struct, frozen=True, tag_field="type"):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.deadlines import DeadlineQueue
-from pdflow.core.endpoint_io import (
+from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     EndpointInput,
     OpenRoom,
@@ -22,8 +21,13 @@ from pdflow.core.endpoint_io import (
     TimerFired,
     TransferDone,
 )
-from pdflow.core.errors import LocalProtocolError, RemoteProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.endpoints.room_host import RoomHost
+from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.framework.errors import LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import (
     AbortArrived,
     AbortRequested,
     Input,
@@ -32,8 +36,7 @@ from pdflow.core.inputs import (
     Tick,
     TransferCompleted,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import (
+from pdflow.core.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
     AbortAck,
@@ -42,9 +45,9 @@ from pdflow.core.messages import (
     RoomMetadata,
     StatusReport,
 )
-from pdflow.core.outputs import Output, SendMessage, StatusChanged
-from pdflow.core.policy import AllocationPolicy
-from pdflow.core.prefill_complete import (
+from pdflow.core.protocol.outputs import Output, SendMessage, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.rooms.prefill_complete import (
     BootstrapArrived,
     CloseRoom,
     FailRoom,
@@ -52,11 +55,8 @@ from pdflow.core.prefill_complete import (
     OwnerRefused,
     PrefillCompleteTable,
 )
-from pdflow.core.prefill_complete import OpenRoom as ClaimRoom
-from pdflow.core.room_host import RoomHost
-from pdflow.core.sender_room import SenderRoom, SenderState
-from pdflow.core.step import Step
-from pdflow.core.table import Fired
+from pdflow.core.rooms.prefill_complete import OpenRoom as ClaimRoom
+from pdflow.core.rooms.sender_room import SenderRoom, SenderState
 
 
 class EarlyArrivals(msgspec.Struct):

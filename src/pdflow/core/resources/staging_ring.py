@@ -20,10 +20,10 @@ from typing import cast
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput, RemoteProtocolError
-from pdflow.core.inputs import Input
-from pdflow.core.outputs import Output
-from pdflow.core.table import Table, TableMachine, row
+from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
+from pdflow.core.framework.table import Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.protocol.outputs import Output
 
 
 class RingState(enum.Enum):

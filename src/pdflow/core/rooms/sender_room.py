@@ -12,9 +12,11 @@ from __future__ import annotations
 import enum
 from typing import cast
 
-from pdflow.core.checksum import ROOM_FOLD_MODULUS
-from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.table import STATUS_CHANGED, Table, TableMachine, row
+from pdflow.core.protocol.inputs import (
     AbortArrived,
     AbortRequested,
     InitTransfer,
@@ -25,11 +27,9 @@ from pdflow.core.inputs import (
     Tick,
     TransferCompleted,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, PeerId, RoomMetadata, StatusReport, peer_order
-from pdflow.core.outputs import Output, SendMessage, StartTransfer
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.table import STATUS_CHANGED, Table, TableMachine, row
+from pdflow.core.protocol.messages import AbortAck, PeerId, RoomMetadata, StatusReport, peer_order
+from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 
 class SenderState(enum.Enum):

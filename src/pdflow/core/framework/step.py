@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.outputs import Output
+from pdflow.core.protocol.outputs import Output
 
 
 class Fired(msgspec.Struct, frozen=True):

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.kvpoll import KVPoll
+from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
 

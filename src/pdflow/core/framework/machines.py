@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.core.admission import ADMISSION_TABLE
-from pdflow.core.page_ledger import PAGE_LEDGER_TABLE
-from pdflow.core.prefill_complete import PREFILL_COMPLETE_TABLE
-from pdflow.core.receiver_room import RECEIVER_TABLE
-from pdflow.core.registry import REGISTRY_TABLE
-from pdflow.core.sender_room import SENDER_TABLE
-from pdflow.core.staging_ring import STAGING_RING_TABLE
-from pdflow.core.table import Table
+from pdflow.core.cluster.registry import REGISTRY_TABLE
+from pdflow.core.framework.table import Table
+from pdflow.core.resources.admission import ADMISSION_TABLE
+from pdflow.core.resources.page_ledger import PAGE_LEDGER_TABLE
+from pdflow.core.resources.staging_ring import STAGING_RING_TABLE
+from pdflow.core.rooms.prefill_complete import PREFILL_COMPLETE_TABLE
+from pdflow.core.rooms.receiver_room import RECEIVER_TABLE
+from pdflow.core.rooms.sender_room import SENDER_TABLE
 
 MACHINES: dict[str, Table[Any]] = {
     ADMISSION_TABLE.machine: ADMISSION_TABLE,

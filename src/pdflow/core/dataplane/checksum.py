@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput
+from pdflow.core.framework.errors import InvalidInput
 
 CHECKSUM_MODULUS = 2**31 - 1
 

@@ -34,9 +34,9 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
-from pdflow.core.checksum import ByteRange
-from pdflow.core.errors import InvalidInput
-from pdflow.core.layout import HeadRange, KvLayout, kv_to_page_indices
+from pdflow.core.dataplane.checksum import ByteRange
+from pdflow.core.dataplane.layout import HeadRange, KvLayout, kv_to_page_indices
+from pdflow.core.framework.errors import InvalidInput
 
 __all__ = [
     "PageChunk",

@@ -12,7 +12,15 @@ from collections import Counter
 
 import msgspec
 
-from pdflow.core.endpoint_io import (
+from pdflow.core.cluster.topology import (
+    AttentionKind,
+    Parallelism,
+    PdTopology,
+    TopologyOptions,
+    resolve_rank_mapping,
+)
+from pdflow.core.cluster.topology import PrefillRank as RankCoordinates
+from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
     CloseSession,
@@ -32,8 +40,12 @@ from pdflow.core.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
-from pdflow.core.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.endpoints.room_host import RoomHost
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import (
     AbortRequested,
     ChecksumResult,
     FailureArrived,
@@ -47,10 +59,9 @@ from pdflow.core.inputs import (
     SuccessArrived,
     Tick,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AbortAck, StatusReport, peer_order
-from pdflow.core.outputs import ArmFence, Output
-from pdflow.core.page_ledger import (
+from pdflow.core.protocol.messages import AbortAck, StatusReport, peer_order
+from pdflow.core.protocol.outputs import ArmFence, Output
+from pdflow.core.resources.page_ledger import (
     AckArrived,
     Fence,
     LedgerInput,
@@ -63,10 +74,8 @@ from pdflow.core.page_ledger import (
     RoomPagesState,
     WriterDead,
 )
-from pdflow.core.page_ledger import SessionClosed as LedgerSessionClosed
-from pdflow.core.receiver_room import ReceiverRoom, ReceiverState
-from pdflow.core.room_host import RoomHost
-from pdflow.core.staging_ring import (
+from pdflow.core.resources.page_ledger import SessionClosed as LedgerSessionClosed
+from pdflow.core.resources.staging_ring import (
     Assign,
     CheckReady,
     Free,
@@ -76,16 +85,7 @@ from pdflow.core.staging_ring import (
     StagingRing,
     WatermarkAdvanced,
 )
-from pdflow.core.step import Step
-from pdflow.core.table import Fired
-from pdflow.core.topology import (
-    AttentionKind,
-    Parallelism,
-    PdTopology,
-    TopologyOptions,
-    resolve_rank_mapping,
-)
-from pdflow.core.topology import PrefillRank as RankCoordinates
+from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
 
 
 class ReceiverSummary(msgspec.Struct, frozen=True):

@@ -12,8 +12,10 @@ from __future__ import annotations
 import enum
 from typing import cast
 
-from pdflow.core.errors import InvalidInput, RemoteProtocolError
-from pdflow.core.inputs import (
+from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.table import STATUS_CHANGED, Table, TableMachine, row
+from pdflow.core.protocol.inputs import (
     AbortRequested,
     ChecksumResult,
     FailureArrived,
@@ -27,11 +29,9 @@ from pdflow.core.inputs import (
     SuccessArrived,
     Tick,
 )
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
-from pdflow.core.outputs import ArmFence, Output, SendMessage, VerifyChecksums
-from pdflow.core.policy import AllocationPolicy, Timeouts
-from pdflow.core.table import STATUS_CHANGED, Table, TableMachine, row
+from pdflow.core.protocol.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage, VerifyChecksums
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 
 class ReceiverState(enum.Enum):

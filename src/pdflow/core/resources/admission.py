@@ -28,11 +28,11 @@ from typing import cast
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput, LocalProtocolError
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.outputs import Output
-from pdflow.core.step import Step
-from pdflow.core.table import Fired, Table, TableMachine, row
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
+from pdflow.core.framework.step import Step
+from pdflow.core.framework.table import Fired, Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.core.protocol.outputs import Output
 
 NUM_RESERVED_DECODE_TOKENS = 512
 CLIP_MAX_NEW_TOKENS = 4096

@@ -20,14 +20,14 @@ from typing import cast
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput, RemoteProtocolError
-from pdflow.core.inputs import Input, Tick
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import PeerId, StatusReport
-from pdflow.core.outputs import Output, SendMessage
-from pdflow.core.policy import Timeouts
-from pdflow.core.step import Step, earliest
-from pdflow.core.table import Fired, Table, TableMachine, row
+from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step, earliest
+from pdflow.core.framework.table import Fired, Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.core.protocol.messages import PeerId, StatusReport
+from pdflow.core.protocol.outputs import Output, SendMessage
+from pdflow.core.protocol.policy import Timeouts
 
 DUPLICATE_ROOM = "Duplicate or cancelled bootstrap room"
 

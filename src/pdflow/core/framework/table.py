@@ -13,11 +13,11 @@ from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Generic, TypeVar
 
-from pdflow.core.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from pdflow.core.inputs import Input
-from pdflow.core.kvpoll import KVPoll, poll_may_follow
-from pdflow.core.outputs import Output, StatusChanged, emit_name
-from pdflow.core.step import Fired, Step
+from pdflow.core.framework.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
+from pdflow.core.framework.step import Fired, Step
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.protocol.outputs import Output, StatusChanged, emit_name
 
 __all__ = ["STATUS_CHANGED", "ConformanceError", "Fired", "Row", "Table", "TableMachine", "row"]
 

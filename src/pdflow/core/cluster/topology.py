@@ -8,11 +8,11 @@ waits for (``required_dst_info_num``) and how many Success reports the decode wa
 (``required_prefill_response_num``). For writers it also gives the KV heads exchanged, so the
 data plane can slice pages when the two sides use different TP sizes.
 
-Heads follow :func:`pdflow.core.layout.rank_head_range`. MLA is the case of one latent "head"
-that every rank holds, which is why one rule picks writers for both kinds: within the prefill TP
-ranks feeding one decode rank, the first rank holding each head range writes it and the rest are
-dummies. For MHA/GQA without replicated heads that makes all ``pTP/dTP`` ranks writers; for MLA
-it makes exactly one.
+Heads follow :func:`pdflow.core.dataplane.layout.rank_head_range`. MLA is the case of one
+latent "head" that every rank holds, which is why one rule picks writers for both kinds:
+within the prefill TP ranks feeding one decode rank, the first rank holding each head range
+writes it and the rest are dummies. For MHA/GQA without replicated heads that makes all
+``pTP/dTP`` ranks writers; for MLA it makes exactly one.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ import itertools
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput
-from pdflow.core.layout import HeadRange, rank_head_range
+from pdflow.core.dataplane.layout import HeadRange, rank_head_range
+from pdflow.core.framework.errors import InvalidInput
 
 MLA_LATENT_HEADS = 1
 """MLA stores one compressed latent per token, replicated on every TP rank."""

@@ -19,12 +19,12 @@ from typing import cast
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput
-from pdflow.core.inputs import Input
-from pdflow.core.messages import PeerId, peer_order
-from pdflow.core.outputs import Output
-from pdflow.core.step import Step
-from pdflow.core.table import Fired, Table, TableMachine, row
+from pdflow.core.framework.errors import InvalidInput
+from pdflow.core.framework.step import Step
+from pdflow.core.framework.table import Fired, Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.protocol.messages import PeerId, peer_order
+from pdflow.core.protocol.outputs import Output
 
 
 class RoomPagesState(enum.Enum):

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pdflow.core.errors import InvalidInput
+from pdflow.core.framework.errors import InvalidInput
 
 
 class KvDtype(enum.Enum):

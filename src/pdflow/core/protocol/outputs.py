@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.kvpoll import KVPoll
-from pdflow.core.messages import AnyMessage, PeerId
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import AnyMessage, PeerId
 
 
 class Output(msgspec.Struct, frozen=True, tag_field="type"):
@@ -54,14 +54,6 @@ class ArmFence(Output, frozen=True, tag="arm_fence"):
     room: int
     generation: int
     writers: tuple[PeerId, ...]
-
-
-class ReleasePages(Output, frozen=True, tag="release_pages"):
-    """Decode: these pages can no longer be written by anyone and may be reused."""
-
-    room: int
-    generation: int
-    pages: tuple[int, ...]
 
 
 class VerifyChecksums(Output, frozen=True, tag="verify_checksums"):

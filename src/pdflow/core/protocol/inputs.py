@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.messages import Abort, PeerId, RoomMetadata
+from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
 
 
 class Input(msgspec.Struct, frozen=True, tag_field="type"):

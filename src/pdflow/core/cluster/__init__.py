@@ -1,0 +1,1 @@
+"""Cluster view: the bootstrap registry and the prefill/decode rank topology."""

@@ -1,0 +1,1 @@
+"""The machine framework: the table driver, steps, typed errors, KVPoll and deadlines."""

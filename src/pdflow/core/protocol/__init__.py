@@ -1,0 +1,1 @@
+"""The protocol vocabulary: wire messages, room inputs and outputs, allocation policy."""

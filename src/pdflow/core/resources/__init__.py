@@ -1,0 +1,1 @@
+"""Resources an endpoint allocates: the page ledger, the staging ring and the admission queue."""
