@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
@@ -13,7 +14,7 @@ from pdflow.core.protocol.messages import (
     RoomMetadata,
     StatusReport,
 )
-from pdflow.io.codec import MAGIC, FrameError, MsgpackCodec
+from pdflow.io.codec import MAGIC, MAX_SCHEMA_DEPTH, ControlMessage, FrameError, MsgpackCodec
 from pdflow.io.kv_buffers import KvArgs
 
 DECODE = PeerId("127.0.0.1:5001", "d-inc", 0)
@@ -86,8 +87,6 @@ def test_bad_frames_raise_typed_reasons() -> None:
 
 def test_unknown_message_type_is_undecodable() -> None:
     codec = MsgpackCodec()
-    import msgspec
-
     payload = msgspec.msgpack.encode({"type": "format_disk", "room": 1})
     assert reason_of(codec, [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]) == (
         "undecodable"
@@ -106,3 +105,40 @@ def test_oversized_is_refused_both_ways() -> None:
 def test_limit_must_be_sane() -> None:
     with pytest.raises(ValueError, match="at least 64"):
         MsgpackCodec(max_message_bytes=10)
+
+
+def test_a_1017_byte_nested_frame_is_refused_not_raised() -> None:
+    """A map with another key before the tag, then 999 nested arrays: RecursionError before."""
+    codec = MsgpackCodec()
+    payload = b"\x81\xa8abcdefgh" + b"\x91" * 999 + b"\x00"
+    frames = [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]
+    assert sum(len(frame) for frame in frames) == 1017
+    assert reason_of(codec, frames) == "undecodable"
+    deeper = [MAGIC, frames[1], b"\x81\xa8abcdefgh" + b"\xdc\x00\x01" * 300_000 + b"\x00", b""]
+    assert reason_of(codec, deeper) == "undecodable"
+
+
+@pytest.mark.parametrize("field", ["room", "decode", "dst_pages", "reason", "zzz"])
+def test_nesting_under_the_tag_is_refused_at_the_first_container(field: str) -> None:
+    codec = MsgpackCodec()
+    payload = b"\x82\xa4type\xadroom_metadata" + msgspec.msgpack.encode(field)
+    payload += b"\x91" * 5000 + b"\x00"
+    assert reason_of(codec, [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]) == (
+        "undecodable"
+    )
+
+
+def _depth(info: msgspec.inspect.Type) -> int:
+    if isinstance(info, msgspec.inspect.UnionType):
+        return max(_depth(t) for t in info.types)
+    if isinstance(info, msgspec.inspect.StructType):
+        return 1 + max((_depth(f.type) for f in info.fields), default=0)
+    if isinstance(info, msgspec.inspect.VarTupleType | msgspec.inspect.ListType):
+        return 1 + _depth(info.item_type)
+    assert not isinstance(info, msgspec.inspect.AnyType | msgspec.inspect.DictType), info
+    return 0
+
+
+def test_every_control_message_nests_at_most_max_schema_depth() -> None:
+    """Typed decoding never goes deeper than the schema: the bound the tag-first rule relies on."""
+    assert _depth(msgspec.inspect.type_info(ControlMessage)) == MAX_SCHEMA_DEPTH

@@ -105,3 +105,49 @@ def test_binding_a_taken_port_says_so() -> None:
     finally:
         first.close()
         context.term()
+
+
+class _BrokenCodec(MsgpackCodec):
+    """A codec with a bug: it raises something other than FrameError for one frame."""
+
+    def decode(self, frames: list[bytes]) -> tuple[ControlMessage, str | None]:
+        if frames == [b"boom"]:
+            raise KeyError("a codec bug")
+        return super().decode(frames)
+
+
+async def test_no_codec_or_handler_failure_ends_the_receive_loop() -> None:
+    context = zmq.asyncio.Context()
+    drops: Counter[str] = Counter()
+    receiver = ControlChannel.open(context, _BrokenCodec(),
+                                   on_drop=lambda reason: drops.update([reason]))  # fmt: skip
+    sender = ControlChannel.open(context, MsgpackCodec())
+    received: list[int] = []
+    done = anyio.Event()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        assert isinstance(message, Abort)
+        if message.room == 1:
+            raise RuntimeError("a handler bug")
+        received.append(message.room)
+        done.set()
+
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.connect(f"tcp://{receiver.address}")
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(receiver.receive_forever, deliver)
+            await raw.send_multipart([b"boom"])
+            await sender.send(receiver.address, Abort(1, 0, DECODE, PREFILL), None)
+            await sender.send(receiver.address, Abort(2, 0, DECODE, PREFILL), None)
+            with anyio.fail_after(5):
+                await done.wait()
+            tasks.cancel_scope.cancel()
+    finally:
+        raw.close(linger=0)
+        sender.close()
+        receiver.close()
+        context.term()
+    assert received == [2]
+    assert drops == Counter(codec_error=1, handler_error=1)

@@ -12,6 +12,11 @@ MsgpackCodec frames (four, in order)::
     1  protocol version, ASCII int    another version -> "bad_version"
     2  the message, MessagePack       undecodable or unknown type -> "undecodable"
     3  message id, UTF-8 (may be empty; it only orders merged traces)
+
+The message must be a map whose first key is its ``type`` tag (pdflow's encoder always writes it
+first). Decoding is then typed from the first byte on, so its depth is bounded by the message
+schema (at most :data:`MAX_SCHEMA_DEPTH` containers); a frame that puts another key first would
+make msgspec skip that key's value untyped, which recurses as deep as the sender nests it.
 """
 
 from __future__ import annotations
@@ -30,7 +35,12 @@ ControlMessage = AnyMessage | KvArgs | KvArgsAccepted
 """Everything the control channel carries: the core's messages plus the shell's data-plane
 handshake (a decode rank's KV layout, and the prefill rank's transport session in reply)."""
 
+MAX_SCHEMA_DEPTH = 3
+"""Deepest nesting of any ControlMessage (KvArgs -> layout -> k_addrs); tests check it."""
+
 DROP_REASONS = ("malformed", "oversized", "bad_version", "undecodable")
+
+_TAG_KEY = b"\xa4type"  # the MessagePack str "type"
 
 
 class FrameError(Exception):
@@ -103,9 +113,25 @@ class MsgpackCodec:
             raise FrameError(
                 "bad_version", f"protocol version {shown!r}, this node speaks {self.version}"
             )
+        require_tag_first(frames[2])
         try:
             message = self._decoder.decode(frames[2])
             msg_id = frames[3].decode() or None
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise FrameError("undecodable", str(exc)) from None
         return message, msg_id
+
+
+def require_tag_first(payload: bytes) -> None:
+    """Refuse a MessagePack payload that is not a map starting with the ``type`` key."""
+    header = payload[:1]
+    if header and 0x80 <= header[0] <= 0x8F:
+        start = 1
+    elif header == b"\xde":
+        start = 3
+    elif header == b"\xdf":
+        start = 5
+    else:
+        raise FrameError("undecodable", "the message is not a MessagePack map")
+    if payload[start : start + len(_TAG_KEY)] != _TAG_KEY:
+        raise FrameError("undecodable", "the message's first key must be its 'type' tag")

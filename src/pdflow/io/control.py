@@ -122,17 +122,29 @@ class ControlChannel:
 
     # ---- receiving -------------------------------------------------------------------------------
     async def receive_forever(self, deliver: Deliver) -> None:
+        """Serve until cancelled: no frame, and no failure handling one, ends the loop."""
         while True:
             frames = await self._pull.recv_multipart()
             try:
                 message, msg_id = self.codec.decode(frames)
             except FrameError as exc:
-                self.dropped += 1
-                self._on_drop(exc.reason)
-                log.warning("control_frame_dropped", at=self.address, reason=exc.reason,
-                            detail=exc.detail[:200], frames=len(frames))  # fmt: skip
+                self._drop(exc.reason, exc.detail, len(frames))
                 continue
-            await deliver(message, msg_id)
+            except Exception as exc:  # a codec bug must not take the node down with it
+                self._drop("codec_error", f"{type(exc).__name__}: {exc}", len(frames))
+                continue
+            try:
+                await deliver(message, msg_id)
+            except Exception as exc:
+                self._drop("handler_error", f"{type(exc).__name__}: {exc}", len(frames))
+                log.exception("control_handler_failed", at=self.address,
+                              message=type(message).__name__)  # fmt: skip
+
+    def _drop(self, reason: str, detail: str, frames: int) -> None:
+        self.dropped += 1
+        self._on_drop(reason)
+        log.warning("control_frame_dropped", at=self.address, reason=reason,
+                    detail=detail[:200], frames=frames)  # fmt: skip
 
     def close(self) -> None:
         for address in list(self._push):
