@@ -33,6 +33,7 @@ from tests.unit.test_registry_support import rank
 pytestmark = pytest.mark.integration
 
 TOKEN = "s3cret"
+INCARNATION = "X-Pdflow-Incarnation"
 TOPOLOGY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
 FAST = RetryPolicy(attempts=40, base_s=0.01, cap_s=0.05)
 
@@ -318,6 +319,35 @@ async def test_restarted_rank_is_seen_with_its_new_incarnation() -> None:
             "p0-b", 41001, 1)
         assert (await client.get_topology()).attn_tp_size == 2
         assert len(server.registry.snapshot().ranks) == 2
+
+
+@pytest.mark.anyio
+async def test_finding4_late_put_from_a_dead_incarnation_gets_409_over_http() -> None:
+    """Issue 12, finding 4: with the registry hosted by the new process, a late PUT of the dead
+    one used to get 200 and replace the live ranks, so /health and the topology disagreed."""
+    def body(tp: int, port: int, incarnation: str, started_at: float) -> dict[str, Any]:
+        return sglang_body(tp, port, incarnation=incarnation, started_at=started_at)
+
+    async with server_and_http(incarnation="p-live") as (server, http):
+        for tp in (0, 1):
+            expect(await http.put("/route", json=body(tp, 40001 + tp, "p-dead", 1000.0)), 200)
+        for tp in (0, 1):
+            expect(await http.put("/route", json=body(tp, 41001 + tp, "p-live", 1010.0)), 200)
+        before = server.registry.snapshot()
+        late = await http.put("/route", json=body(0, 40001, "p-dead", 1000.0))
+        expect(late, 409)
+        assert late.text.startswith("Superseded registration") and "p-dead" in late.text
+        assert server.registry.snapshot() == before
+        health = await http.get("/health")
+        ranks = [(await http.get(rank_path(0, 0, tp, 0))).json() for tp in (0, 1)]
+        assert {r["incarnation"] for r in ranks} == {health.headers[INCARNATION]} == {"p-live"}
+        assert [r["rank_port"] for r in ranks] == [41001, 41002]
+    async with serve(port=0) as server, BootstrapClient(server.address,
+                                                        rng=random.Random(8)) as client:
+        await client.register_rank(rank(0, incarnation="p-new", started_at=20.0))
+        with pytest.raises(BootstrapError, match="is older than incarnation p-new") as older:
+            await client.register_rank(rank(0, port=40009, incarnation="p-old", started_at=10.0))
+        assert older.value.status == 409
 
 
 @pytest.mark.anyio

@@ -34,6 +34,7 @@ for _state in RegistryState:
     ROW_PROBES |= {
         (_state, "RegisterRank", "unauthorized"): (rank(1), 401),
         (_state, "RegisterRank", "malformed"): (rank(1, attn_tp_rank=5, token=TOKEN), 400),
+        (_state, "RegisterRank", "superseded"): (rank(1, incarnation="p-gone", token=TOKEN), 409),
         (_state, "RegisterRank", "inconsistent"): (rank(1, page_size=16, token=TOKEN), 400),
         (_state, "RegisterDpRank", "unauthorized"): (RegisterDpRank(7, 0), 401),
         (_state, "RegisterDpRank", "bad_dp_rank"): (RegisterDpRank(7, 3, TOKEN), 400),
@@ -162,6 +163,7 @@ CONSISTENT: list[tuple[str, Any, str]] = [
     ("dsv41_spec_layout", {"block_size": 4},
      "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
     ("protocol_version", 2, "Inconsistent pdflow protocol versions"),
+    ("checksum", True, "Inconsistent prefill KV checksum settings"),
 ]
 
 
@@ -196,6 +198,9 @@ def test_inconsistent_registration_is_refused_naming_field_and_values(
         ({"rank_ip": ""}, "rank_ip"),
         ({"kv_cache_dtype": ""}, "kv_cache_dtype"),
         ({"incarnation": ""}, "incarnation"),
+        ({"incarnation": "p", "started_at": -1.0}, "started_at=-1.0 must be seconds"),
+        ({"incarnation": "p", "started_at": float("nan")}, "started_at=nan"),
+        ({"started_at": 5.0}, "send an incarnation too"),
     ],
 )
 def test_malformed_registration_is_refused_and_changes_nothing(
@@ -334,3 +339,63 @@ def test_constructor_rejects_bad_settings() -> None:
         Registry(token="")
     with pytest.raises(ValueError, match="dp_rank_ttl"):
         Registry(dp_rank_ttl=0.0)
+
+
+# ---- finding 4: registrations are ordered -------------------------------------------------
+def _lives(registry: Registry, incarnation: str, started_at: float | None, port: int) -> None:
+    for tp in (0, 1):
+        ordered = {} if started_at is None else {"started_at": started_at}
+        reply = _reply(registry, rank(tp, port=port + tp, incarnation=incarnation, **ordered))
+        assert reply == Reply(200, "OK"), reply
+
+
+def test_finding4_late_put_from_a_dead_incarnation_gets_409_and_changes_nothing() -> None:
+    """Issue 12, finding 4: a dead incarnation's late PUT used to get 200 and take its ranks
+    back from the live one (the decode then sent its metadata to the dead process). Refused by
+    arrival alone: the registry remembers whom a newer life replaced."""
+    registry = Registry()
+    _lives(registry, "p-dead", None, 40001)
+    _lives(registry, "p-live", None, 41001)
+    before = registry.snapshot()
+    late = _reply(registry, rank(0, port=40001, incarnation="p-dead"))
+    assert late.status == 409, late
+    assert before.superseded == ("p-dead",)
+    assert isinstance(late.body, str) and late.body.startswith("Superseded registration")
+    assert "p-dead" in late.body and "must stop" in late.body
+    assert registry.snapshot() == before
+    assert _reply(registry, QueryRank(0, 0, 0, 0)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 41001, "incarnation": "p-live",
+    }
+
+
+def test_an_older_first_registration_of_a_rank_gets_409() -> None:
+    """Ordered by start time, not by arrival: a PUT of an older life that never registered
+    before (its first attempt was delayed past the restart) is refused too."""
+    registry = Registry()
+    assert _reply(registry, rank(0, incarnation="p-new", started_at=20.0)).status == 200
+    before = registry.snapshot()
+    late = _reply(registry, rank(0, port=40009, incarnation="p-old", started_at=10.0))
+    assert late.status == 409 and "is older than incarnation p-new" in str(late.body)
+    assert registry.snapshot() == before
+    # A newer life still replaces it, and a retried PUT of the live one stays accepted.
+    assert _reply(registry, rank(0, incarnation="p-newer", started_at=30.0)).status == 200
+    assert _reply(registry, rank(0, incarnation="p-newer", started_at=30.0)).status == 200
+    assert registry.snapshot().superseded == ("p-new",)
+
+
+def test_a_superseded_incarnation_is_refused_on_every_rank() -> None:
+    registry = Registry()
+    _lives(registry, "p-a", 1.0, 40001)
+    assert _reply(registry, rank(0, port=41001, incarnation="p-b", started_at=2.0)).status == 200
+    # Rank 1 is still p-a's, but p-a is a finished process life: its PUTs are all refused.
+    assert _reply(registry, rank(1, incarnation="p-a", started_at=1.0)).status == 409
+    assert _reply(registry, rank(1, port=41002, incarnation="p-b", started_at=2.0)).status == 200
+
+
+def test_sglang_registrations_without_order_still_replace_their_rank() -> None:
+    registry = Registry()
+    assert _reply(registry, rank(0, incarnation="p-a", started_at=5.0)).status == 200
+    assert _reply(registry, rank(0, port=40009)).status == 200  # SGLang: no incarnation
+    assert _reply(registry, QueryRank(0, 0, 0, 0)).status == 503  # not ready, but replaced
+    assert registry.ranks[(0, 0, 0, 0)].rank_port == 40009
+    assert registry.snapshot().superseded == ()

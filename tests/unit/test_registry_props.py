@@ -43,6 +43,7 @@ def test_readiness_is_distinct_ranks(
     world = sizes["dp"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
     registry = Registry(token=TOKEN)
     accepted: dict[Key, tuple[int, str]] = {}
+    superseded: set[str] = set()  # incarnations a later one replaced on some rank
     first_page_size: int | None = None  # the first accepted registration sets the layout
     for now, ((dp, cp, tp, pp), port, incarnation, kind) in enumerate(steps):
         fields: dict[str, Any] = dict(
@@ -61,12 +62,19 @@ def test_readiness_is_distinct_ranks(
         page_size = 32 if kind == "inconsistent" else 1
         if kind == "no_token":
             expected = 401
-        elif kind == "malformed" or first_page_size not in (None, page_size):
+        elif kind == "malformed":
+            expected = 400
+        elif incarnation in superseded:
+            expected = 409
+        elif first_page_size not in (None, page_size):
             expected = 400
         else:
             expected = 200
         assert reply.status == expected, reply.body
         if expected == 200:
+            held = accepted.get((dp, cp, tp, pp))
+            if held is not None and held[1] != incarnation:
+                superseded.add(held[1])
             accepted[(dp, cp, tp, pp)] = (port, incarnation)
             first_page_size = page_size if first_page_size is None else first_page_size
         else:

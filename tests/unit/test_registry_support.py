@@ -25,11 +25,18 @@ def rank(
     return RegisterRank(**fields)
 
 
+LIVE, LIVE_STARTED_AT = "p-live", 100.0
+"""The incarnation (and its start time) that :func:`registry_in` registers its ranks with."""
+
+
 def registry_in(state: RegistryState, *, token: str | None = None) -> Registry:
-    """A TP=2 registry: COLLECTING holds rank 0, READY holds ranks 0 and 1."""
+    """A TP=2 registry: COLLECTING holds rank 0, READY holds ranks 0 and 1, each registered by
+    incarnation ``p-live`` (started at 100.0), which replaced ``p-gone`` on rank 0."""
     registry = Registry(token=token)
-    registry.handle(rank(0, token=token), 1.0)
+    registry.handle(rank(0, token=token, incarnation="p-gone", started_at=50.0), 0.5)
+    ordered = {"incarnation": LIVE, "started_at": LIVE_STARTED_AT}
+    registry.handle(rank(0, token=token, **ordered), 1.0)
     if state is RegistryState.READY:
-        registry.handle(rank(1, token=token), 1.0)
+        registry.handle(rank(1, token=token, **ordered), 1.0)
     assert registry.state is state
     return registry

@@ -176,7 +176,10 @@ def build_app(
                 inp = await parse(request)
             except _Refusal as refusal:
                 return PlainTextResponse(refusal.text, status_code=refusal.status)
-            return response_of(registry.reply_to(inp, clock()))
+            reply = registry.reply_to(inp, clock())
+            if reply.status == 409:
+                log.warning("registration_superseded", detail=str(reply.body)[:300])
+            return response_of(reply)
 
         return endpoint
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 
@@ -156,6 +157,7 @@ class PrefillNode(NodeLifecycle):
         rng: random.Random | None = None,
         staging_slot_bytes: int = 0,
         transfer_lanes: int = 4,
+        started_at: float | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a prefill node needs at least one rank")
@@ -166,6 +168,9 @@ class PrefillNode(NodeLifecycle):
         self.bootstrap = bootstrap
         self.serve_bootstrap = serve_bootstrap
         self.incarnation = incarnation or draw_incarnation()
+        # Wall clock, not monotonic: it orders this life against a predecessor that may have
+        # run on another host (the registry refuses the older one's registrations, 409).
+        self.started_at = time.time() if started_at is None else started_at
         self.rank_kv = list(ranks)
         self.runtime = NodeRuntime("prefill", self.settings, self.incarnation,
                                    codec or MsgpackCodec())  # fmt: skip
@@ -241,6 +246,7 @@ class PrefillNode(NodeLifecycle):
                     kv_cache_dtype=rank_kv.layout.dtype.value,
                     decode_allocation_policy=self.settings.allocation_policy,
                     incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
+                    started_at=self.started_at, checksum=self.settings.checksum,
                 ))  # fmt: skip
 
     async def _release(self) -> None:

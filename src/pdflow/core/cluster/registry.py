@@ -5,14 +5,22 @@ gets exactly one :class:`Reply` (status and body, texts as SGLang answers them).
 collects the prefill ranks' registrations until ``dp * cp * tp * pp`` *distinct* ranks are known
 (a re-registration replaces its rank, e.g. a restarted prefill with a new incarnation, and is
 never counted twice), then answers topology and rank queries. A refused registration (no token,
-malformed, inconsistent with the first one) changes nothing. See spec/machines/registry.toml and
-``[registry]`` in spec/protocol.toml.
+malformed, inconsistent with the first one, or from a superseded incarnation) changes nothing.
+
+Registrations are ordered: pdflow's prefill sends its process start time (``started_at``,
+read by the shell) with its incarnation, and ``(started_at, incarnation)`` orders two process
+lives of one rank. Once a rank is held by a newer incarnation, the older one is *superseded*:
+each later registration from it gets 409 and changes nothing, so a dead process retrying a
+late PUT can never take its rank back. SGLang's prefill sends neither field; its
+registrations replace their rank as before. See spec/machines/registry.toml and ``[registry]``
+in spec/protocol.toml.
 """
 
 from __future__ import annotations
 
 import enum
 import hmac
+import math
 from typing import Any, cast
 
 import msgspec
@@ -61,8 +69,20 @@ class RegisterRank(Input, frozen=True, tag="RegisterRank"):
     decode_allocation_policy: AllocationPolicy = AllocationPolicy.EARLY
     incarnation: str | None = None
     protocol_version: int | None = None
+    started_at: float | None = None
+    """When this process life began (seconds since the Unix epoch, from the prefill's clock):
+    with the incarnation, the order of two registrations of one rank. Optional (SGLang)."""
+    checksum: bool | None = None
+    """Whether this prefill sends KV checksums with its Success reports; None: not declared."""
     token: str | None = None
     """From the HTTP header, never from the body."""
+
+    @property
+    def order(self) -> tuple[float, str] | None:
+        """Comparable across process lives of a rank; None when the registration has none."""
+        if self.started_at is None or self.incarnation is None:
+            return None
+        return (self.started_at, self.incarnation)
 
     @property
     def dp_size(self) -> int:
@@ -169,6 +189,8 @@ class PrefillRankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     rank_port: int
     incarnation: str | None = None
     protocol_version: int | None = None
+    started_at: float | None = None
+    checksum: bool | None = None
 
 
 class RegistrySnapshot(msgspec.Struct, frozen=True):
@@ -178,6 +200,7 @@ class RegistrySnapshot(msgspec.Struct, frozen=True):
     first: RegisterRank | None
     ranks: tuple[tuple[tuple[int, int, int, int], PrefillRankInfo], ...]
     room_dp_ranks: tuple[tuple[int, int, float], ...]
+    superseded: tuple[str, ...] = ()
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -207,6 +230,14 @@ def _answers_in_every_state(state: RegistryState) -> list[Any]:
             action="refuse_unauthorized",
         ),
         row(state, RegisterRank, state, guard="malformed", emits=_REPLY, action="refuse_malformed"),
+        row(
+            state,
+            RegisterRank,
+            state,
+            guard="superseded",
+            emits=_REPLY,
+            action="refuse_superseded",
+        ),
         row(
             state,
             RegisterRank,
@@ -279,6 +310,7 @@ _CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
     ("decode_allocation_policy", "Inconsistent prefill allocation policies"),
     ("dsv41_spec_layout", "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
     ("protocol_version", "Inconsistent pdflow protocol versions"),
+    ("checksum", "Inconsistent prefill KV checksum settings (PDFLOW_CHECKSUM)"),
 )
 _MAX_PORT = 65535
 
@@ -301,6 +333,8 @@ class Registry(TableMachine[RegistryState]):
         self.dp_rank_ttl = dp_rank_ttl
         self.first: RegisterRank | None = None
         self.ranks: dict[tuple[int, int, int, int], PrefillRankInfo] = {}
+        # Incarnations a newer one replaced: each of their registrations is refused (409).
+        self.superseded: set[str] = set()
         # Insertion order is registration order (a re-registration moves to the end), so with
         # a non-decreasing ``now`` the oldest entry is first: expiry pops from the front.
         self.room_dp_ranks: dict[int, tuple[int, float]] = {}
@@ -332,6 +366,7 @@ class Registry(TableMachine[RegistryState]):
             room_dp_ranks=tuple(
                 sorted((room, dp, at) for room, (dp, at) in self.room_dp_ranks.items())
             ),
+            superseded=tuple(sorted(self.superseded)),
         )
 
     # ---- guards --------------------------------------------------------------------------------
@@ -343,6 +378,9 @@ class Registry(TableMachine[RegistryState]):
 
     def _guard_malformed(self, inp: Input, now: float) -> bool:
         return _malformation(cast(RegisterRank, inp)) is not None
+
+    def _guard_superseded(self, inp: Input, now: float) -> bool:
+        return self._supersession(cast(RegisterRank, inp)) is not None
 
     def _guard_inconsistent(self, inp: Input, now: float) -> bool:
         return self._inconsistency(cast(RegisterRank, inp)) is not None
@@ -375,12 +413,20 @@ class Registry(TableMachine[RegistryState]):
     def _act_refuse_inconsistent(self, inp: Input, now: float) -> list[Output]:
         return [Reply(400, cast(str, self._inconsistency(cast(RegisterRank, inp))))]
 
+    def _act_refuse_superseded(self, inp: Input, now: float) -> list[Output]:
+        return [Reply(409, cast(str, self._supersession(cast(RegisterRank, inp))))]
+
     def _act_register(self, inp: Input, now: float) -> list[Output]:
         reg = cast(RegisterRank, inp)
         if self.first is None:
             self.first = msgspec.structs.replace(reg, token=None)
+        held = self.ranks.get(reg.rank_key)
+        if (held is not None and reg.incarnation is not None
+                and held.incarnation not in (None, reg.incarnation)):
+            self.superseded.add(held.incarnation)
         self.ranks[reg.rank_key] = PrefillRankInfo(
-            reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version
+            reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version, reg.started_at,
+            reg.checksum,
         )
         return [Reply(200, OK)]
 
@@ -466,6 +512,30 @@ class Registry(TableMachine[RegistryState]):
                 )
         return None
 
+    def _supersession(self, reg: RegisterRank) -> str | None:
+        """Why this registration comes from a process life older than one already known."""
+        where = "dp={} cp={} tp={} pp={}".format(*reg.rank_key)
+        if reg.incarnation is not None and reg.incarnation in self.superseded:
+            return (
+                f"Superseded registration: incarnation {reg.incarnation} of prefill rank "
+                f"{where} was replaced by a newer one; it is a dead or stale process life "
+                "and must stop (a restarted prefill registers with a new incarnation)"
+            )
+        held = self.ranks.get(reg.rank_key)
+        mine = reg.order
+        if held is None or held.incarnation == reg.incarnation or mine is None:
+            return None
+        if held.started_at is None or held.incarnation is None:
+            return None
+        if mine < (held.started_at, held.incarnation):
+            return (
+                f"Superseded registration: incarnation {reg.incarnation} (started_at="
+                f"{reg.started_at!r}) of prefill rank {where} is older than incarnation "
+                f"{held.incarnation} (started_at={held.started_at!r}) registered there; "
+                "stop the old process"
+            )
+        return None
+
     def _dp_rank_problem(self, reg: RegisterDpRank) -> str | None:
         if reg.room < 0:
             return f"Malformed dp rank registration: bootstrap_room={reg.room} must be >= 0"
@@ -511,6 +581,13 @@ def _malformation(reg: RegisterRank) -> str | None:
         return "Malformed registration: kv_cache_dtype must be non-empty"
     if reg.incarnation == "":
         return "Malformed registration: incarnation, when given, must be non-empty"
+    if reg.started_at is not None and not (math.isfinite(reg.started_at) and reg.started_at >= 0):
+        return (
+            f"Malformed registration: started_at={reg.started_at!r} must be seconds since the "
+            "Unix epoch (finite, >= 0)"
+        )
+    if reg.started_at is not None and reg.incarnation is None:
+        return "Malformed registration: started_at orders process lives; send an incarnation too"
     return None
 
 
