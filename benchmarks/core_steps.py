@@ -6,7 +6,7 @@ Two figures:
   allocation) carry rooms end to end: open, topology, pages published, metadata, chunks
   written, Success, cleared. A small in-memory driver stands in for the shells and the
   engines: it routes every message to the other endpoint, answers every ``StartTransfer`` with
-  a successful ``TransferDone`` and performs the engine's calls when a room's status asks for
+  a successful ``TransferCompleted`` and performs the engine's calls when a room's status asks for
   them. Rooms run in waves of ``in_flight`` concurrent rooms. The headline rate counts every
   ``handle()`` call over the wall time of the whole run, driver included, so it is a lower
   bound on the core's own rate (reported too, from time spent inside ``handle()`` alone).
@@ -34,26 +34,24 @@ import msgspec
 from benchmarks.common import write_json
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
     ClearRoom,
     DecodeEndpointConfig,
     Dropped,
-    EndpointInput,
     NeedTopology,
     OpenReceiver,
     OpenRoom,
     PrefillEndpointConfig,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     RoomRemoved,
     TopologyKnown,
-    TransferDone,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.inputs import InitTransfer, SendChunk
+from pdflow.core.protocol.inputs import InitTransfer, PublishPages, SendChunk, TransferCompleted
 from pdflow.core.protocol.messages import PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy
@@ -79,7 +77,7 @@ def _prefill_info(page_size: int) -> PrefillInfo:
         page_size=page_size,
         kv_cache_dtype="auto",
         policy=AllocationPolicy.EARLY,
-        ranks=(PrefillRank(dp=0, cp=0, tp=0, pp=0, peer=PREFILL),),
+        ranks=(RegisteredPrefillRank(dp=0, cp=0, tp=0, pp=0, peer=PREFILL),),
     )
 
 
@@ -113,7 +111,7 @@ class PairDriver:
         self.info = _prefill_info(page_size)
         self.free_pages: deque[int] = deque(range(in_flight * pages_per_room))
         self.room_pages: dict[int, tuple[int, ...]] = {}
-        self.queue: deque[tuple[PrefillEndpoint | DecodeEndpoint, EndpointInput]] = deque()
+        self.queue: deque[tuple[PrefillEndpoint | DecodeEndpoint, AnyEndpointInput]] = deque()
         self.now = 0.0
         self.handled = 0
         self.core_seconds = 0.0
@@ -140,7 +138,7 @@ class PairDriver:
             target = self.prefill if output.to == PREFILL else self.decode
             self.queue.append((target, Received(output.message)))
         elif isinstance(output, StartTransfer):
-            done = TransferDone(output.room, output.generation, output.seq, ok=True)
+            done = TransferCompleted(output.room, output.generation, output.seq, ok=True)
             self.queue.append((self.prefill, done))
         elif isinstance(output, StatusChanged):
             self._engine_reacts(endpoint, output)

@@ -17,7 +17,7 @@ from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
-    PrefillRank,
+    PrefillCoordinates,
     RankMapping,
     TopologyOptions,
     prefill_unique_rank,
@@ -102,7 +102,7 @@ def test_writers_cover_every_decode_rank_exactly_once(topology: PdTopology, room
 @given(topology=topologies(), room=st.integers(0, 10_000))
 def test_counts_agree_with_the_targets(topology: PdTopology, room: int) -> None:
     mappings = all_mappings(topology, room)
-    metadata_from: Counter[PrefillRank] = Counter()
+    metadata_from: Counter[PrefillCoordinates] = Counter()
     for m in mappings:
         assert len(m.writers) == m.required_prefill_response_num
         assert len({t.rank for t in m.targets}) == len(m.targets), "a rank is targeted once"

@@ -10,18 +10,23 @@ from pdflow.core.endpoints.endpoint_io import (
     OpenRoom,
     PrefillEndpointConfig,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     TimerFired,
     TopologyKnown,
-    TransferDone,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PrefillCompleted,
+    PublishPages,
+    SendChunk,
+    TransferCompleted,
+)
 from pdflow.core.protocol.messages import BootstrapRequest, PeerId, StatusReport
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
@@ -31,7 +36,7 @@ PREFILL = PeerId("127.0.0.1:7000", "p1", 0)
 DECODE = PeerId("127.0.0.1:8000", "d1", 0)
 INFO = PrefillInfo(
     bootstrap="127.0.0.1:8998", tp_size=1, cp_size=1, pp_size=1, dp_size=1, page_size=16,
-    kv_cache_dtype="auto", policy=PC, ranks=(PrefillRank(0, 0, 0, 0, PREFILL),),
+    kv_cache_dtype="auto", policy=PC, ranks=(RegisteredPrefillRank(0, 0, 0, 0, PREFILL),),
 )  # fmt: skip
 TIMEOUTS = Timeouts(bootstrap_timeout=30.0, waiting_timeout=20.0)
 
@@ -70,7 +75,7 @@ def test_ready_signal_then_pages_then_success() -> None:
     prefill.handle(RoomCall(9, InitTransfer(2)), 6.2)
     chunk = prefill.handle(RoomCall(9, SendChunk((4, 5), True)), 6.2)
     write = next(o for o in chunk.outputs if isinstance(o, StartTransfer))
-    done = prefill.handle(TransferDone(9, 1, write.seq, True), 6.3)
+    done = prefill.handle(TransferCompleted(9, 1, write.seq, True), 6.3)
     deliver(done, decode, 6.4)
     assert decode.summary(9).poll is KVPoll.Success  # type: ignore[union-attr]
     assert prefill.summary(9).poll is KVPoll.Success  # type: ignore[union-attr]

@@ -19,24 +19,28 @@ from pdflow.core.endpoints.endpoint_io import (
     OpenRoom,
     PrefillEndpointConfig,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
-    SessionClosed,
     TimerFired,
     TopologyKnown,
-    TransferDone,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PrefillCompleted,
+    PublishPages,
+    SendChunk,
+    TransferCompleted,
+)
 from pdflow.core.protocol.messages import Abort, AbortAck, BootstrapRequest, PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
-from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
+from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined, SessionClosed
 
 BOOT = "10.0.9.1:8998"
 TIMEOUTS = Timeouts(bootstrap_timeout=30.0, waiting_timeout=30.0)
@@ -55,7 +59,7 @@ def info(prefill: PeerId, policy: AllocationPolicy = AllocationPolicy.EARLY) -> 
         page_size=16,
         kv_cache_dtype="auto",
         policy=policy,
-        ranks=(PrefillRank(dp=0, cp=0, tp=0, pp=0, peer=prefill),),
+        ranks=(RegisteredPrefillRank(dp=0, cp=0, tp=0, pp=0, peer=prefill),),
     )
 
 
@@ -121,7 +125,7 @@ def test_abort_mid_transfer_keeps_pages_until_the_drain_ack() -> None:
     # The abort reaches the prefill while its write is still landing: no ACK yet.
     assert not sent(p.handle(Received(abort), 1.5), AbortAck)
     assert not d.ledger.is_free(0)
-    drained = p.handle(TransferDone(1, 1, write.seq, ok=True, checksum=0), 2.0)
+    drained = p.handle(TransferCompleted(1, 1, write.seq, ok=True, checksum=0), 2.0)
     (ack,) = sent(drained, AbortAck)
     freed = d.handle(Received(ack), 2.5)
     assert next(o for o in freed.outputs if isinstance(o, PagesFreed)).pages == (0, 1)
@@ -149,7 +153,7 @@ def test_abort_of_a_transfer_leaks_nothing_on_either_side() -> None:
     (abort,) = sent(d.handle(RoomCall(1, AbortRequested("abort")), 1.0), Abort)
     p.handle(Received(abort), 1.0)
     p.handle(ClearRoom(1), 1.0)  # still draining: removed once the write completes
-    (ack,) = sent(p.handle(TransferDone(1, 1, write.seq, ok=False, reason="x"), 2.0), AbortAck)
+    (ack,) = sent(p.handle(TransferCompleted(1, 1, write.seq, ok=False, reason="x"), 2.0), AbortAck)
     d.handle(Received(ack), 2.0)
     d.handle(ClearRoom(1), 2.0)
     assert not p.rooms and p.outstanding_writes == 0

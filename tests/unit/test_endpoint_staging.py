@@ -9,16 +9,15 @@ from pdflow.core.endpoints.endpoint_io import (
     DecodeEndpointConfig,
     OpenReceiver,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     StagingPlaced,
     TopologyKnown,
 )
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import AbortAck, PeerId, RoomMetadata, StatusReport
 from pdflow.core.protocol.outputs import SendMessage, VerifyChecksums
 from pdflow.core.protocol.policy import AllocationPolicy
@@ -30,7 +29,7 @@ DECODE = PeerId("127.0.0.1:8000", "d1", 0)
 INFO = PrefillInfo(
     bootstrap="127.0.0.1:8998", tp_size=2, cp_size=1, pp_size=1, dp_size=1, page_size=16,
     kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
-    ranks=(PrefillRank(0, 0, 0, 0, RANK0), PrefillRank(0, 0, 1, 0, RANK1)),
+    ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0), RegisteredPrefillRank(0, 0, 1, 0, RANK1)),
 )  # fmt: skip
 PAGE_BYTES = 1024
 

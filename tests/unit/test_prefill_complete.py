@@ -15,10 +15,10 @@ from pdflow.core.rooms.prefill_complete import (
     BootstrapArrived,
     BootstrapRoom,
     BootstrapRoomState,
+    ClaimRoom,
     CloseRoom,
     FailRoom,
     MarkComplete,
-    OpenRoom,
     OwnerRefused,
     PrefillCompleteTable,
 )
@@ -35,14 +35,14 @@ TTL = 7.0
 SETUP: dict[BootstrapRoomState, list[Input]] = {
     BootstrapRoomState.ABSENT: [],
     BootstrapRoomState.UNOWNED: [BootstrapArrived(ROOM, GEN, D1)],
-    BootstrapRoomState.OWNED: [OpenRoom(ROOM, GEN, OWNER)],
-    BootstrapRoomState.READY: [OpenRoom(ROOM, GEN, OWNER), MarkComplete(ROOM, OWNER)],
-    BootstrapRoomState.FAILED: [OpenRoom(ROOM, GEN, OWNER), FailRoom(ROOM)],
+    BootstrapRoomState.OWNED: [ClaimRoom(ROOM, GEN, OWNER)],
+    BootstrapRoomState.READY: [ClaimRoom(ROOM, GEN, OWNER), MarkComplete(ROOM, OWNER)],
+    BootstrapRoomState.FAILED: [ClaimRoom(ROOM, GEN, OWNER), FailRoom(ROOM)],
     BootstrapRoomState.TOMBSTONE: [FailRoom(ROOM)],
 }
 
 SAMPLES: dict[str, Input] = {
-    "OpenRoom": OpenRoom(ROOM, GEN, 8),
+    "ClaimRoom": ClaimRoom(ROOM, GEN, 8),
     "BootstrapArrived": BootstrapArrived(ROOM, GEN, D1),
     "MarkComplete": MarkComplete(ROOM, OWNER),
     "FailRoom": FailRoom(ROOM),
@@ -98,8 +98,8 @@ def _table() -> PrefillCompleteTable:
 
 def test_at_most_one_owner() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
-    step = table.handle(OpenRoom(ROOM, GEN, 8), 1.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
+    step = table.handle(ClaimRoom(ROOM, GEN, 8), 1.0)
     assert step.outputs == (OwnerRefused(ROOM, 8, DUPLICATE_ROOM),)
     table.handle(CloseRoom(ROOM, 8, False), 2.0)  # the refused sender cleans up
     table.handle(MarkComplete(ROOM, 8), 2.0)
@@ -110,7 +110,7 @@ def test_at_most_one_owner() -> None:
 def test_at_most_one_ready_notice() -> None:
     table = _table()
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     sent = _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0))
     sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
     sent += _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 3.0))
@@ -119,7 +119,7 @@ def test_at_most_one_ready_notice() -> None:
 
 def test_ready_before_the_bootstrap_waits_for_the_endpoint() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     assert _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0)) == []
     assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 2.0)) == [
         (D1, KVPoll.WaitingForInput)
@@ -129,7 +129,7 @@ def test_ready_before_the_bootstrap_waits_for_the_endpoint() -> None:
 
 def test_failure_beats_a_late_ready() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     sent = _notices(table.handle(FailRoom(ROOM, "aborted"), 1.0))
     sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
@@ -140,7 +140,7 @@ def test_failure_beats_a_late_ready() -> None:
 
 def test_failure_after_ready_is_still_notified_once() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     table.handle(MarkComplete(ROOM, OWNER), 1.0)
     sent = _notices(table.handle(FailRoom(ROOM), 2.0))
@@ -151,7 +151,7 @@ def test_failure_after_ready_is_still_notified_once() -> None:
 def test_cancel_before_the_sender_exists_is_not_lost() -> None:
     table = _table()
     table.handle(FailRoom(ROOM, "aborted by the decode"), 0.0)
-    assert table.handle(OpenRoom(ROOM, GEN, OWNER), 1.0).outputs == (
+    assert table.handle(ClaimRoom(ROOM, GEN, OWNER), 1.0).outputs == (
         OwnerRefused(ROOM, OWNER, DUPLICATE_ROOM),
     )
     step = table.handle(BootstrapArrived(ROOM, GEN, D1), 2.0)
@@ -166,20 +166,20 @@ def test_cancel_before_the_sender_exists_is_not_lost() -> None:
 
 def test_tombstone_expires_at_exactly_ttl() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 100.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 100.0)
     step = table.handle(CloseRoom(ROOM, OWNER, False), 100.0)
     assert step.timer_at == 100.0 + TTL
     table.handle(Tick(), 100.0 + TTL - 1e-6)
     assert table.state_of(ROOM) is BootstrapRoomState.TOMBSTONE
     step = table.handle(Tick(), 100.0 + TTL)
     assert table.state_of(ROOM) is BootstrapRoomState.ABSENT and step.timer_at is None
-    assert table.handle(OpenRoom(ROOM, 2, OWNER), 200.0).outputs == ()
+    assert table.handle(ClaimRoom(ROOM, 2, OWNER), 200.0).outputs == ()
 
 
 def test_unowned_room_expires_at_ttl_but_owned_rooms_do_not() -> None:
     table = _table()
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
-    table.handle(OpenRoom(6, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(6, GEN, OWNER), 0.0)
     assert table.timer_at() == TTL
     table.handle(Tick(), TTL)
     assert table.state_of(ROOM) is BootstrapRoomState.ABSENT
@@ -189,7 +189,7 @@ def test_unowned_room_expires_at_ttl_but_owned_rooms_do_not() -> None:
 
 def test_success_close_deletes_the_room() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(MarkComplete(ROOM, OWNER), 1.0)
     table.handle(CloseRoom(ROOM, OWNER, True), 2.0)
     assert table.snapshot().rooms == ()
@@ -197,7 +197,7 @@ def test_success_close_deletes_the_room() -> None:
 
 def test_a_second_endpoint_is_refused_and_the_first_kept() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D2), 1.0)) == [(D2, KVPoll.Failed)]
     assert _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0)) == [(D1, KVPoll.WaitingForInput)]
@@ -205,7 +205,7 @@ def test_a_second_endpoint_is_refused_and_the_first_kept() -> None:
 
 def test_stale_generation_bootstrap_is_dropped_without_change() -> None:
     table = _table()
-    table.handle(OpenRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     before = table.snapshot()
     with pytest.raises(RemoteProtocolError, match="stale"):
         table.handle(BootstrapArrived(ROOM, GEN + 1, D1), 1.0)
@@ -217,7 +217,7 @@ def test_opening_another_generation_than_the_waiting_endpoint_is_refused() -> No
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     before = table.snapshot()
     with pytest.raises(InvalidInput, match="generation"):
-        table.handle(OpenRoom(ROOM, GEN + 1, OWNER), 1.0)
+        table.handle(ClaimRoom(ROOM, GEN + 1, OWNER), 1.0)
     assert table.snapshot() == before
 
 

@@ -13,11 +13,11 @@ from pdflow.core.protocol.inputs import (
     InitTransfer,
     MetadataArrived,
     PrefillCompleted,
+    PublishPages,
     ReadyArrived,
     SendChunk,
     SuccessArrived,
     Tick,
-    TransferCompleted,
 )
 from pdflow.core.protocol.messages import AbortAck, BootstrapRequest, RoomMetadata, StatusReport
 from pdflow.core.protocol.outputs import ArmFence, SendMessage, StartTransfer, StatusChanged
@@ -31,6 +31,7 @@ from tests.unit.room_fixtures import (
     PREFILL_B,
     PUBLISH,
     abort,
+    completed,
     metadata,
     new_receiver,
     new_sender,
@@ -64,8 +65,8 @@ def test_early_policy_happy_path() -> None:
     last = sender.handle(SendChunk((9,), True), 3.1)
     [write2] = [o for o in last.outputs if isinstance(o, StartTransfer)]
     assert write2.dst_pages == (102,) and write2.is_last and write2.aux_index == 3
-    assert sender.handle(TransferCompleted(write1.seq, True, checksum=5), 3.2).outputs == ()
-    done = sender.handle(TransferCompleted(write2.seq, True, checksum=6), 3.3)
+    assert sender.handle(completed(write1.seq, checksum=5), 3.2).outputs == ()
+    done = sender.handle(completed(write2.seq, checksum=6), 3.3)
     [status] = sent(done, StatusReport)
     assert status.status is KVPoll.Success and status.checksum == 11
     assert sender.poll is KVPoll.Success
@@ -87,7 +88,7 @@ def test_prefill_complete_policy_happy_path() -> None:
     sender.handle(InitTransfer(3), 61.0)
     [write] = [o for o in sender.handle(SendChunk((1, 2, 3), True), 61.0).outputs
                if isinstance(o, StartTransfer)]
-    [status] = sent(sender.handle(TransferCompleted(write.seq, True), 62.0), StatusReport)
+    [status] = sent(sender.handle(completed(write.seq), 62.0), StatusReport)
     receiver.handle(SuccessArrived(status.prefill), 62.0)
     assert receiver.poll is KVPoll.Success and sender.poll is KVPoll.Success
 
@@ -188,9 +189,9 @@ def test_sender_waits_for_every_required_decode_peer() -> None:
     step = sender.handle(SendChunk((1, 2, 3, 4), True), 1.0)
     writes = [o for o in step.outputs if isinstance(o, StartTransfer)]
     assert {w.peer for w in writes} == {DECODE, DECODE_B}
-    sender.handle(TransferCompleted(writes[0].seq, True), 2.0)
+    sender.handle(completed(writes[0].seq), 2.0)
     assert sender.poll is KVPoll.Transferring
-    sender.handle(TransferCompleted(writes[1].seq, True), 2.0)
+    sender.handle(completed(writes[1].seq), 2.0)
     assert sender.poll is KVPoll.Success
 
 
@@ -228,8 +229,8 @@ def test_abort_drains_before_ack_and_acks_every_peer_once() -> None:
     assert sender.poll is KVPoll.Failed and sender.state is SenderState.DRAINING
     assert not sent(step, AbortAck), "no ACK while writes are outstanding"
     assert sender.handle(SendChunk((3, 4), True), 1.1).outputs == (), "no new write after abort"
-    assert not sent(sender.handle(TransferCompleted(writes[0].seq, True), 2.0), AbortAck)
-    acks = sent(sender.handle(TransferCompleted(writes[1].seq, False, "late"), 3.0), AbortAck)
+    assert not sent(sender.handle(completed(writes[0].seq), 2.0), AbortAck)
+    acks = sent(sender.handle(completed(writes[1].seq, False, "late"), 3.0), AbortAck)
     assert sorted(a.decode.address for a in acks) == sorted([DECODE.address, DECODE_B.address])
     assert sender.state is SenderState.FAILED
     assert len(sent(sender.handle(abort(DECODE_B), 4.0), AbortAck)) == 1, "quiescent: ACK now"
@@ -246,3 +247,14 @@ def test_bad_chunks_are_refused_without_change() -> None:
     with pytest.raises(InvalidInput):
         sender.handle(SendChunk((1, 2, 3), True), 0.0)
     assert sender.next_page == 0 and sender.state is SenderState.WAITING_FOR_INPUT
+
+
+def test_pages_published_for_another_room_are_refused_and_change_nothing() -> None:
+    receiver = new_receiver()
+    receiver.handle(resolved(), 0.0)
+    assert receiver.state is ReceiverState.AWAITING_PAGES
+    with pytest.raises(InvalidInput, match="pages published for room"):
+        receiver.handle(PublishPages(PUBLISH.room + 1, PUBLISH.dst_pages, 3), 1.0)
+    assert receiver.state is ReceiverState.AWAITING_PAGES and receiver.published is None
+    [md] = sent(receiver.handle(PUBLISH, 2.0), RoomMetadata)
+    assert md.session_id == DECODE.address and md.dst_pages == PUBLISH.dst_pages

@@ -10,7 +10,7 @@ from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
-    PrefillRank,
+    PrefillCoordinates,
     RankMapping,
     TopologyOptions,
     head_slice,
@@ -141,7 +141,7 @@ def test_targets_come_in_unique_rank_order() -> None:
 def test_unique_rank_formula() -> None:
     prefill = Parallelism(tp=3, cp=2, pp=5)
     assert prefill_unique_rank(prefill, tp_rank=2, pp_rank=4, cp_rank=1) == 2 * 10 + 4 * 2 + 1
-    assert PrefillRank(dp=9, cp=1, tp=0, pp=1).unique_rank(prefill) == 3
+    assert PrefillCoordinates(dp=9, cp=1, tp=0, pp=1).unique_rank(prefill) == 3
     with pytest.raises(InvalidInput, match="pp_rank 5"):
         prefill_unique_rank(prefill, tp_rank=0, pp_rank=5, cp_rank=0)
 

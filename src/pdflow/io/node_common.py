@@ -26,7 +26,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from pdflow.core.endpoints.endpoint_io import Dropped, EndpointInput, RoomRemoved, TimerFired
+from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, Dropped, RoomRemoved, TimerFired
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.messages import PeerId
@@ -195,11 +195,11 @@ class EndpointHost:
         self._rearmed = anyio.Event()
         self.clocks: dict[int, RoomClock] = {}
 
-    async def call(self, inp: EndpointInput) -> Step:
+    async def call(self, inp: AnyEndpointInput) -> Step:
         """An engine call: raises the core's refusal (its state is unchanged)."""
         return await self._drive(inp)
 
-    async def feed(self, inp: EndpointInput) -> Step | None:
+    async def feed(self, inp: AnyEndpointInput) -> Step | None:
         """A shell observation: a refusal is counted and logged, never raised."""
         try:
             return await self._drive(inp)
@@ -209,7 +209,7 @@ class EndpointHost:
                       error=f"{type(exc).__name__}: {exc}")  # fmt: skip
             return None
 
-    async def _drive(self, inp: EndpointInput) -> Step:
+    async def _drive(self, inp: AnyEndpointInput) -> Step:
         async with self._lock:
             now = anyio.current_time()
             step: Step = self.endpoint.handle(inp, now)

@@ -30,21 +30,24 @@ from pdflow.core.endpoints.endpoint_io import (
     NeedTopology,
     OpenReceiver,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     RoomRemoved,
-    SessionClosed,
     StagingPlaced,
     TopologyFailed,
     TopologyKnown,
 )
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output, SendMessage, VerifyChecksums
-from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined, QuarantinedRoom
+from pdflow.core.resources.page_ledger import (
+    PagesFreed,
+    PagesQuarantined,
+    QuarantinedRoom,
+    SessionClosed,
+)
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
@@ -344,7 +347,7 @@ class DecodeNode(NodeLifecycle):
                         self._writer_heads[peer] = rank_head_range(
                             1 if self.is_mla else total_heads, server.attn_tp_size, tp
                         )
-                        ranks.append(PrefillRank(dp, cp, tp, pp, peer))
+                        ranks.append(RegisteredPrefillRank(dp, cp, tp, pp, peer))
         return PrefillInfo(
             bootstrap=bootstrap, tp_size=server.attn_tp_size, cp_size=server.attn_cp_size,
             pp_size=server.pp_size, dp_size=server.dp_size, page_size=server.page_size,

@@ -29,12 +29,17 @@ from pdflow.core.endpoints.endpoint_io import (
     PrefillEndpointConfig,
     Received,
     RoomCall,
-    TransferDone,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint, PrefillSnapshot
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PrefillCompleted,
+    SendChunk,
+    TransferCompleted,
+)
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId
 from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer
 from pdflow.dataplane.executor import Executor
@@ -296,9 +301,11 @@ class PrefillNode(NodeLifecycle):
         done = await self._write(host, start, worker)
         await host.feed(done)
 
-    async def _write(self, host: EndpointHost, start: StartTransfer, worker: int) -> TransferDone:
-        def failed(reason: str) -> TransferDone:
-            return TransferDone(start.room, start.generation, start.seq, False, reason)
+    async def _write(
+        self, host: EndpointHost, start: StartTransfer, worker: int
+    ) -> TransferCompleted:
+        def failed(reason: str) -> TransferCompleted:
+            return TransferCompleted(start.room, start.generation, start.seq, False, reason)
 
         args = self._decode_kv.get((host.rank, start.peer))
         if args is None:
@@ -327,7 +334,7 @@ class PrefillNode(NodeLifecycle):
             clock.add_transfer(outcome.seconds, outcome.nbytes)
         if not outcome.ok:
             return failed(outcome.error or "transfer failed")
-        return TransferDone(start.room, start.generation, start.seq, True, "", checksum)
+        return TransferCompleted(start.room, start.generation, start.seq, True, "", checksum)
 
     @staticmethod
     def _gather(executor: Executor, pages: tuple[StagedSlices, ...]) -> None:

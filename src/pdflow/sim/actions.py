@@ -234,7 +234,7 @@ def _write_corrupt(world: World, wid: int, hint: int) -> None:
 
 def _report(world: World, wid: int, ok: bool, reason: str) -> None:
     """The writer's transport reports the write (if the writer process is still alive)."""
-    from pdflow.core.endpoints.endpoint_io import TransferDone
+    from pdflow.core.protocol.inputs import TransferCompleted
 
     write = world.transport.writes[wid]
     world.transport.finish(write)
@@ -242,7 +242,7 @@ def _report(world: World, wid: int, ok: bool, reason: str) -> None:
     if process is None:
         return
     checksum = write.checksum if ok else None
-    done = TransferDone(write.room, write.generation, write.seq, ok, reason, checksum)
+    done = TransferCompleted(write.room, write.generation, write.seq, ok, reason, checksum)
     world.feed(process, done)
 
 

@@ -23,11 +23,11 @@ from pdflow.core.protocol.inputs import (
     InitTransfer,
     Input,
     MetadataArrived,
-    PagesPublished,
     PeerDied,
     PeersResolved,
     PrefillCompleted,
     PrefillTarget,
+    PublishPages,
     ReadyArrived,
     ResolveFailed,
     SendChunk,
@@ -56,6 +56,7 @@ GEN = 7
 PREFILL = PeerId("10.0.0.1:7000", "p-inc", 0)
 PREFILL_B = PeerId("10.0.0.1:7001", "p-inc", 1)
 DECODE = PeerId("10.0.0.2:8000", "d-inc", 0)
+SESSION = DECODE.address
 DECODE_B = PeerId("10.0.0.2:8001", "d-inc", 1)
 TIMEOUTS = Timeouts(bootstrap_timeout=300.0, waiting_timeout=300.0)
 
@@ -73,6 +74,13 @@ def abort(decode: PeerId = DECODE) -> AbortArrived:
     return AbortArrived(Abort(room=ROOM, generation=GEN, decode=decode, prefill=PREFILL))
 
 
+def completed(
+    seq: int, ok: bool = True, reason: str = "", checksum: int | None = None
+) -> TransferCompleted:
+    """The transport's answer to the sample room's write ``seq``."""
+    return TransferCompleted(ROOM, GEN, seq, ok, reason, checksum)
+
+
 def new_sender(policy: AllocationPolicy = AllocationPolicy.EARLY, now: float = 0.0) -> SenderRoom:
     return SenderRoom(ROOM, GEN, PREFILL, now, policy=policy, timeouts=TIMEOUTS)
 
@@ -88,7 +96,7 @@ def sender_in(state: SenderState) -> SenderRoom:
         ],
         SenderState.SUCCESS: [
             MetadataArrived(metadata()), InitTransfer(1), SendChunk((1,), True),
-            TransferCompleted(0, True),
+            completed(0),
         ],
         SenderState.DRAINING: [
             MetadataArrived(metadata()), InitTransfer(4), SendChunk((1, 2), False),
@@ -115,7 +123,7 @@ def sender_samples(room: SenderRoom) -> dict[str, list[Input]]:
         else [MetadataArrived(metadata())],
         "InitTransfer": [InitTransfer(4)],
         "SendChunk": [*init, chunk],
-        "TransferCompleted": [TransferCompleted(first_seq, True)],
+        "TransferCompleted": [completed(first_seq)],
         "AbortArrived": [abort()],
         "AbortRequested": [AbortRequested("test")],
         "PrefillCompleted": [PrefillCompleted()],
@@ -127,7 +135,7 @@ def new_receiver(
     policy: AllocationPolicy = AllocationPolicy.EARLY, *, verify: bool = False, now: float = 0.0
 ) -> ReceiverRoom:
     return ReceiverRoom(ROOM, GEN, DECODE, now, policy=policy, timeouts=TIMEOUTS,
-                        verify_checksums=verify)
+                        verify_checksums=verify, session_id=SESSION)
 
 
 def resolved(*peers: PeerId, required: int | None = None) -> PeersResolved:
@@ -135,7 +143,7 @@ def resolved(*peers: PeerId, required: int | None = None) -> PeersResolved:
     return PeersResolved(targets, required if required is not None else len(targets))
 
 
-PUBLISH = PagesPublished("10.0.0.2:8000", (100, 101, 102), 3)
+PUBLISH = PublishPages(ROOM, (100, 101, 102), 3)
 
 
 def receiver_in(state: ReceiverState) -> ReceiverRoom:
@@ -162,7 +170,7 @@ def receiver_samples(room: ReceiverRoom) -> dict[str, list[Input]]:
         "PeersResolved": [resolved()],
         "ResolveFailed": [ResolveFailed("registry said 404")],
         "ReadyArrived": [ReadyArrived(PREFILL)],
-        "PagesPublished": [PUBLISH],
+        "PublishPages": [PUBLISH],
         "SuccessArrived": [SuccessArrived(PREFILL)],
         "FailureArrived": [FailureArrived(PREFILL, "boom")],
         "PeerDied": [PeerDied(PREFILL)],
@@ -196,7 +204,7 @@ def room_cell_coverage() -> Counter[Transition]:
     # An engine abort between chunks, with every write so far completed.
     sender = sender_in(SenderState.TRANSFERRING)
     for seq in sorted(sender.outstanding):
-        _record(reached, sender.fire(TransferCompleted(seq, True), 2.0)[1])
+        _record(reached, sender.fire(completed(seq), 2.0)[1])
     _record(reached, sender.fire(AbortRequested("engine gave up"), 2.0)[1])
     return reached
 

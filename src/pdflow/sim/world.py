@@ -30,9 +30,9 @@ from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
+    PrefillCoordinates,
     resolve_rank_mapping,
 )
-from pdflow.core.cluster.topology import PrefillRank as Coordinates
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
@@ -42,12 +42,10 @@ from pdflow.core.endpoints.endpoint_io import (
     NeedTopology,
     PrefillEndpointConfig,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     RoomRemoved,
-    SessionClosed,
     TimerFired,
     TopologyFailed,
     TopologyKnown,
@@ -56,7 +54,7 @@ from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.errors import InvalidInput, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import AbortRequested
+from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import (
     Output,
@@ -74,7 +72,7 @@ from pdflow.core.resources.admission import (
     RequestAdmitted,
     RequestRejected,
 )
-from pdflow.core.resources.page_ledger import PagesFreed
+from pdflow.core.resources.page_ledger import PagesFreed, SessionClosed
 from pdflow.sim.clock import VirtualClock
 from pdflow.sim.engine import (
     DecodeProcess,
@@ -121,7 +119,7 @@ class World:
         self.monitor = Monitor(self)
         self.timeouts = Timeouts(self.shape.bootstrap_timeout, self.shape.waiting_timeout)
         self.prefill_coords = [
-            Coordinates(dp=dp, cp=cp, tp=tp, pp=pp)
+            PrefillCoordinates(dp=dp, cp=cp, tp=tp, pp=pp)
             for dp, cp, tp, pp in itertools.product(
                 range(self.shape.prefill_dp),
                 range(self.shape.prefill_cp),
@@ -295,7 +293,7 @@ class World:
             info = msgspec.convert(answer.body, PrefillRankInfo)
             port = info.rank_port
             peer = PeerId(f"{info.rank_ip}:{port}", info.incarnation or "", port - PREFILL_PORT)
-            ranks.append(PrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer))
+            ranks.append(RegisteredPrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer))
         # The registry does not carry the attention kind; both sides of a world agree on it.
         return TopologyKnown(
             PrefillInfo(

@@ -9,7 +9,6 @@ import msgspec
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     DecodeEndpointConfig,
-    EndpointInput,
     PrefillEndpointConfig,
     Received,
 )
@@ -26,7 +25,7 @@ class TracedEndpoint(Protocol):
     @property
     def config(self) -> PrefillEndpointConfig | DecodeEndpointConfig: ...
 
-    def handle(self, inp: EndpointInput, now: float) -> Step: ...
+    def handle(self, inp: AnyEndpointInput, now: float) -> Step: ...
 
     def summary(self, room_id: int) -> msgspec.Struct | None: ...
 
@@ -35,7 +34,7 @@ class TracedEndpoint(Protocol):
     def snapshot(self) -> msgspec.Struct: ...
 
 
-def input_rooms(inp: AnyEndpointInput | EndpointInput) -> set[int]:
+def input_rooms(inp: AnyEndpointInput) -> set[int]:
     """The room an input addresses, if any (a received message names its room)."""
     room = getattr(inp, "room", None)
     if isinstance(room, int):
@@ -45,7 +44,7 @@ def input_rooms(inp: AnyEndpointInput | EndpointInput) -> set[int]:
     return set()
 
 
-def touched_rooms(inp: AnyEndpointInput | EndpointInput, step: Step | None) -> list[int]:
+def touched_rooms(inp: AnyEndpointInput, step: Step | None) -> list[int]:
     """The input's room, every room a transition fired in, every room an output names."""
     rooms = input_rooms(inp)
     if step is not None:

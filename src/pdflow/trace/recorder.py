@@ -22,7 +22,7 @@ import msgspec
 import structlog
 
 import pdflow
-from pdflow.core.endpoints.endpoint_io import EndpointInput
+from pdflow.core.endpoints.endpoint_io import AnyEndpointInput
 from pdflow.core.framework.step import Step
 from pdflow.spec import load_spec, spec_sha256
 from pdflow.trace.format import (
@@ -207,7 +207,7 @@ class TraceRecorder:
         self,
         endpoint_id: str,
         t: float | None,
-        input: EndpointInput,
+        input: AnyEndpointInput,
         step: Step,
         rooms: list[dict[str, object]],
     ) -> int | None:
@@ -224,7 +224,7 @@ class TraceRecorder:
         self,
         endpoint_id: str,
         t: float | None,
-        input: EndpointInput,
+        input: AnyEndpointInput,
         error: BaseException,
         rooms: list[dict[str, object]],
         timer_at: float | None,
@@ -244,7 +244,7 @@ class TraceRecorder:
         return self._stamp.next_seq[endpoint_id]
 
     def _emit(
-        self, endpoint_id: str, t: float | None, input: EndpointInput, outputs: Any,
+        self, endpoint_id: str, t: float | None, input: AnyEndpointInput, outputs: Any,
         fired: Any, rooms: Any, timer_at: float | None, error: StepError | None,
     ) -> int:  # fmt: skip
         if endpoint_id not in self._stamp.next_seq:
@@ -322,7 +322,7 @@ class RecordingEndpoint:
     def config(self) -> EndpointConfig:
         return self.inner.config
 
-    def handle(self, inp: EndpointInput, now: float) -> Step:
+    def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         endpoint = self.inner
         if not self.recorder.enabled:
             return endpoint.handle(inp, now)

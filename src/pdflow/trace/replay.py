@@ -17,7 +17,7 @@ from typing import Any
 import msgspec
 
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
-from pdflow.core.endpoints.endpoint_io import DecodeEndpointConfig, EndpointInput
+from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, DecodeEndpointConfig
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.spec import spec_sha256
 from pdflow.trace.format import StepError, StepRecord, TraceHeader
@@ -129,7 +129,7 @@ def _run(
     return checked, counts, divergence
 
 
-def _observe(endpoint: TracedEndpoint, inp: EndpointInput, now: float) -> dict[str, Any]:
+def _observe(endpoint: TracedEndpoint, inp: AnyEndpointInput, now: float) -> dict[str, Any]:
     """What the recorder would have written for this step, in builtin form."""
     try:
         step = endpoint.handle(inp, now)

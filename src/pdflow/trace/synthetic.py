@@ -21,27 +21,31 @@ from dataclasses import dataclass, field
 
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
     ClearRoom,
     DecodeEndpointConfig,
-    EndpointInput,
     NeedTopology,
     OpenReceiver,
     OpenRoom,
     PrefillEndpointConfig,
     PrefillInfo,
-    PrefillRank,
-    PublishPages,
     Received,
+    RegisteredPrefillRank,
     RoomCall,
     RoomRemoved,
     TimerFired,
     TopologyKnown,
-    TransferDone,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.errors import InvalidInput, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PublishPages,
+    SendChunk,
+    TransferCompleted,
+)
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
@@ -75,7 +79,7 @@ class _Event:
     t: float
     order: int
     target: str = field(compare=False)
-    input: EndpointInput | _PublishLater = field(compare=False)
+    input: AnyEndpointInput | _PublishLater = field(compare=False)
 
 
 @dataclass
@@ -150,7 +154,7 @@ class SyntheticWorld:
             self._step(event.target, event.input, event.t)
         return self.stats
 
-    def _at(self, t: float, target: str, inp: EndpointInput | _PublishLater) -> None:
+    def _at(self, t: float, target: str, inp: AnyEndpointInput | _PublishLater) -> None:
         self._order += 1
         heapq.heappush(self.events, _Event(t, self._order, target, inp))
 
@@ -162,7 +166,7 @@ class SyntheticWorld:
         if script != "timeout":
             self._at(t + LATENCY / 2, PREFILL_ID, OpenRoom(room, generation))
 
-    def _step(self, name: str, inp: EndpointInput, now: float) -> None:
+    def _step(self, name: str, inp: AnyEndpointInput, now: float) -> None:
         endpoint = self.endpoints[name]
         self.stats.steps += 1
         try:
@@ -198,7 +202,7 @@ class SyntheticWorld:
     def _transfer(self, output: StartTransfer, now: float) -> None:
         ok = self.scripts[output.room - 1] != "fail"
         duration = 0.0005 * max(len(output.src_pages), 1)
-        done = TransferDone(
+        done = TransferCompleted(
             output.room, output.generation, output.seq, ok, "" if ok else "injected link failure"
         )
         self._at(now + duration, PREFILL_ID, done)
@@ -236,5 +240,5 @@ def _prefill_info() -> PrefillInfo:
     return PrefillInfo(
         bootstrap=BOOTSTRAP, tp_size=1, cp_size=1, pp_size=1, dp_size=1, page_size=16,
         kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
-        ranks=(PrefillRank(0, 0, 0, 0, PREFILL_PEER),),
+        ranks=(RegisteredPrefillRank(0, 0, 0, 0, PREFILL_PEER),),
     )  # fmt: skip

@@ -14,13 +14,12 @@ from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenReceiver,
     OpenRoom,
-    PublishPages,
     Received,
     RoomCall,
     TimerFired,
-    TransferDone,
 )
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.inputs import PublishPages, TransferCompleted
 from pdflow.core.protocol.messages import PeerId
 from pdflow.trace.format import StepRecord, message_id
 from pdflow.trace.merge import Trace
@@ -139,7 +138,7 @@ def _input_events(record: StepRecord, add: Any) -> None:
     elif isinstance(inp, Received):
         tag = type(inp.message).__struct_config__.tag
         add(inp.message.room, "recv", f"received {tag}", msg_id=inp.msg_id)
-    elif isinstance(inp, TransferDone):
+    elif isinstance(inp, TransferCompleted):
         result = "ok" if inp.ok else f"FAILED ({inp.reason})"
         add(inp.room, "transfer_done", f"transfer #{inp.seq} done: {result}")
     elif isinstance(inp, TimerFired):

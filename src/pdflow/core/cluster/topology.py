@@ -54,7 +54,7 @@ class Parallelism(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.tp * self.cp * self.pp
 
 
-class PrefillRank(msgspec.Struct, frozen=True, order=True, forbid_unknown_fields=True):
+class PrefillCoordinates(msgspec.Struct, frozen=True, order=True, forbid_unknown_fields=True):
     """One prefill rank by its coordinates."""
 
     dp: int
@@ -115,7 +115,7 @@ class HeadSlice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 class RankTarget(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One prefill rank of the room, as seen from one decode rank."""
 
-    rank: PrefillRank
+    rank: PrefillCoordinates
     is_dummy: bool
     heads: HeadSlice | None
     """The heads written, for writers; ``None`` for dummies."""
@@ -257,7 +257,7 @@ def resolve_rank_mapping(
         writes = slice_ is not None and (topology.options.all_cp_ranks or cp_rank == 0)
         targets.append(
             RankTarget(
-                rank=PrefillRank(dp=dp_rank, cp=cp_rank, tp=tp_rank, pp=pp_rank),
+                rank=PrefillCoordinates(dp=dp_rank, cp=cp_rank, tp=tp_rank, pp=pp_rank),
                 is_dummy=not writes,
                 heads=slice_ if writes else None,
             )

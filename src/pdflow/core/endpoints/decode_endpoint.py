@@ -16,25 +16,23 @@ from pdflow.core.cluster.topology import (
     AttentionKind,
     Parallelism,
     PdTopology,
+    PrefillCoordinates,
     TopologyOptions,
     resolve_rank_mapping,
 )
-from pdflow.core.cluster.topology import PrefillRank as RankCoordinates
 from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
     ChecksumChecked,
     ClearRoom,
     CloseSession,
     DecodeEndpointConfig,
-    EndpointInput,
     HeartbeatResult,
     NeedTopology,
     OpenReceiver,
     PrefillInfo,
-    PublishPages,
     Received,
     RoomCall,
     RoomRemoved,
-    SessionClosed,
     StagingPlaced,
     TimerFired,
     TopologyFailed,
@@ -50,10 +48,10 @@ from pdflow.core.protocol.inputs import (
     ChecksumResult,
     FailureArrived,
     Input,
-    PagesPublished,
     PeerDied,
     PeersResolved,
     PrefillTarget,
+    PublishPages,
     ReadyArrived,
     ResolveFailed,
     SuccessArrived,
@@ -72,9 +70,9 @@ from pdflow.core.resources.page_ledger import (
     ReleaseUnpublished,
     Reserve,
     RoomPagesState,
+    SessionClosed,
     WriterDead,
 )
-from pdflow.core.resources.page_ledger import SessionClosed as LedgerSessionClosed
 from pdflow.core.resources.staging_ring import (
     Assign,
     CheckReady,
@@ -126,7 +124,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self.waiting_for_staging: dict[int, PublishPages] = {}
 
     # ---- the one entry point ---------------------------------------------------------------------
-    def handle(self, inp: EndpointInput, now: float) -> Step:
+    def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         out: list[Output] = []
         fired: list[Fired] = []
         if isinstance(inp, OpenReceiver):
@@ -151,7 +149,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         elif isinstance(inp, HeartbeatResult):
             self._heartbeat(inp, now, out, fired)
         elif isinstance(inp, SessionClosed):
-            self._ledger(LedgerSessionClosed(inp.peer), now, out, fired)
+            self._ledger(inp, now, out, fired)
         elif isinstance(inp, ChecksumChecked):
             room = self._known_room(inp.room)
             if room.generation == inp.generation:
@@ -184,6 +182,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             policy=cfg.policy, timeouts=cfg.timeouts,
             # A staged room is finished by the shell (scatter, then checksums) before Success.
             verify_checksums=cfg.verify_checksums or self.staging is not None,
+            session_id=cfg.session_id or self.me.address,
         )  # fmt: skip
         self.rooms[inp.room] = room
         self.room_bootstrap[inp.room] = inp.bootstrap
@@ -268,7 +267,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             decode_pp_rank=cfg.pp_rank,
         )
         by_coordinates = {
-            RankCoordinates(dp=r.dp, cp=r.cp, tp=r.tp, pp=r.pp): r.peer for r in info.ranks
+            PrefillCoordinates(dp=r.dp, cp=r.cp, tp=r.tp, pp=r.pp): r.peer for r in info.ranks
         }
         targets = []
         for target in mapping.targets:
@@ -288,7 +287,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         room = self._known_room(inp.room)
         if room.state is ReceiverState.FAILED:
             # Failed before its pages were exposed: no writer knows them, hand them back now.
-            self._room_input(room, self._pages_input(inp, None), now, out, fired)
+            self._room_input(room, inp, now, out, fired)
             out.append(PagesFreed(room.key, room.generation, inp.dst_pages))
             return
         if room.state is not ReceiverState.AWAITING_PAGES or inp.room in self.waiting_for_staging:
@@ -300,7 +299,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         # The ledger refuses pages that are not free (e.g. still quarantined) before any change.
         self._ledger(Reserve(room.key, room.generation, inp.dst_pages), now, out, fired)
         if not self._stages(room):
-            self._room_input(room, self._pages_input(inp, None), now, out, fired)
+            self._room_input(room, inp, now, out, fired)
             return
         self.waiting_for_staging[room.key] = inp
         self._place_staging(room, inp, now, out, fired)
@@ -328,7 +327,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         ):
             del self.waiting_for_staging[room.key]
             out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
-            self._room_input(room, self._pages_input(inp, assigned.offset), now, out, fired)
+            room.staging_offset = assigned.offset
+            self._room_input(room, inp, now, out, fired)
 
     def _retry_staging(self, now: float, out: list[Output], fired: list[Fired]) -> None:
         for room_id in sorted(self.waiting_for_staging):
@@ -360,15 +360,6 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         if any(isinstance(o, WatermarkAdvanced) for o in produced) and self.waiting_for_staging:
             self._retry_staging(now, out, fired)
         return produced
-
-    def _pages_input(self, inp: PublishPages, staging_offset: int | None) -> PagesPublished:
-        return PagesPublished(
-            session_id=self.config.session_id or self.me.address,
-            dst_pages=inp.dst_pages,
-            aux_index=inp.aux_index,
-            decode_prefix_len=inp.decode_prefix_len,
-            staging_offset=staging_offset,
-        )
 
     def _clear(self, room_id: int, now: float, out: list[Output], fired: list[Fired]) -> None:
         room = self._known_room(room_id)

@@ -9,10 +9,18 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PrefillCompleted,
+    PublishPages,
+    SendChunk,
+    TransferCompleted,
+)
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 from pdflow.core.protocol.outputs import Output
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+from pdflow.core.resources.page_ledger import SessionClosed
 
 
 class EndpointInput(msgspec.Struct, frozen=True, tag_field="type"):
@@ -50,23 +58,12 @@ class Received(EndpointInput, frozen=True, tag="Received"):
     msg_id: str | None = None
 
 
-class TransferDone(EndpointInput, frozen=True, tag="TransferDone"):
-    """The transport finished a StartTransfer (prefill)."""
-
-    room: int
-    generation: int
-    seq: int
-    ok: bool
-    reason: str = ""
-    checksum: int | None = None
-
-
 class TimerFired(EndpointInput, frozen=True, tag="TimerFired"):
     """Time has passed; every deadline at or before ``now`` fires."""
 
 
 # ---- decode-only ------------------------------------------------------------------------------
-class PrefillRank(msgspec.Struct, frozen=True):
+class RegisteredPrefillRank(msgspec.Struct, frozen=True):
     """One prefill rank as the bootstrap registry describes it."""
 
     dp: int
@@ -87,7 +84,7 @@ class PrefillInfo(msgspec.Struct, frozen=True):
     page_size: int
     kv_cache_dtype: str
     policy: AllocationPolicy
-    ranks: tuple[PrefillRank, ...]
+    ranks: tuple[RegisteredPrefillRank, ...]
     is_mla: bool = False
     follow_bootstrap_room: bool = True
 
@@ -110,31 +107,12 @@ class TopologyFailed(EndpointInput, frozen=True, tag="TopologyFailed"):
     reason: str
 
 
-class PublishPages(EndpointInput, frozen=True, tag="PublishPages"):
-    """The engine reserved destination pages for a room (they must be free in the ledger).
-
-    With staging on, the endpoint also places the room's staging region; if the ring is still
-    busy there the publication waits (the room stays WaitingForInput) until it frees up.
-    """
-
-    room: int
-    dst_pages: tuple[int, ...]
-    aux_index: int | None
-    decode_prefix_len: int = 0
-
-
 class HeartbeatResult(EndpointInput, frozen=True, tag="HeartbeatResult"):
     """One /health probe of a prefill instance: ok, and the incarnation it reported if any."""
 
     bootstrap: str
     ok: bool
     incarnation: str | None = None
-
-
-class SessionClosed(EndpointInput, frozen=True, tag="SessionClosed"):
-    """The shell closed the transport session to a dead writer: nothing it sent can land now."""
-
-    peer: PeerId
 
 
 class ChecksumChecked(EndpointInput, frozen=True, tag="ChecksumChecked"):
@@ -179,7 +157,7 @@ class RoomRemoved(Output, frozen=True, tag="room_removed"):
     generation: int
 
 
-PrefillEndpointInput = OpenRoom | RoomCall | ClearRoom | Received | TransferDone | TimerFired
+PrefillEndpointInput = OpenRoom | RoomCall | ClearRoom | Received | TransferCompleted | TimerFired
 
 
 class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_field="role"):

@@ -11,15 +11,14 @@ from __future__ import annotations
 import msgspec
 
 from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
     ClearRoom,
-    EndpointInput,
     OpenRoom,
     PrefillEndpointConfig,
     Received,
     RoomCall,
     RoomRemoved,
     TimerFired,
-    TransferDone,
 )
 from pdflow.core.endpoints.room_host import RoomHost
 from pdflow.core.framework.deadlines import DeadlineQueue
@@ -49,13 +48,13 @@ from pdflow.core.protocol.outputs import Output, SendMessage, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.core.rooms.prefill_complete import (
     BootstrapArrived,
+    ClaimRoom,
     CloseRoom,
     FailRoom,
     MarkComplete,
     OwnerRefused,
     PrefillCompleteTable,
 )
-from pdflow.core.rooms.prefill_complete import OpenRoom as ClaimRoom
 from pdflow.core.rooms.sender_room import SenderRoom, SenderState
 
 
@@ -102,7 +101,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         )
 
     # ---- the one entry point ---------------------------------------------------------------------
-    def handle(self, inp: EndpointInput, now: float) -> Step:
+    def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         outputs: list[Output] = []
         fired: list[Fired] = []
         if isinstance(inp, OpenRoom):
@@ -116,7 +115,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             self._clear(inp, now, outputs, fired)
         elif isinstance(inp, Received):
             self._receive(inp.message, now, outputs, fired)
-        elif isinstance(inp, TransferDone):
+        elif isinstance(inp, TransferCompleted):
             self._transfer_done(inp, now, outputs, fired)
         elif isinstance(inp, TimerFired):
             self._timers(now, outputs, fired)
@@ -258,7 +257,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             entry.metadata.append(message)
 
     def _transfer_done(
-        self, inp: TransferDone, now: float, outputs: list[Output], fired: list[Fired]
+        self, inp: TransferCompleted, now: float, outputs: list[Output], fired: list[Fired]
     ) -> None:
         room = self._known_room(inp.room)
         if room.generation != inp.generation:
@@ -266,8 +265,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
                 f"transfer completion for room {inp.room} generation {inp.generation}, "
                 f"but the room is generation {room.generation}"
             )
-        done = TransferCompleted(inp.seq, inp.ok, inp.reason, inp.checksum)
-        self._room_input(room, done, now, outputs, fired)
+        self._room_input(room, inp, now, outputs, fired)
         if inp.room in self.remove_when_drained and room.quiescent:
             self.remove_when_drained.discard(inp.room)
             self._remove(room, now, outputs, fired)

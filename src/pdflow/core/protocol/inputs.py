@@ -41,6 +41,13 @@ class SendChunk(Input, frozen=True, tag="SendChunk"):
 
 
 class TransferCompleted(Input, frozen=True, tag="TransferCompleted"):
+    """The transport finished the StartTransfer with this room, generation and ``seq``.
+
+    The shell hands it to the prefill endpoint, which checks the generation and passes the
+    same input to the room."""
+
+    room: int
+    generation: int
     seq: int
     ok: bool
     reason: str = ""
@@ -75,14 +82,19 @@ class ResolveFailed(Input, frozen=True, tag="ResolveFailed"):
     reason: str
 
 
-class PagesPublished(Input, frozen=True, tag="PagesPublished"):
-    """The engine reserved destination pages; publish them to the prefill."""
+class PublishPages(Input, frozen=True, tag="PublishPages"):
+    """The engine reserved destination pages for a room (they must be free in the ledger).
 
-    session_id: str
+    The engine hands it to the decode endpoint, which passes the same input to the room once
+    the pages may be exposed. With staging on, the endpoint first places the room's staging
+    region; if the ring is still busy there the publication waits (the room stays
+    WaitingForInput) until it frees up.
+    """
+
+    room: int
     dst_pages: tuple[int, ...]
     aux_index: int | None
     decode_prefix_len: int = 0
-    staging_offset: int | None = None
 
 
 class ReadyArrived(Input, frozen=True, tag="ReadyArrived"):

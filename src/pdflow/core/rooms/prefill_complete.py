@@ -42,7 +42,7 @@ class BootstrapRoomState(enum.Enum):
 
 
 # ---- inputs ------------------------------------------------------------------------------------
-class OpenRoom(Input, frozen=True, tag="OpenRoom"):
+class ClaimRoom(Input, frozen=True, tag="ClaimRoom"):
     """A local sender claims the room. ``owner_id`` identifies that sender."""
 
     room: int
@@ -115,17 +115,17 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
     machine="PrefillComplete",
     states=BootstrapRoomState,
     initial=BootstrapRoomState.ABSENT,
-    inputs=(OpenRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Tick),
+    inputs=(ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Tick),
     remote_inputs=(BootstrapArrived,),
     rows=[
         # -- ABSENT: no record of the room ------------------------------------------------------
-        row(_B.ABSENT, OpenRoom, _B.OWNED, action="open"),
+        row(_B.ABSENT, ClaimRoom, _B.OWNED, action="open"),
         row(_B.ABSENT, BootstrapArrived, _B.UNOWNED, action="register_unowned"),
         row(_B.ABSENT, MarkComplete, _B.ABSENT),  # not the owner of anything: ignored
         row(_B.ABSENT, FailRoom, _B.TOMBSTONE, action="entomb"),  # cancel before the sender
         row(_B.ABSENT, CloseRoom, _B.ABSENT),
         # -- UNOWNED: a decode endpoint waits; no sender yet ------------------------------------
-        row(_B.UNOWNED, OpenRoom, _B.OWNED, action="open"),
+        row(_B.UNOWNED, ClaimRoom, _B.OWNED, action="open"),
         row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED, guard="same_endpoint"),
         row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED,
             emits=[_NOTICE], action="refuse_endpoint"),
@@ -135,7 +135,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.UNOWNED, Tick, _B.ABSENT, guard="expired", action="forget"),
         row(_B.UNOWNED, Tick, _B.UNOWNED),
         # -- OWNED: the sender computes -----------------------------------------------------------
-        row(_B.OWNED, OpenRoom, _B.OWNED, emits=[_REFUSED], action="refuse_owner"),
+        row(_B.OWNED, ClaimRoom, _B.OWNED, emits=[_REFUSED], action="refuse_owner"),
         row(_B.OWNED, BootstrapArrived, _B.OWNED, guard="no_endpoint_yet", action="register"),
         row(_B.OWNED, BootstrapArrived, _B.OWNED, guard="same_endpoint"),
         row(_B.OWNED, BootstrapArrived, _B.OWNED, emits=[_NOTICE], action="refuse_endpoint"),
@@ -147,7 +147,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.OWNED, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action="entomb"),
         row(_B.OWNED, Tick, _B.OWNED),
         # -- READY: the prefill finished; the ready notice went out (or waits for the endpoint) --
-        row(_B.READY, OpenRoom, _B.READY, emits=[_REFUSED], action="refuse_owner"),
+        row(_B.READY, ClaimRoom, _B.READY, emits=[_REFUSED], action="refuse_owner"),
         row(_B.READY, BootstrapArrived, _B.READY,
             guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
         row(_B.READY, BootstrapArrived, _B.READY, guard="same_endpoint"),
@@ -159,7 +159,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.READY, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action="entomb"),
         row(_B.READY, Tick, _B.READY),
         # -- FAILED: failed while the owner still holds it --------------------------------------
-        row(_B.FAILED, OpenRoom, _B.FAILED, emits=[_REFUSED], action="refuse_owner"),
+        row(_B.FAILED, ClaimRoom, _B.FAILED, emits=[_REFUSED], action="refuse_owner"),
         row(_B.FAILED, BootstrapArrived, _B.FAILED,
             guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
         row(_B.FAILED, BootstrapArrived, _B.FAILED, guard="same_endpoint"),
@@ -170,7 +170,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.FAILED, CloseRoom, _B.TOMBSTONE, action="bury"),
         row(_B.FAILED, Tick, _B.FAILED),
         # -- TOMBSTONE: failed and ownerless, kept until it expires -----------------------------
-        row(_B.TOMBSTONE, OpenRoom, _B.TOMBSTONE, emits=[_REFUSED], action="refuse_owner"),
+        row(_B.TOMBSTONE, ClaimRoom, _B.TOMBSTONE, emits=[_REFUSED], action="refuse_owner"),
         row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE,
             guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
         row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE, guard="same_endpoint"),
@@ -222,7 +222,7 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
     def _validate(self, inp: Input, now: float) -> None:
         if isinstance(inp, Tick):
             return
-        keyed = cast(OpenRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom, inp)
+        keyed = cast(ClaimRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom, inp)
         if keyed.room != self.key:
             raise InvalidInput(f"input for room {keyed.room} routed to room {self.key}")
         known = self.room_generation
@@ -233,7 +233,7 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
                 hint="a stale decode request; drop it",
             )
         if (
-            isinstance(inp, OpenRoom)
+            isinstance(inp, ClaimRoom)
             and self.state is BootstrapRoomState.UNOWNED
             and inp.generation != known
         ):
@@ -260,14 +260,14 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: Input, now: float) -> list[Output]:
-        claim = cast(OpenRoom, inp)
+        claim = cast(ClaimRoom, inp)
         self.owner = claim.owner_id
         self.room_generation = claim.generation
         self.expires_at = None  # an owned room lives as long as its owner
         return []
 
     def _act_refuse_owner(self, inp: Input, now: float) -> list[Output]:
-        claim = cast(OpenRoom, inp)
+        claim = cast(ClaimRoom, inp)
         return [OwnerRefused(claim.room, claim.owner_id, DUPLICATE_ROOM)]
 
     def _act_register(self, inp: Input, now: float) -> list[Output]:
@@ -372,7 +372,7 @@ class PrefillCompleteTable:
     def handle(self, inp: Input, now: float) -> Step:
         if isinstance(inp, Tick):
             return self._sweep(inp, now)
-        if not isinstance(inp, (OpenRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom)):
+        if not isinstance(inp, (ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom)):
             raise InvalidInput(f"PrefillCompleteTable does not take {type(inp).__name__}")
         machine = self._rooms.get(inp.room) or BootstrapRoom(inp.room, self.me, self.ttl_s)
         outputs, fired = machine.fire(inp, now)

@@ -20,10 +20,10 @@ from pdflow.core.protocol.inputs import (
     ChecksumResult,
     FailureArrived,
     Input,
-    PagesPublished,
     PeerDied,
     PeersResolved,
     PrefillTarget,
+    PublishPages,
     ReadyArrived,
     ResolveFailed,
     SuccessArrived,
@@ -68,7 +68,7 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         PeersResolved,
         ResolveFailed,
         ReadyArrived,
-        PagesPublished,
+        PublishPages,
         SuccessArrived,
         FailureArrived,
         PeerDied,
@@ -100,7 +100,7 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
             guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
         row(_R.AWAITING_READY, Tick, _R.AWAITING_READY),
         # -- AWAITING_PAGES: the engine is reserving destination pages ---------------------------
-        row(_R.AWAITING_PAGES, PagesPublished, _R.TRANSFERRING,
+        row(_R.AWAITING_PAGES, PublishPages, _R.TRANSFERRING,
             emits=["send.room_metadata", _CHANGED], action="publish"),
         row(_R.AWAITING_PAGES, ReadyArrived, _R.AWAITING_PAGES),
         row(_R.AWAITING_PAGES, FailureArrived, _R.FAILED, emits=[_CHANGED], action="fail"),
@@ -141,7 +141,7 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.FAILED, ReadyArrived, _R.FAILED),
         row(_R.FAILED, SuccessArrived, _R.FAILED),
         row(_R.FAILED, FailureArrived, _R.FAILED),
-        row(_R.FAILED, PagesPublished, _R.FAILED),
+        row(_R.FAILED, PublishPages, _R.FAILED),
         row(_R.FAILED, PeerDied, _R.FAILED),
         row(_R.FAILED, AbortRequested, _R.FAILED),
         row(_R.FAILED, ChecksumResult, _R.FAILED),
@@ -165,6 +165,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         policy: AllocationPolicy = AllocationPolicy.EARLY,
         timeouts: Timeouts = Timeouts(),  # noqa: B008 - immutable
         verify_checksums: bool = False,
+        session_id: str = "",
     ) -> None:
         self.key = room
         self.generation = generation
@@ -172,12 +173,16 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.policy = policy
         self.timeouts = timeouts
         self.verify_checksums = verify_checksums
+        self.session_id = session_id
+        """The decode rank's transport session, where the prefill writes."""
+        self.staging_offset: int | None = None
+        """The room's staging region, when the endpoint placed one before publishing."""
         self.state = RECEIVER_TABLE.initial
         self.targets: tuple[PrefillTarget, ...] = ()
         self.required_responses = 0
         self.required_dst_info_num = 1
         self.succeeded: dict[PeerId, int | None] = {}
-        self.published: PagesPublished | None = None
+        self.published: PublishPages | None = None
         self.reason = ""
         self.wait_deadline: float | None = now + timeouts.waiting_timeout
         self.transfer_deadline: float | None = None
@@ -214,7 +219,9 @@ class ReceiverRoom(TableMachine[ReceiverState]):
                     f"room {self.key}: required_responses={inp.required_responses} but "
                     f"{writers} non-dummy targets"
                 )
-        elif isinstance(inp, PagesPublished) and self.state is ReceiverState.AWAITING_PAGES:
+        elif isinstance(inp, PublishPages) and inp.room != self.key:
+            raise InvalidInput(f"room {self.key}: pages published for room {inp.room}")
+        elif isinstance(inp, PublishPages) and self.state is ReceiverState.AWAITING_PAGES:
             if len(set(inp.dst_pages)) != len(inp.dst_pages):
                 raise InvalidInput(f"room {self.key}: destination pages must be distinct")
         elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)) and (
@@ -281,7 +288,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return []
 
     def _act_publish(self, inp: Input, now: float) -> list[Output]:
-        pages = cast(PagesPublished, inp)
+        pages = cast(PublishPages, inp)
         self.published = pages
         self.transfer_deadline = now + self.timeouts.waiting_timeout
         outputs: list[Output] = []
@@ -294,13 +301,13 @@ class ReceiverRoom(TableMachine[ReceiverState]):
                         generation=self.generation,
                         decode=self.me,
                         prefill=target.peer,
-                        session_id=pages.session_id,
+                        session_id=self.session_id,
                         dst_pages=() if target.is_dummy else pages.dst_pages,
                         aux_index=None if target.is_dummy else pages.aux_index,
                         required_dst_info_num=self.required_dst_info_num,
                         decode_prefix_len=pages.decode_prefix_len,
                         is_dummy=target.is_dummy,
-                        staging_offset=None if target.is_dummy else pages.staging_offset,
+                        staging_offset=None if target.is_dummy else self.staging_offset,
                     ),
                 )
             )
