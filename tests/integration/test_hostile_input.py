@@ -12,8 +12,10 @@ import zmq
 import zmq.asyncio
 
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.io.codec import MAGIC
+from pdflow.core.protocol.messages import PeerId
+from pdflow.io.codec import MAGIC, MsgpackCodec
 from pdflow.io.node_common import NodeLifecycle
+from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from tests.integration.test_nodes_inprocess import one_room, two_nodes
 
@@ -58,3 +60,29 @@ async def test_a_1017_byte_nested_frame_kills_neither_prefill_nor_decode(
                 await forge(rank.peer.address, [NESTED_FRAME])
             await dropped_at_least(node, "undecodable", len(node.ranks))
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
+
+
+def forged_kv_args(d_node: DecodeNode, prefill: PeerId, decode_address: str) -> list[bytes]:
+    """A KvArgs naming a real prefill rank, from a "decode" at ``decode_address``."""
+    decode = PeerId(decode_address, "forged", 0)
+    args = d_node.ranks[0].kv.kv_args(decode, prefill, "127.0.0.1:1")
+    return MsgpackCodec().encode(args, None)
+
+
+@pytest.mark.timeout(60)  # old main hung here forever in context.term()
+async def test_a_forged_kv_args_with_a_bad_address_neither_kills_nor_hangs_the_prefill(
+    tmp_path: anyio.Path,
+) -> None:
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = p_node.ranks[0]
+        await forge(rank.peer.address, [forged_kv_args(d_node, rank.peer, "127.0.0.1:notaport"),
+                                        forged_kv_args(d_node, rank.peer, "ipc:///tmp/x")])
+        metrics = p_node.runtime.metrics
+        with anyio.fail_after(10):
+            while (metrics.value("pdflow_control_refused_sends_total", {"reason": "connect_failed"})
+                   + metrics.value("pdflow_control_refused_sends_total",
+                                   {"reason": "bad_address"})) < 2:  # fmt: skip
+                await anyio.sleep(0.01)
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+    # Leaving the block returned: every socket, the failed one included, was closed.

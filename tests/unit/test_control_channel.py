@@ -6,6 +6,7 @@ import socket
 from collections import Counter
 
 import anyio
+import anyio.to_thread
 import pytest
 import zmq
 import zmq.asyncio
@@ -151,3 +152,21 @@ async def test_no_codec_or_handler_failure_ends_the_receive_loop() -> None:
         context.term()
     assert received == [2]
     assert drops == Counter(codec_error=1, handler_error=1)
+
+
+async def test_a_send_that_cannot_be_attempted_is_refused_counted_and_leaks_no_socket() -> None:
+    context = zmq.asyncio.Context()
+    refused: Counter[str] = Counter()
+    sender = ControlChannel.open(context, MsgpackCodec(max_message_bytes=256),
+                                 on_refused=lambda reason: refused.update([reason]))  # fmt: skip
+    big = Abort(1, 0, DECODE, PREFILL, reason="x" * 1000)
+    try:
+        assert not await sender.send("127.0.0.1:notaport", Abort(1, 0, DECODE, PREFILL), None)
+        assert not await sender.send("ipc:///tmp/pdflow-x", Abort(1, 0, DECODE, PREFILL), None)
+        assert not await sender.send(f"127.0.0.1:{free_port()}", big, None)
+        assert sender.peers == ()
+    finally:
+        sender.close()
+    with anyio.fail_after(5):  # term() waits for every socket: a leaked one hangs it
+        await anyio.to_thread.run_sync(context.term)
+    assert refused == Counter(connect_failed=1, bad_address=1, oversized=1)

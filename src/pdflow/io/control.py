@@ -2,9 +2,11 @@
 
 Sending never blocks an endpoint for long: each PUSH has a bounded queue (SNDHWM) and a send
 that cannot be queued within ``send_timeout_s`` is abandoned and counted; the core's timers cover
-a lost message. Receiving decodes every frame list; one that is not a valid message is counted
-by reason, logged and dropped, and the loop keeps serving. A frame far over the codec's limit
-is cut off by ZMQ itself (MAXMSGSIZE), which disconnects that sender.
+a lost message. A send the channel cannot even attempt (an address that is not ``host:port``
+or ``tcp://``, a connect ZMQ refuses, a message over the codec's limit) is refused, counted by
+reason and returns False; it never raises. Receiving decodes every frame list; one that is not
+a valid message is counted by reason, logged and dropped, and the loop keeps serving. A frame
+far over the codec's limit is cut off by ZMQ itself (MAXMSGSIZE), which disconnects that sender.
 
 Requires anyio's asyncio backend (``zmq.asyncio``).
 """
@@ -28,9 +30,26 @@ log = structlog.get_logger("pdflow.control")
 Deliver = Callable[[ControlMessage, str | None], Awaitable[None]]
 
 
+SEND_REFUSALS = ("bad_address", "connect_failed", "oversized", "send_error")
+
+
+class SendRefused(Exception):
+    """A send the channel could not attempt; ``reason`` is one of SEND_REFUSALS."""
+
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason = reason
+
+
 def zmq_url(address: str) -> str:
-    """``host:port`` (SGLang's form, and PeerId.address) as a ZMQ TCP endpoint."""
-    return address if "://" in address else f"tcp://{address}"
+    """``host:port`` (SGLang's form, and PeerId.address) as a ZMQ TCP endpoint.
+
+    Peers name these addresses, so only TCP is accepted: never ipc:// or inproc://."""
+    if "://" not in address:
+        return f"tcp://{address}"
+    if address.startswith("tcp://"):
+        return address
+    raise SendRefused("bad_address", f"{address!r} is not host:port or tcp://host:port")
 
 
 class ControlChannel:
@@ -47,6 +66,7 @@ class ControlChannel:
         send_hwm: int,
         on_drop: Callable[[str], None],
         on_send_failed: Callable[[str], None],
+        on_refused: Callable[[str], None],
     ) -> None:
         self.codec = codec
         self.address = address
@@ -57,6 +77,7 @@ class ControlChannel:
         self._send_hwm = send_hwm
         self._on_drop = on_drop
         self._on_send_failed = on_send_failed
+        self._on_refused = on_refused
         self.dropped = 0
 
     @classmethod
@@ -71,6 +92,7 @@ class ControlChannel:
         send_hwm: int = 4096,
         on_drop: Callable[[str], None] = lambda reason: None,
         on_send_failed: Callable[[str], None] = lambda address: None,
+        on_refused: Callable[[str], None] = lambda reason: None,
     ) -> ControlChannel:
         """Bind a PULL on ``host:port`` (0: any free port; read :attr:`address`)."""
         pull = context.socket(zmq.PULL)
@@ -85,28 +107,51 @@ class ControlChannel:
             pull.close(linger=0)
             raise OSError(f"cannot bind the control socket on {host}:{port}: {exc}") from exc
         return cls(context, codec, pull, f"{host}:{port}", send_timeout_s=send_timeout_s,
-                   send_hwm=send_hwm, on_drop=on_drop, on_send_failed=on_send_failed)  # fmt: skip
+                   send_hwm=send_hwm, on_drop=on_drop, on_send_failed=on_send_failed,
+                   on_refused=on_refused)  # fmt: skip
 
     # ---- sending ---------------------------------------------------------------------------------
     def _socket_to(self, address: str) -> zmq.asyncio.Socket:
         sock = self._push.get(address)
         if sock is None:
+            url = zmq_url(address)
             sock = self._context.socket(zmq.PUSH)
-            sock.setsockopt(zmq.LINGER, 0)
-            sock.setsockopt(zmq.SNDHWM, self._send_hwm)
-            sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
-            sock.setsockopt(zmq.RECONNECT_IVL, 100)
-            sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
-            sock.connect(zmq_url(address))
+            try:
+                sock.setsockopt(zmq.LINGER, 0)
+                sock.setsockopt(zmq.SNDHWM, self._send_hwm)
+                sock.setsockopt(zmq.SNDTIMEO, int(self._send_timeout_s * 1000))
+                sock.setsockopt(zmq.RECONNECT_IVL, 100)
+                sock.setsockopt(zmq.RECONNECT_IVL_MAX, 2000)
+                sock.connect(url)
+            except zmq.ZMQError as exc:
+                # An unclosed socket would also make context.term() wait forever.
+                sock.close(linger=0)
+                raise SendRefused("connect_failed", f"{address!r}: {exc}") from None
             self._push[address] = sock
         return sock
 
     async def send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
         """Queue one message to ``address``; False (and counted) if it could not be queued."""
-        frames = self.codec.encode(message, msg_id)
+        try:
+            return await self._send(address, message, msg_id)
+        except SendRefused as refused:
+            self._on_refused(refused.reason)
+            log.warning("control_send_refused", to=address[:200], reason=refused.reason,
+                        message=type(message).__name__, detail=str(refused)[:200])  # fmt: skip
+            return False
+
+    async def _send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
+        try:
+            frames = self.codec.encode(message, msg_id)
+        except FrameError as exc:
+            raise SendRefused(exc.reason, exc.detail) from None
         sock = self._socket_to(address)
         with anyio.move_on_after(self._send_timeout_s):
-            await sock.send_multipart(frames)
+            try:
+                await sock.send_multipart(frames)
+            except zmq.ZMQError as exc:
+                self.forget(address)
+                raise SendRefused("send_error", f"{address!r}: {exc}") from None
             return True
         self._on_send_failed(address)
         log.warning("control_send_timeout", to=address, message=type(message).__name__,

@@ -61,6 +61,10 @@ class NodeMetrics:
         self.send_failures = Counter(
             "pdflow_control_send_failures", "Control messages that could not be queued", registry=r
         )
+        self.refused_sends = Counter(
+            "pdflow_control_refused_sends", "Control messages refused before sending (bad "
+            "address, failed connect, oversized)", ["reason"], registry=r,
+        )  # fmt: skip
         self.heartbeat_failures = Counter(
             "pdflow_heartbeat_failures", "Failed /health probes", ["bootstrap"], registry=r
         )
@@ -87,6 +91,9 @@ class NodeMetrics:
 
     def frame_dropped(self, reason: str) -> None:
         self.dropped_frames.labels(reason).inc()
+
+    def send_refused(self, reason: str) -> None:
+        self.refused_sends.labels(reason).inc()
 
     def quarantine(self, report: tuple[QuarantinedRoom, ...]) -> None:
         """Set the quarantine gauges from the ledger's report (summed over ranks by the caller)."""

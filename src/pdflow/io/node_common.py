@@ -390,6 +390,7 @@ class NodeRuntime:
             self.context, self.codec, host=self.settings.host,
             on_drop=metrics.frame_dropped,
             on_send_failed=lambda address: metrics.send_failures.inc(),
+            on_refused=metrics.send_refused,
         )  # fmt: skip
         self.channels.append(channel)
         return channel
@@ -401,7 +402,8 @@ class NodeRuntime:
         for channel in self.channels:
             channel.close()
         self.channels.clear()
-        self.context.term()
+        # destroy, not term: it closes any socket still open first, so shutdown cannot hang.
+        self.context.destroy(linger=0)
         self.recorder.close()
         self.events.close()
 
