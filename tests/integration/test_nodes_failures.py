@@ -31,7 +31,7 @@ def node_settings(tmp: str) -> dict[str, Any]:
             "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
 
 
-async def test_kill_9_mid_transfer_fails_rooms_fences_pages_and_a_restart_serves(
+async def test_kill_9_mid_transfer_fails_rooms_quarantines_their_pages_and_a_restart_serves(
     tmp_path: anyio.Path,
 ) -> None:
     settings = node_settings(str(tmp_path))
@@ -69,19 +69,21 @@ async def test_kill_9_mid_transfer_fails_rooms_fences_pages_and_a_restart_serves
             failed_within = time.monotonic() - killed_at
             assert set(stalled.values()) == {"Failed"}
             assert failed_within < HEARTBEAT_S * MAX_FAILURES + 2
-            with anyio.fail_after(5):
-                while engine.leak_report():
-                    await anyio.sleep(0.01)
-            # Each stalled room's pages were quarantined, and freed only after the dead
-            # writers' sessions were closed.
-            for room in range(100, 120):
-                for rank in (0, 1):
-                    held = engine.order_of(PagesHeld, room=room, rank=rank)
-                    freed = engine.order_of(PagesReleased, room=room, rank=rank)
-                    fenced = engine.order_of(WriterFenced, rank=rank)
-                    assert held and freed and fenced, (room, rank)
-                    assert held[0] < min(fenced) < freed[0]
-            assert engine.leak_report() == []
+            # Mooncake TCP cannot fence on the receiving side (fence_is_real is False), and a
+            # killed writer never ACKs: each stalled room's pages stay quarantined, reported
+            # and kept from admission, never freed on the heartbeat's verdict.
+            await anyio.sleep(HEARTBEAT_S * MAX_FAILURES)
+            assert engine.order_of(WriterFenced) == []
+            for rank_index, rank in enumerate(node.ranks):
+                held = {e.room: e.pages for e in engine.events
+                        if isinstance(e, PagesHeld) and e.rank == rank.rank}  # fmt: skip
+                assert set(held) == set(range(100, 120)), rank.rank
+                assert not [e for e in engine.events if isinstance(e, PagesReleased)
+                            and e.rank == rank.rank and e.room >= 100]  # fmt: skip
+                assert {q.room: q.pages for q in rank.quarantine()} == held
+                quarantined = sum(len(pages) for pages in held.values())
+                assert rank.allocatable == 512 - quarantined
+                assert len(engine.free[rank_index]) == 512 - quarantined
 
             options["bootstrap"] = bootstrap  # the restarted prefill takes the same address
             async with prefill_process(tasks, options) as second:
@@ -91,7 +93,6 @@ async def test_kill_9_mid_transfer_fails_rooms_fences_pages_and_a_restart_serves
                     with anyio.fail_after(15):
                         assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
             assert engine.corrupt == []
-            assert engine.leak_report() == []
         tasks.cancel_scope.cancel()
 
 

@@ -1,4 +1,5 @@
-"""In-process transport: bounds checks on both sides, injected failures, close fencing."""
+"""In-process transport: bounds checks on both sides, injected failures, close fencing, the
+receiver-side fence."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import msgspec
 import pytest
 
 from pdflow.transport import (
+    FenceUnavailableError,
     InProcessFabric,
     InProcessTransport,
     InvalidWriteError,
@@ -203,6 +205,43 @@ async def test_close_session_waits_for_in_flight_write(pair: Pair) -> None:
     pair.fabric.clear_hooks()
     reopened = await pair.sender.batch_write(peer, [Op(pair.src_addr, pair.dst_addr, 8)])
     assert reopened.ok, "a write after close_session opens a fresh session"
+
+
+async def test_receiver_fence_refuses_a_write_already_in_flight(pair: Pair) -> None:
+    hold = pair.fabric.hold_writes(pair.receiver.session_id)
+    canary = b"\xc3" * 64
+    ctypes.memmove(pair.dst_addr, canary, 64)
+    outcomes = []
+
+    async def write() -> None:
+        op = Op(pair.src_addr, pair.dst_addr, 64)
+        outcomes.append(await pair.sender.batch_write(pair.receiver.session_id, [op]))
+
+    assert pair.receiver.fence_is_real
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write)
+        await hold.wait_for_writer()
+        await pair.receiver.fence(pair.sender.session_id)
+        hold.release()
+    assert pair.dst.raw[:64] == canary, "a fenced writer's write landed after the fence"
+    assert not outcomes[0].ok and outcomes[0].error is not None
+    assert "fenced" in outcomes[0].error and outcomes[0].nbytes == 0
+    later = await pair.sender.batch_write(pair.receiver.session_id,
+                                          [Op(pair.src_addr, pair.dst_addr, 8)])  # fmt: skip
+    assert not later.ok and pair.dst.raw[:8] == canary[:8], "the fence is permanent"
+    # Only that writer is fenced: the receiver still writes to it, and others write here.
+    other = pair.fabric.create_transport()
+    other.register_buffer(pair.src_addr, SIZE)
+    assert (await other.batch_write(pair.receiver.session_id,
+                                    [Op(pair.src_addr, pair.dst_addr, 8)])).ok  # fmt: skip
+
+
+async def test_fabric_without_receiver_fence_refuses_fence_calls() -> None:
+    fabric = InProcessFabric(receiver_fence=False)
+    receiver = fabric.create_transport()
+    assert not receiver.fence_is_real
+    with pytest.raises(FenceUnavailableError, match="quarantined until its drain ACK"):
+        await receiver.fence("inproc:9")
 
 
 async def test_cancelled_write_leaves_nothing_in_flight(pair: Pair) -> None:

@@ -75,7 +75,8 @@ class PagesHeld(msgspec.Struct, frozen=True, tag=True):
 
 
 class WriterFenced(msgspec.Struct, frozen=True, tag=True):
-    """Decode: a dead writer's transport session is closed; none of its writes can land now."""
+    """Decode: the transport fenced a dead writer on this side; none of its writes can land now.
+    Never published where the transport's fence is not real (its pages wait for the drain ACK)."""
 
     rank: int
     peer: PeerId

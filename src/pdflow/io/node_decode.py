@@ -74,6 +74,7 @@ from pdflow.io.node_common import (
     RoomStatus,
     WriterFenced,
     draw_incarnation,
+    peer_key,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
 from pdflow.transport.base import Transport, TransportError
@@ -373,11 +374,22 @@ class DecodeNode(NodeLifecycle):
 
     # ---- dead writers and checksums ------------------------------------------------------------
     async def _close_session(self, host: EndpointHost, peer: PeerId) -> None:
+        """Fence a writer the core declared dead, on this process's own receiving side.
+
+        SessionClosed lets the core free the writer's quarantined pages, so it is handed over
+        only once a real fence has returned. Without one (or without the writer's session id)
+        the pages wait for its drain ACK, and its channel is kept so the ABORTs reach it.
+        """
+        session = self._writer_sessions.get(peer)
+        if session is None or not self.transport.fence_is_real:
+            why = ("its transport session is unknown" if session is None
+                   else "the transport has no receiver-side fence")  # fmt: skip
+            log.warning("writer_not_fenced", endpoint=host.endpoint_id, writer=peer_key(peer),
+                        reason=f"{why}; its pages stay quarantined until its drain ACK")
+            return
         self._channels[host.rank].forget(peer.address)
         self._kv_sent.discard((host.rank, peer))
-        session = self._writer_sessions.get(peer)
-        if session is not None:
-            await self.transport.close_session(session)
+        await self.transport.fence(session)
         self.runtime.events.publish(WriterFenced(host.rank, peer))
         await host.feed(SessionClosed(peer))
 

@@ -1,6 +1,7 @@
 """Transports move bytes between registered buffers of engines: in-process or Mooncake."""
 
 from pdflow.transport.base import (
+    FenceUnavailableError,
     InvalidWriteError,
     RegistrationError,
     TransferOutcome,
@@ -13,6 +14,7 @@ from pdflow.transport.inprocess import InProcessFabric, InProcessTransport, Writ
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 __all__ = [
+    "FenceUnavailableError",
     "InProcessFabric",
     "InProcessTransport",
     "InvalidWriteError",

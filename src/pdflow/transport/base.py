@@ -69,6 +69,10 @@ class TransportClosedError(TransportError):
     """The transport was closed with `aclose()`; create a new one."""
 
 
+class FenceUnavailableError(TransportError):
+    """`fence` was called on a transport whose receiver-side fence is not real."""
+
+
 class Transport(abc.ABC):
     """Abstract async transport between engines addressed by session ids.
 
@@ -99,7 +103,26 @@ class Transport(abc.ABC):
 
     @abc.abstractmethod
     async def close_session(self, peer_session_id: str) -> None:
-        """Fence the peer: when this returns, no write to it issued before can still land."""
+        """Sender side: when this returns, no write *this* transport issued to the peer earlier
+        can still land there. It says nothing about the peer's writes into this process."""
+
+    @property
+    @abc.abstractmethod
+    def fence_is_real(self) -> bool:
+        """Whether `fence` is enforced on the receiving side by this transport.
+
+        Where it is False, nothing this process can do stops a peer's in-flight write from
+        landing here, so a caller must never treat a peer as fenced: the pages it may write
+        stay quarantined until the writer itself proves it is done (its drain ACK).
+        """
+
+    @abc.abstractmethod
+    async def fence(self, peer_session_id: str) -> None:
+        """Receiver side: once this returns, no byte of any write by the peer, in flight now or
+        issued later, can land in this process's memory. Permanent for that session id.
+
+        Raises `FenceUnavailableError` where `fence_is_real` is False.
+        """
 
     @abc.abstractmethod
     async def aclose(self) -> None:

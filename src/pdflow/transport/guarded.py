@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import NamedTuple
 
 from pdflow.transport.base import (
+    FenceUnavailableError,
     InvalidWriteError,
     RegistrationError,
     TransferOutcome,
@@ -73,6 +74,10 @@ class GuardedTransport(Transport):
     @abc.abstractmethod
     async def _engine_shutdown(self) -> None:
         """Release the engine; called once, after every write has finished."""
+
+    def _engine_fence(self, peer: str) -> None:
+        """Refuse, from now on, every landing here of the peer's writes (if `fence_is_real`)."""
+        raise FenceUnavailableError(f"{type(self).__name__} has no receiver-side fence")
 
     # -- public contract -----------------------------------------------------------------
 
@@ -134,6 +139,16 @@ class GuardedTransport(Transport):
             self._closing_peers[peer_session_id] -= 1
             if not self._closing_peers[peer_session_id]:
                 del self._closing_peers[peer_session_id]
+
+    async def fence(self, peer_session_id: str) -> None:
+        self._check_open()
+        if not self.fence_is_real:
+            raise FenceUnavailableError(
+                f"{type(self).__name__} cannot stop writes from {peer_session_id} landing in "
+                "this process (fence_is_real is False); keep that writer's pages quarantined "
+                "until its drain ACK"
+            )
+        self._engine_fence(peer_session_id)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -6,8 +6,10 @@ the whole batch cleanly instead of corrupting memory. The fabric also carries th
 hooks (`fail_next_writes`, `hold_writes`); nothing else injects faults.
 
 Fencing: the copy itself runs synchronously on the event loop, so a write is either finished
-or not started; the only way a write can be "in flight" is while it waits on a test hold, and
-`close_session` waits for those.
+or not started; the only way a write can be "in flight" is while it waits on a test hold.
+`close_session` (sender side) waits for those. `fence` (receiver side) is real: the fabric
+records (receiver, writer) and checks it when a write lands, after any hold, so a fenced
+writer's write that was already in flight is refused when it is released.
 """
 
 from __future__ import annotations
@@ -59,11 +61,15 @@ class WriteHold:
 class InProcessFabric:
     """Registry of in-process engines, addressed by session ids "inproc:N"."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, receiver_fence: bool = True) -> None:
+        # receiver_fence=False models a transport that cannot fence on the receiving side
+        # (Mooncake today), so a node's quarantine-until-ACK path runs without one.
+        self.receiver_fence = receiver_fence
         self._engines: dict[str, InProcessTransport] = {}
         self._numbers = itertools.count(1)
         self._failures: dict[str, _FailurePlan] = {}
         self._holds: dict[str, WriteHold] = {}
+        self._fenced: set[tuple[str, str]] = set()  # (receiver, writer)
 
     def create_transport(self) -> InProcessTransport:
         session_id = f"inproc:{next(self._numbers)}"
@@ -76,6 +82,12 @@ class InProcessFabric:
 
     def _remove(self, session_id: str) -> None:
         self._engines.pop(session_id, None)
+
+    def _fence(self, receiver: str, writer: str) -> None:
+        self._fenced.add((receiver, writer))
+
+    def _is_fenced(self, receiver: str, writer: str) -> bool:
+        return (receiver, writer) in self._fenced
 
     # -- test hooks ----------------------------------------------------------------------
 
@@ -127,6 +139,10 @@ class InProcessTransport(GuardedTransport):
     def session_id(self) -> str:
         return self._session_id
 
+    @property
+    def fence_is_real(self) -> bool:
+        return self._fabric.receiver_fence
+
     def accepts(self, addr: int, length: int) -> bool:
         """Whether `[addr, addr+length)` lies inside one buffer registered here."""
         return self._regions.covers(addr, length)
@@ -137,6 +153,9 @@ class InProcessTransport(GuardedTransport):
     def _engine_unregister(self, addr: int) -> None:
         """Nothing to tell an engine: the fabric reads the region table directly."""
 
+    def _engine_fence(self, peer: str) -> None:
+        self._fabric._fence(receiver=self._session_id, writer=peer)
+
     async def _engine_write(self, peer: str, writes: Sequence[CheckedWrite]) -> TransferOutcome:
         hold = self._fabric._holds.get(peer)
         if hold is not None:
@@ -144,6 +163,10 @@ class InProcessTransport(GuardedTransport):
         target = self._fabric.engine(peer)
         if target is None:
             return _failed(f"no in-process engine has session id {peer} (never created or closed)")
+        # Checked at landing time, after any hold: a write in flight when its receiver fenced
+        # this writer must not land.
+        if self._fabric._is_fenced(receiver=peer, writer=self._session_id):
+            return _failed(f"{peer} fenced writes from {self._session_id}; nothing was written")
         for index, write in enumerate(writes):
             if not target.accepts(write.dst_addr, write.length):
                 return _failed(

@@ -13,6 +13,17 @@ per call. Why not one `batch_transfer_sync_write` per batch:
 
 Engine calls block, so they run in worker threads under a `CapacityLimiter`. A worker is never
 abandoned on cancellation: cancelling `batch_write` waits for the engine to settle its ops.
+
+No receiver-side fence (`fence_is_real` is False). Over TCP the receiving engine checks a
+request's destination range against its registered buffers once, when the request header
+arrives (`ServerSession::readHeader` calls `validateTcpAddress`), then streams the body straight
+into that memory in `MC_TCP_SLICE_SIZE` (64 KiB) reads with no further check
+(`ServerSession::readBody`, tcp_transport_session_impl.h). The server keeps no table of its
+sessions, the header names no sender, and the Python binding has no call that drops a peer's
+connections or removes its endpoint. So unregistering a buffer refuses only requests whose
+header arrives later, and a paused writer's accepted request lands when it resumes
+(tests/integration/test_mooncake_transport.py shows it). Over RDMA the mechanism exists in the
+engine (docs/operations.md, "Fencing a dead writer") but the binding does not expose it.
 """
 
 from __future__ import annotations
@@ -105,6 +116,11 @@ class MooncakeTransport(GuardedTransport):
     @property
     def config(self) -> MooncakeConfig:
         return self._config
+
+    @property
+    def fence_is_real(self) -> bool:
+        """False: nothing reachable from here stops a peer's accepted write (module docstring)."""
+        return False
 
     def _engine_register(self, addr: int, length: int) -> None:
         status = self._engine.register_memory(addr, length)

@@ -137,7 +137,8 @@ class NeedTopology(Output, frozen=True, tag="need_topology"):
 
 
 class CloseSession(Output, frozen=True, tag="close_session"):
-    """Close the transport session to this dead writer, then report SessionClosed."""
+    """Fence this dead writer on the receiving side, then report SessionClosed; where the
+    transport's fence is not real, report nothing (its pages wait for the drain ACK)."""
 
     peer: PeerId
 

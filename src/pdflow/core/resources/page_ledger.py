@@ -3,8 +3,9 @@
 A page is FREE, RESERVED by one room instance ``(room, generation)``, or QUARANTINED by a fenced
 room. A room that failed after publishing its pages is fenced: each prefill rank that may still
 write into them (a *writer*) must be cleared first, by its drain ACK, or by being declared dead
-*and* having its transport session closed (then no write can land). No timeout ever frees a
-quarantined page; :meth:`PageLedger.report` shows how long each has been held instead, and
+*and* fenced on the decode's receiving side (SessionClosed: then no write can land). Neither a
+heartbeat verdict alone (WriterDead) nor a timeout ever frees a quarantined page;
+:meth:`PageLedger.report` shows how long each has been held instead, and
 :attr:`PageLedger.allocatable` leaves quarantined pages out so admission sees the smaller pool.
 
 Each room instance is a table machine (``[machines.PageLedger]`` in spec/machines/page_ledger.toml);
@@ -79,10 +80,13 @@ class WriterDead(Input, frozen=True, tag="WriterDead"):
 
 
 class SessionClosed(Input, frozen=True, tag="SessionClosed"):
-    """The shell closed this writer's transport session: nothing it sends can land any more.
+    """The shell fenced this writer on the decode's own receiving side: nothing it sent or
+    sends can land any more.
 
-    The shell never reopens a session for a PeerId it closed (a restarted process has a new
-    incarnation, hence a new PeerId), so the fact is permanent.
+    Handed over only once a transport whose fence is real returned from ``fence``; where the
+    transport has none, the shell never sends it and the writer's pages wait for its drain
+    ACK. The fence is permanent for the PeerId (a restarted process has a new incarnation,
+    hence a new PeerId), so the fact is permanent.
     """
 
     writer: PeerId
