@@ -35,6 +35,7 @@ pytestmark = pytest.mark.integration
 TOKEN = "s3cret"
 INCARNATION = "X-Pdflow-Incarnation"
 TOPOLOGY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+JSON = {"Content-Type": "application/json"}
 FAST = RetryPolicy(attempts=40, base_s=0.01, cap_s=0.05)
 
 
@@ -183,7 +184,7 @@ async def test_oversized_bodies_get_413() -> None:
             for _ in range(8):
                 yield b" " * 200
 
-        response = await http.put("/route", content=chunks())
+        response = await http.put("/route", content=chunks(), headers=JSON)
         expect(response, 413)
         assert "limit of 1024 bytes" in response.text
         assert server.registry.snapshot().first is None
@@ -220,7 +221,7 @@ async def test_malformed_requests_get_400_and_change_nothing() -> None:
         expect(await http.put("/route", json=sglang_body(0, 40001)), 200, "OK")
         for method, path, request_kw, needle in MALFORMED:
             before = server.registry.snapshot()
-            response = await http.request(method, path, **request_kw)
+            response = await http.request(method, path, headers=JSON, **request_kw)
             assert (response.status_code, needle in response.text) == (400, True), (
                 f"{method} {path} {request_kw}: {response.status_code} {response.text}")
             assert server.registry.snapshot() == before, f"{method} {path} changed the registry"

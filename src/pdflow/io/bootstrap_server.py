@@ -4,7 +4,10 @@ This module only parses requests into registry inputs and serialises the registr
 passes ``now`` from a monotonic clock and the token from the request headers. Routes, fields,
 texts and status codes follow SGLang's bootstrap server, so either side's clients work against
 the other's server. Differences: readiness counts distinct ranks, and a malformed request gets
-400 with a message saying what is wrong (SGLang answers 500).
+400 with a message saying what is wrong (SGLang answers 500): a body nested deeper than
+``MAX_JSON_DEPTH`` is refused before decoding, one without ``Content-Type: application/json``
+gets 415 (SGLang's clients always send it), and a handler failure is answered with a 500 that
+keeps the connection open instead of escaping to uvicorn.
 
 uvicorn runs on asyncio, so :func:`serve` needs anyio's asyncio backend.
 """
@@ -41,6 +44,7 @@ from pdflow.core.cluster.registry import (
     route_query,
 )
 from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.io.json_guard import JSON_MEDIA_TYPE, MAX_JSON_DEPTH, is_json, nesting_depth
 
 DEFAULT_MAX_BODY = 64 * 1024
 DEFAULT_TICK_INTERVAL_S = 5.0
@@ -96,7 +100,13 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 async def _json_object(request: Request, limit: int) -> dict[str, Any]:
+    if not is_json(request.headers.get("content-type")):
+        shown = request.headers.get("content-type", "none")[:100]
+        raise _Refusal(415, f"Unsupported Media Type: the body must be JSON sent with "
+                            f"Content-Type: {JSON_MEDIA_TYPE} (got {shown})")
     body = await _read_body(request, limit)
+    if nesting_depth(body) > MAX_JSON_DEPTH:
+        raise _Refusal(400, f"Malformed JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     try:
         payload = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
@@ -174,9 +184,13 @@ def build_app(
         async def endpoint(request: Request) -> Response:
             try:
                 inp = await parse(request)
+                reply = registry.reply_to(inp, clock())
             except _Refusal as refusal:
                 return PlainTextResponse(refusal.text, status_code=refusal.status)
-            reply = registry.reply_to(inp, clock())
+            except Exception:  # a bug: answer it here, so uvicorn keeps the connection
+                log.exception("bootstrap_handler_failed", path=request.url.path)
+                return PlainTextResponse("Internal error in the bootstrap server; see its log",
+                                         status_code=500)
             if reply.status == 409:
                 log.warning("registration_superseded", detail=str(reply.body)[:300])
             return response_of(reply)
