@@ -1,4 +1,5 @@
-"""Real Mooncake Transfer Engine over TCP on loopback: two processes, and two engines in one."""
+"""Real Mooncake Transfer Engine over TCP on loopback: two processes, and two engines in one;
+and why it has no receiver-side fence."""
 
 from __future__ import annotations
 
@@ -9,15 +10,18 @@ import os
 import signal
 import sys
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import NamedTuple
 
 import anyio
+import numpy as np
 import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from pdflow.transport import (
+    FenceUnavailableError,
     InvalidWriteError,
     MooncakeConfig,
     MooncakeTransport,
@@ -82,11 +86,11 @@ class RemoteReceiver:
         return (await self.command(f"sha256 {offset} {length}"))["sha256"]
 
 
-@pytest.fixture
-async def receiver() -> AsyncIterator[RemoteReceiver]:
+@asynccontextmanager
+async def remote_peer(size: int, fill: int = 0) -> AsyncIterator[RemoteReceiver]:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     process = await anyio.open_process(
-        [sys.executable, str(RECEIVER_SCRIPT), "--size", str(REMOTE_SIZE)], env=env
+        [sys.executable, str(RECEIVER_SCRIPT), "--size", str(size), "--fill", str(fill)], env=env
     )
     assert process.stdout is not None
     remote = RemoteReceiver(process, BufferedByteReceiveStream(process.stdout))
@@ -100,6 +104,12 @@ async def receiver() -> AsyncIterator[RemoteReceiver]:
             process.kill()
         with anyio.fail_after(10):
             await process.wait()
+
+
+@pytest.fixture
+async def receiver() -> AsyncIterator[RemoteReceiver]:
+    async with remote_peer(REMOTE_SIZE) as remote:
+        yield remote
 
 
 @pytest.fixture
@@ -171,6 +181,48 @@ async def test_two_processes_killed_peer_fails_without_hanging(
         await transport.close_session(receiver.session_id)
     assert not outcome.ok and outcome.error is not None
     await transport.aclose()
+
+
+def landed_bytes(memory: ctypes.Array[ctypes.c_char]) -> int:
+    """Bytes that are no longer the zero canary."""
+    return int(np.count_nonzero(np.frombuffer(memory, dtype=np.uint8)))
+
+
+async def test_two_processes_an_accepted_write_lands_after_the_receiver_unregisters() -> None:
+    """Why MooncakeTransport.fence_is_real is False: over TCP the receiver checks a request's
+    destination once, when its header arrives, so a writer paused mid-request still lands the
+    rest when it resumes, into memory the receiver unregistered while it was paused."""
+    size = 256 << 20
+    memory = ctypes.create_string_buffer(size)
+    addr = ctypes.addressof(memory)
+    config = MooncakeConfig(host="127.0.0.1", protocol="tcp")
+    async with MooncakeTransport.open(config) as receiving, remote_peer(size, 0xAB) as writer:
+        receiving.register_buffer(addr, size)
+        assert not receiving.fence_is_real
+        with pytest.raises(FenceUnavailableError, match="drain ACK"):
+            await receiving.fence(writer.session_id)
+        assert writer.process.stdin is not None
+        await writer.process.stdin.send(f"write {receiving.session_id} {addr} {size}\n".encode())
+        with anyio.fail_after(30):
+            while ctypes.string_at(addr, 1) == b"\0":
+                await anyio.sleep(0.0002)
+        writer.process.send_signal(signal.SIGSTOP)
+        receiving.unregister_buffer(addr)
+        await anyio.sleep(0.3)  # what was already in the socket buffers is read meanwhile
+        at_pause = landed_bytes(memory)
+        await anyio.sleep(0.3)
+        assert landed_bytes(memory) == at_pause, "a paused writer moved bytes"
+        assert at_pause < size, "the write finished before the writer could be paused"
+        writer.process.send_signal(signal.SIGCONT)
+        result = await writer.read_reply()
+        assert result["ok"] is True, result
+        assert landed_bytes(memory) == size, "the rest of the accepted write landed late"
+        # A request whose header arrives after the unregister is refused and lands nothing.
+        ctypes.memset(addr, 0, 4096)
+        refused = await writer.command(f"write {receiving.session_id} {addr} 4096")
+        assert refused["ok"] is False, refused
+        assert landed_bytes(memory) == size - 4096
+        print(f"late bytes landed after unregister: {size - at_pause} of {size}")
 
 
 @pytest.fixture
