@@ -20,7 +20,13 @@ from pdflow.core.protocol.inputs import (
     Tick,
 )
 from pdflow.core.protocol.messages import AbortAck, BootstrapRequest, RoomMetadata, StatusReport
-from pdflow.core.protocol.outputs import ArmFence, SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.outputs import (
+    ArmFence,
+    SendMessage,
+    StartTransfer,
+    StatusChanged,
+    VerifyChecksums,
+)
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.core.rooms.receiver_room import ReceiverState
 from pdflow.core.rooms.sender_room import SenderState
@@ -215,6 +221,32 @@ def test_checksum_mismatch_fails_closed() -> None:
     assert receiver.poll is KVPoll.Transferring, "Success waits for verification"
     receiver.handle(ChecksumResult(False, "page 101 differs"), 1.1)
     assert receiver.poll is KVPoll.Failed and "page 101 differs" in receiver.reason
+
+
+def test_finding3_missing_checksum_fails_closed() -> None:
+    """Issue 12, finding 3: with the decode's checksum on and a writer sending none, the room
+    used to end Success unverified (the writer was left out of the verification)."""
+    receiver = new_receiver(require=True)
+    receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
+    receiver.handle(PUBLISH, 0.0)
+    assert receiver.handle(SuccessArrived(PREFILL, 1234), 1.0).outputs == ()
+    step = receiver.handle(SuccessArrived(PREFILL_B), 1.1)
+    assert receiver.poll is KVPoll.Failed
+    assert not any(isinstance(o, VerifyChecksums) for o in step.outputs)
+    assert receiver.reason.startswith("KV checksum missing")
+    assert f"{PREFILL_B.address}#{PREFILL_B.rank}" in receiver.reason
+    assert f"{PREFILL.address}#{PREFILL.rank}" not in receiver.reason
+    assert "PDFLOW_CHECKSUM=1" in receiver.reason
+
+
+def test_staged_room_without_required_checksums_still_verifies_what_it_got() -> None:
+    receiver = new_receiver(verify=True)
+    receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
+    receiver.handle(PUBLISH, 0.0)
+    receiver.handle(SuccessArrived(PREFILL, 1234), 1.0)
+    (verify,) = receiver.handle(SuccessArrived(PREFILL_B), 1.1).outputs
+    assert isinstance(verify, VerifyChecksums) and verify.expected == ((PREFILL, 1234),)
+    assert receiver.state is ReceiverState.VERIFYING
 
 
 # ---- abort with drain --------------------------------------------------------------------------

@@ -18,6 +18,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from pdflow.core.cluster.registry import declared_checksum
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
@@ -337,11 +338,13 @@ class DecodeNode(NodeLifecycle):
                                pp=server.pp_size, dp=server.dp_size)  # fmt: skip
         total_heads = self.rank_kv[0].total_kv_heads
         ranks = []
+        answers = []
         for dp in range(server.dp_size):
             for cp in range(server.attn_cp_size):
                 for tp in range(server.attn_tp_size):
                     for pp in range(server.pp_size):
                         found = await client.get_rank(dp, cp, tp, pp)
+                        answers.append(found)
                         unique = prefill_unique_rank(parallel, tp_rank=tp, pp_rank=pp, cp_rank=cp)
                         peer = PeerId(f"{found.rank_ip}:{found.rank_port}",
                                       found.incarnation or "", unique)  # fmt: skip
@@ -355,6 +358,7 @@ class DecodeNode(NodeLifecycle):
             kv_cache_dtype=server.kv_cache_dtype, policy=server.decode_allocation_policy,
             ranks=tuple(ranks), is_mla=self.is_mla,
             follow_bootstrap_room=server.follow_bootstrap_room,
+            checksum=declared_checksum(answers),
         )  # fmt: skip
 
     # ---- heartbeat -----------------------------------------------------------------------------

@@ -241,7 +241,7 @@ def _report(world: World, wid: int, ok: bool, reason: str) -> None:
     process = world.writer_process(write)
     if process is None:
         return
-    checksum = write.checksum if ok else None
+    checksum = write.checksum if ok and world.shape.prefill_checksums else None
     done = TransferCompleted(write.room, write.generation, write.seq, ok, reason, checksum)
     world.feed(process, done)
 

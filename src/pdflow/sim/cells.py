@@ -132,10 +132,12 @@ def sender_samples(room: SenderRoom) -> dict[str, list[Input]]:
 
 
 def new_receiver(
-    policy: AllocationPolicy = AllocationPolicy.EARLY, *, verify: bool = False, now: float = 0.0
+    policy: AllocationPolicy = AllocationPolicy.EARLY, *, verify: bool = False,
+    require: bool = False, now: float = 0.0,
 ) -> ReceiverRoom:
     return ReceiverRoom(ROOM, GEN, DECODE, now, policy=policy, timeouts=TIMEOUTS,
-                        verify_checksums=verify, session_id=SESSION)
+                        verify_checksums=verify, require_checksums=require,
+                        session_id=SESSION)
 
 
 def resolved(*peers: PeerId, required: int | None = None) -> PeersResolved:
@@ -206,6 +208,10 @@ def room_cell_coverage() -> Counter[Transition]:
     for seq in sorted(sender.outstanding):
         _record(reached, sender.fire(completed(seq), 2.0)[1])
     _record(reached, sender.fire(AbortRequested("engine gave up"), 2.0)[1])
+    # A decode that requires checksums, and a writer that sent none.
+    receiver = new_receiver(require=True)
+    for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
+        _record(reached, receiver.fire(inp, 2.0)[1])
     return reached
 
 

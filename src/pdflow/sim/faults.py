@@ -35,6 +35,10 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     source_pages: int
     bootstrap_timeout: float
     waiting_timeout: float
+    prefill_checksums: bool = True
+    """The prefill sends a KV checksum with each Success (its PDFLOW_CHECKSUM)."""
+    prefill_declares_checksums: bool = True
+    """Its registration says whether it does (False: it does not say, as SGLang's)."""
 
     @property
     def prefill_ranks(self) -> int:
@@ -167,11 +171,18 @@ def draw_plan(seed: int) -> FaultPlan:
     weights["advance"] = rng.choice((0.3, 0.6, 1.0))
     if not shape.verify_checksums:
         weights["write_corrupt"] = 0.0  # silent corruption is undetectable without checksums
+    reorder = rng.random() < 0.5
+    max_open = rng.choice((2, 4, 6))
+    room_reuse = rng.random() < 0.6
+    # Drawn last, so the rest of every earlier seed's plan is unchanged.
+    shape = msgspec.structs.replace(
+        shape, prefill_checksums=rng.random() < 0.7, prefill_declares_checksums=rng.random() < 0.5
+    )
     return FaultPlan(
         seed=seed,
         shape=shape,
         weights=weights,
-        reorder_within_link=rng.random() < 0.5,
-        max_open_requests=rng.choice((2, 4, 6)),
-        room_reuse=rng.random() < 0.6,
+        reorder_within_link=reorder,
+        max_open_requests=max_open,
+        room_reuse=room_reuse,
     )

@@ -45,6 +45,8 @@ INVARIANTS = (
     "admission_no_deadlock",
     "no_early_timeout",
     "lost_instance_fails_rooms",
+    "checksums_fail_closed",
+    "registry_ordered",
 )
 
 
@@ -211,6 +213,12 @@ class Monitor:
         job = process.jobs[room_id]
         gen = room.generation
         writers = self.world.writers_of(process.rank, room_id)
+        unverified = [p.address for p, checksum in room.succeeded.items() if checksum is None]
+        if process.endpoint.config.verify_checksums and unverified:
+            self.fail(
+                f"{process.name}: room {room_id}/{gen} succeeded unverified: checksums are "
+                f"required but {unverified} sent none"
+            )
         if len(room.succeeded) < len(writers):
             self.fail(
                 f"{process.name}: room {room_id}/{gen} succeeded with "

@@ -25,6 +25,7 @@ from pdflow.core.cluster.registry import (
     QueryTopology,
     RegisterRank,
     Registry,
+    declared_checksum,
 )
 from pdflow.core.cluster.topology import (
     AttentionKind,
@@ -137,6 +138,8 @@ class World:
         segments = self.shape.prefill_tp * self.shape.prefill_cp * self.shape.prefill_pp
         self.transport = FakeTransport(segments, self.shape.decode_pages, self._owner_of)
         self.registry = Registry()
+        self.registrations: list[RegisterRank] = []
+        """Every prefill registration sent, in order (a dead life's may be retried late)."""
         self.prefill_life = 0
         self.prefill_incarnation = ""
         self.prefill: list[PrefillProcess] = []
@@ -184,27 +187,29 @@ class World:
 
     def _register(self, rank: int) -> None:
         c = self.prefill_coords[rank]
-        reply = self.registry.reply_to(
-            RegisterRank(
-                attn_tp_size=self.shape.prefill_tp,
-                attn_tp_rank=c.tp,
-                attn_cp_size=self.shape.prefill_cp,
-                attn_cp_rank=c.cp,
-                attn_dp_size=self.shape.prefill_dp,
-                attn_dp_rank=c.dp,
-                pp_size=self.shape.prefill_pp,
-                pp_rank=c.pp,
-                system_dp_size=1,
-                system_dp_rank=0,
-                rank_ip=PREFILL_IP,
-                rank_port=PREFILL_PORT + rank,
-                page_size=self.shape.page_tokens,
-                kv_cache_dtype=KV_DTYPE,
-                decode_allocation_policy=self.shape.policy,
-                incarnation=self.prefill_incarnation,
-            ),
-            self.clock.now,
+        declared = self.shape.prefill_checksums if self.shape.prefill_declares_checksums else None
+        registration = RegisterRank(
+            attn_tp_size=self.shape.prefill_tp,
+            attn_tp_rank=c.tp,
+            attn_cp_size=self.shape.prefill_cp,
+            attn_cp_rank=c.cp,
+            attn_dp_size=self.shape.prefill_dp,
+            attn_dp_rank=c.dp,
+            pp_size=self.shape.prefill_pp,
+            pp_rank=c.pp,
+            system_dp_size=1,
+            system_dp_rank=0,
+            rank_ip=PREFILL_IP,
+            rank_port=PREFILL_PORT + rank,
+            page_size=self.shape.page_tokens,
+            kv_cache_dtype=KV_DTYPE,
+            decode_allocation_policy=self.shape.policy,
+            incarnation=self.prefill_incarnation,
+            started_at=self.clock.now,
+            checksum=declared,
         )
+        self.registrations.append(registration)
+        reply = self.registry.reply_to(registration, self.clock.now)
         if reply.status != 200:
             raise RuntimeError(f"the registry refused prefill rank {rank}: {reply.body}")
 
@@ -288,9 +293,16 @@ class World:
             return TopologyFailed(BOOTSTRAP, f"registry answered {reply.status}: {reply.body}")
         server = msgspec.convert(reply.body, PrefillServerInfo)
         ranks = []
+        answers = []
         for c in self.prefill_coords:
             answer = self.registry.reply_to(QueryRank(c.dp, c.cp, c.tp, c.pp), self.clock.now)
             info = msgspec.convert(answer.body, PrefillRankInfo)
+            answers.append(info)
+            if info.incarnation != self.prefill_incarnation:
+                self.monitor.fail(
+                    f"the registry names incarnation {info.incarnation} for prefill rank {c}, "
+                    f"superseded by {self.prefill_incarnation}"
+                )
             port = info.rank_port
             peer = PeerId(f"{info.rank_ip}:{port}", info.incarnation or "", port - PREFILL_PORT)
             ranks.append(RegisteredPrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer))
@@ -308,6 +320,7 @@ class World:
                 ranks=tuple(ranks),
                 is_mla=self.shape.is_mla,
                 follow_bootstrap_room=server.follow_bootstrap_room,
+                checksum=declared_checksum(answers),
             )
         )
 

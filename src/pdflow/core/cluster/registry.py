@@ -8,12 +8,12 @@ never counted twice), then answers topology and rank queries. A refused registra
 malformed, inconsistent with the first one, or from a superseded incarnation) changes nothing.
 
 Registrations are ordered: pdflow's prefill sends its process start time (``started_at``,
-read by the shell) with its incarnation, and ``(started_at, incarnation)`` orders two process
-lives of one rank. Once a rank is held by a newer incarnation, the older one is *superseded*:
-each later registration from it gets 409 and changes nothing, so a dead process retrying a
-late PUT can never take its rank back. SGLang's prefill sends neither field; its
-registrations replace their rank as before. See spec/machines/registry.toml and ``[registry]``
-in spec/protocol.toml.
+read by the shell) with its incarnation. A registration that started before the incarnation
+holding its rank is refused, and once a rank is taken over by another incarnation, the one it
+replaced is *superseded*: each later registration from it gets 409 and changes nothing, so a
+dead process retrying a late PUT can never take its rank back. SGLang's prefill sends neither
+field; its registrations replace their rank as before. See spec/machines/registry.toml and
+``[registry]`` in spec/protocol.toml.
 """
 
 from __future__ import annotations
@@ -21,6 +21,7 @@ from __future__ import annotations
 import enum
 import hmac
 import math
+from collections.abc import Iterable
 from typing import Any, cast
 
 import msgspec
@@ -71,18 +72,11 @@ class RegisterRank(Input, frozen=True, tag="RegisterRank"):
     protocol_version: int | None = None
     started_at: float | None = None
     """When this process life began (seconds since the Unix epoch, from the prefill's clock):
-    with the incarnation, the order of two registrations of one rank. Optional (SGLang)."""
+    the order of two process lives of one rank. Optional (SGLang sends none)."""
     checksum: bool | None = None
     """Whether this prefill sends KV checksums with its Success reports; None: not declared."""
     token: str | None = None
     """From the HTTP header, never from the body."""
-
-    @property
-    def order(self) -> tuple[float, str] | None:
-        """Comparable across process lives of a rank; None when the registration has none."""
-        if self.started_at is None or self.incarnation is None:
-            return None
-        return (self.started_at, self.incarnation)
 
     @property
     def dp_size(self) -> int:
@@ -131,6 +125,13 @@ class QueryDpRanks(Input, frozen=True, tag="QueryDpRanks"):
 
 class CheckHealth(Input, frozen=True, tag="CheckHealth"):
     """``GET /health``: the decode's heartbeat."""
+
+
+def declared_checksum(ranks: Iterable[PrefillRankInfo]) -> bool | None:
+    """The prefill instance's checksum setting from its rank answers: None unless every rank
+    declared the same one (the registry keeps declared settings consistent)."""
+    declared = {rank.checksum for rank in ranks}
+    return declared.pop() if len(declared) == 1 else None
 
 
 def route_query(dp: int, cp: int, tp: int, pp: int) -> QueryTopology | QueryRank:
@@ -522,12 +523,11 @@ class Registry(TableMachine[RegistryState]):
                 "and must stop (a restarted prefill registers with a new incarnation)"
             )
         held = self.ranks.get(reg.rank_key)
-        mine = reg.order
-        if held is None or held.incarnation == reg.incarnation or mine is None:
+        if held is None or held.incarnation == reg.incarnation:
             return None
-        if held.started_at is None or held.incarnation is None:
-            return None
-        if mine < (held.started_at, held.incarnation):
+        if reg.started_at is not None and held.started_at is not None and (
+            reg.started_at < held.started_at
+        ):
             return (
                 f"Superseded registration: incarnation {reg.incarnation} (started_at="
                 f"{reg.started_at!r}) of prefill rank {where} is older than incarnation "

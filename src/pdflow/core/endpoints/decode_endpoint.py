@@ -181,7 +181,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             inp.room, inp.generation, self.me, now,
             policy=cfg.policy, timeouts=cfg.timeouts,
             # A staged room is finished by the shell (scatter, then checksums) before Success.
-            verify_checksums=cfg.verify_checksums or self.staging is not None,
+            verify_checksums=self.staging is not None,
+            require_checksums=cfg.verify_checksums,
             session_id=cfg.session_id or self.me.address,
         )  # fmt: skip
         self.rooms[inp.room] = room
@@ -230,6 +231,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             )
         if info.is_mla != cfg.is_mla:
             return "attention kind mismatch (MLA on one side only)"
+        if cfg.verify_checksums and info.checksum is False:
+            return (
+                f"checksum mismatch: this decode requires KV checksums but the prefill at "
+                f"{info.bootstrap} registered without them; set PDFLOW_CHECKSUM=1 on the "
+                "prefill too, or turn it off on the decode"
+            )
         return ""
 
     def _fail_waiting(

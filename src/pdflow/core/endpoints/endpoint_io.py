@@ -87,6 +87,8 @@ class PrefillInfo(msgspec.Struct, frozen=True):
     ranks: tuple[RegisteredPrefillRank, ...]
     is_mla: bool = False
     follow_bootstrap_room: bool = True
+    checksum: bool | None = None
+    """Whether the prefill registered as sending KV checksums; None: it did not say (SGLang)."""
 
 
 class OpenReceiver(EndpointInput, frozen=True, tag="OpenReceiver"):

@@ -111,6 +111,8 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
             guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
         row(_R.AWAITING_PAGES, Tick, _R.AWAITING_PAGES),
         # -- TRANSFERRING: pages published, writers may be landing -------------------------------
+        row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
+            guard="completes_without_checksum", emits=[_CHANGED], action="fail_unverified"),
         row(_R.TRANSFERRING, SuccessArrived, _R.VERIFYING,
             guard="completes_with_checksums", emits=["verify_checksums"], action="verify"),
         row(_R.TRANSFERRING, SuccessArrived, _R.SUCCESS,
@@ -165,6 +167,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         policy: AllocationPolicy = AllocationPolicy.EARLY,
         timeouts: Timeouts = Timeouts(),  # noqa: B008 - immutable
         verify_checksums: bool = False,
+        require_checksums: bool = False,
         session_id: str = "",
     ) -> None:
         self.key = room
@@ -172,7 +175,10 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.me = me
         self.policy = policy
         self.timeouts = timeouts
-        self.verify_checksums = verify_checksums
+        # Verifying finishes the data (staging scatter, then any checksums); requiring them
+        # fails the room closed when a writer sent none (the decode's checksum setting).
+        self.verify_checksums = verify_checksums or require_checksums
+        self.require_checksums = require_checksums
         self.session_id = session_id
         """The decode rank's transport session, where the prefill writes."""
         self.staging_offset: int | None = None
@@ -251,6 +257,13 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             distinct = len(self.succeeded)
         return distinct >= self.required_responses
 
+    def _guard_completes_without_checksum(self, inp: Input, now: float) -> bool:
+        return (
+            self.require_checksums
+            and self._completes(inp)
+            and bool(self._unchecksummed(cast(SuccessArrived, inp)))
+        )
+
     def _guard_completes_with_checksums(self, inp: Input, now: float) -> bool:
         return self.verify_checksums and self._completes(inp)
 
@@ -326,6 +339,16 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         )
         return [VerifyChecksums(self.key, self.generation, expected)]
 
+    def _act_fail_unverified(self, inp: Input, now: float) -> list[Output]:
+        missing = self._unchecksummed(cast(SuccessArrived, inp))
+        self._act_count_success(inp, now)
+        names = ", ".join(f"{p.address}#{p.rank}" for p in missing)
+        self.reason = (
+            f"KV checksum missing: this decode requires checksums but prefill {names} sent "
+            "none; turn checksums on at the prefill (PDFLOW_CHECKSUM=1) or off at the decode"
+        )
+        return []
+
     def _act_fail(self, inp: Input, now: float) -> list[Output]:
         self.reason = _reason_of(inp)
         return []
@@ -357,6 +380,13 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return []
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _unchecksummed(self, success: SuccessArrived) -> list[PeerId]:
+        """Writers whose Success (counting this one) carried no checksum."""
+        reported = dict(self.succeeded)
+        if success.prefill in self.writers:
+            reported.setdefault(success.prefill, success.checksum)
+        return [peer for peer, checksum in reported.items() if checksum is None]
+
     def _fence_then_abort(self) -> list[Output]:
         # The fence is armed before any ABORT leaves, so an early ACK can never be missed.
         fence: list[Output] = [ArmFence(self.key, self.generation, self.writers)]
