@@ -1,5 +1,6 @@
 """Test harness for nodes: a prefill subprocess driven over stdin, and an in-test decode engine
-that allocates pages only from what the node released and checks every byte it received."""
+that allocates pages only from what the node released, checks every byte it received, and keeps
+canary bytes in every free page to catch a write landing after a release."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import os
 import random
 import signal
 import sys
+from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -25,6 +27,7 @@ from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import Settings
 
 sys.path.insert(0, os.path.dirname(__file__))
+from canaries import Canaries
 from node_kv_pattern import GEOMETRY, matches, pages_for
 
 PREFILL_SCRIPT = Path(__file__).with_name("node_prefill_proc.py")
@@ -39,6 +42,7 @@ class PrefillProcess:
         self.ready: dict[str, Any] = {}
         self.rooms: dict[int, list[str]] = {}
         self.room_done: dict[int, anyio.Event] = {}
+        self.counts: Counter[str] = Counter()
 
     async def read_event(self) -> dict[str, Any]:
         line = await self._reader.receive_until(b"\n", 1 << 20)
@@ -51,6 +55,7 @@ class PrefillProcess:
                 event = await self.read_event()
             except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError):
                 return
+            self.counts[event["event"]] += 1
             if event["event"] == "room":
                 self.rooms[event["room"]] = event["results"]
                 self.room_done.setdefault(event["room"], anyio.Event()).set()
@@ -106,16 +111,29 @@ class DecodeEngine:
         self.in_use: list[set[int]] = [set() for _ in node.rank_kv]
         self.freed = [anyio.Event() for _ in node.rank_kv]
         self.events: list[NodeEvent] = []
+        self.quarantined: set[tuple[int, int, int]] = set()  # (rank, room, generation)
         self.verified = 0
         self.corrupt: list[int] = []
+        self.canaries = [Canaries(kv.layout) for kv in node.rank_kv]
+        for canaries in self.canaries:
+            canaries.fill(range(canaries.layout.num_pages))
+        self.landed_while_held: list[tuple[int, int]] = []  # (rank, page)
 
     async def pump(self) -> None:
         async with self.node.subscribe() as stream:
             async for event in stream:
                 self.events.append(event)
+                if isinstance(event, PagesHeld):
+                    self.quarantined.add((event.rank, event.room, event.generation))
                 if isinstance(event, PagesReleased):
                     index = self._index(event.rank)
                     assert self.in_use[index].issuperset(event.pages), event
+                    # What a quarantined room's late writes landed until now landed in a page
+                    # still held; from here on the canary must stay until it is handed out.
+                    if (event.rank, event.room, event.generation) in self.quarantined:
+                        damaged = self.canaries[index].damaged(event.pages)
+                        self.landed_while_held += [(event.rank, page) for page in damaged]
+                    self.canaries[index].fill(event.pages)
                     self.in_use[index].difference_update(event.pages)
                     self.free[index].extend(event.pages)
                     self.freed[index].set()
@@ -171,6 +189,11 @@ class DecodeEngine:
         for rank in ranks:
             await rank.clear(room)
         return "Success" if success else "Failed"
+
+    def written_after_release(self) -> list[tuple[int, int]]:
+        """(rank, page) of every free page whose canary a write has changed."""
+        return [(kv.tp_rank, page) for index, kv in enumerate(self.node.rank_kv)
+                for page in self.canaries[index].damaged(self.free[index])]  # fmt: skip
 
     def leak_report(self) -> list[str]:
         problems = []

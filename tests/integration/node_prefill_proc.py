@@ -6,7 +6,9 @@ Prints ``{"event": "ready", ...}`` once registered, then reads commands from std
 ``{"op": "room", "room": R, "generation": G, "tokens": N, "stall": false}`` runs the prefill side
 of a room on every rank (``stall`` sends only the first chunk and never the last, so the room
 stays mid-transfer); ``{"op": "stats"}`` prints the metrics. Each finished room prints
-``{"event": "room", ...}``.
+``{"event": "room", ...}``. With the option ``"gate_writes": true``, ``{"op": "hold_writes"}``
+makes every later write wait, in flight for the node, until ``{"op": "release_writes"}``; each
+write that starts waiting prints ``{"event": "write_held"}``.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import json
 import logging
 import os
 import sys
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -25,6 +28,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import load_settings
+from pdflow.transport.base import TransferOutcome, WriteOpLike
 from pdflow.transport.mooncake import MooncakeTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -33,6 +37,19 @@ from node_kv_pattern import GEOMETRY, fill, pages_for
 
 def emit(**fields: Any) -> None:
     print(json.dumps(fields), flush=True)
+
+
+class GatedTransport(MooncakeTransport):
+    """Mooncake, except that writes wait while the gate is shut (the node sees them in flight)."""
+
+    shut: anyio.Event | None = None
+
+    async def batch_write(self, peer_session_id: str,
+                          ops: Sequence[WriteOpLike]) -> TransferOutcome:  # fmt: skip
+        if self.shut is not None:
+            emit(event="write_held")
+            await self.shut.wait()
+        return await super().batch_write(peer_session_id, ops)
 
 
 class SourcePages:
@@ -72,6 +89,7 @@ async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: Sour
         if cmd.get("stall"):
             await anyio.sleep_forever()
         await rank.send_chunk(room, pages[split:] if count > 1 else pages, True)
+        emit(event="chunks_sent", room=room, rank=rank.rank)
         final = await rank.wait(room, terminal=True)
         await rank.clear(room)
     finally:
@@ -86,7 +104,7 @@ async def main(options: dict[str, Any]) -> None:
     geometry = {k: v for k, v in GEOMETRY.items()}
     caches = [host_cache_for_rank(tp_size=tp, tp_rank=r, num_pages=num_pages,
                                   dtype=KvDtype.FP16, **geometry) for r in range(tp)]  # fmt: skip
-    transport = MooncakeTransport.open()
+    transport = (GatedTransport if options.get("gate_writes") else MooncakeTransport).open()
     async with transport, PrefillNode(
         ranks=[kv for _, kv in caches], transport=transport, bootstrap=options["bootstrap"],
         settings=settings, serve_bootstrap=options.get("serve_bootstrap", True),
@@ -114,6 +132,12 @@ async def main(options: dict[str, Any]) -> None:
                 cmd = json.loads(line)
                 if cmd["op"] == "room":
                     tasks.start_soon(room, cmd)
+                elif cmd["op"] == "hold_writes" and isinstance(transport, GatedTransport):
+                    transport.shut = anyio.Event()
+                elif cmd["op"] == "release_writes" and isinstance(transport, GatedTransport):
+                    if transport.shut is not None:
+                        transport.shut.set()
+                    transport.shut = None
                 elif cmd["op"] == "stats":
                     emit(event="stats", metrics=node.metrics_text)
                 elif cmd["op"] == "quit":

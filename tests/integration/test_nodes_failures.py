@@ -1,8 +1,10 @@
-"""Failures for real: kill -9 of the prefill mid-transfer, restart, and abort storms."""
+"""Failures for real: kill -9 of the prefill mid-transfer, restart, a paused (SIGSTOP) prefill
+declared dead while alive, and abort storms."""
 
 from __future__ import annotations
 
 import random
+import signal
 import time
 from typing import Any
 
@@ -134,4 +136,81 @@ async def test_abort_storm_never_reuses_a_page_a_write_can_still_reach(
                 assert engine.corrupt == []
                 assert engine.verified == 2 * sum(v == "Success" for v in outcomes.values())
                 assert engine.leak_report() == []
+                assert engine.written_after_release() == []
+        tasks.cancel_scope.cancel()
+
+
+async def test_sigstop_past_the_heartbeat_lands_no_late_write_in_a_released_page(
+    tmp_path: anyio.Path,
+) -> None:
+    """The prefill is paused (SIGSTOP) with its writes in flight for longer than heartbeat
+    interval x max failures: the decode fails its rooms while it is alive. After SIGCONT the
+    held writes land; none may land in a page the decode released, and the resumed prefill
+    serves new rooms. Mooncake TCP has no receiver-side fence, so the pages must wait for the
+    resumed prefill's drain ACKs."""
+    settings = node_settings(str(tmp_path))
+    caches = decode_caches(2, num_pages=256)
+    transport = MooncakeTransport.open()
+    rooms = range(100, 108)
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
+                       "gate_writes": True}  # fmt: skip
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                for room in range(3):
+                    await prefill.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                await prefill.send(op="hold_writes")
+                outcomes: dict[int, str] = {}
+
+                async def held_room(room: int) -> None:
+                    await prefill.start_room(room, 0, 64)
+                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
+
+                async with anyio.create_task_group() as group:
+                    for room in rooms:
+                        group.start_soon(held_room, room)
+                    with anyio.fail_after(10):  # every chunk handed to the transport, held
+                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
+                            await anyio.sleep(0.01)
+                    assert prefill.counts["write_held"] > 0
+                    prefill.process.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+                assert set(outcomes.values()) == {"Failed"}
+                await anyio.sleep(HEARTBEAT_S * MAX_FAILURES)  # more verdicts, still paused
+                paused_for = time.monotonic() - stopped_at
+                assert paused_for > 2 * HEARTBEAT_S * MAX_FAILURES
+                released_while_paused = engine.order_of(PagesReleased)
+                assert not [i for i in released_while_paused if engine.events[i].room in rooms]
+                prefill.process.send_signal(signal.SIGCONT)
+                await prefill.send(op="release_writes")
+                with anyio.fail_after(30):
+                    for room in rooms:
+                        await prefill.room_done[room].wait()
+                    while not all(engine.order_of(PagesReleased, room=room, rank=rank)
+                                  for room in rooms for rank in (0, 1)):  # fmt: skip
+                        await anyio.sleep(0.01)
+                await anyio.sleep(0.5)  # time for anything still on its way to land
+                late = engine.written_after_release()
+                pages_released = sum(len(e.pages) for e in engine.events
+                                     if isinstance(e, PagesReleased) and e.room in rooms)
+                print(f"paused {paused_for:.2f}s: rooms failed {len(outcomes)}, pages released "
+                      f"{pages_released}, late writes landed in pages still quarantined "
+                      f"{len(engine.landed_while_held)}, in released pages {len(late)}")
+                assert late == [], f"late writes landed in released pages: {late}"
+                assert engine.landed_while_held, "no held write landed: the test tested nothing"
+                assert engine.order_of(WriterFenced) == []
+                for room in range(200, 205):  # the resumed prefill serves new rooms
+                    await prefill.start_room(room, 0, 48)
+                    with anyio.fail_after(15):
+                        assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
+                assert engine.corrupt == []
+                with anyio.fail_after(5):
+                    while engine.leak_report():
+                        await anyio.sleep(0.01)
+                assert engine.written_after_release() == []
         tasks.cancel_scope.cancel()
