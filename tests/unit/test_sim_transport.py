@@ -40,10 +40,10 @@ def test_write_into_a_page_the_room_does_not_own_is_recorded() -> None:
     assert "owned by room 9/1" in uaf.describe()
 
 
-def test_closed_session_and_restarted_target_never_land() -> None:
+def test_fenced_writer_and_restarted_target_never_land() -> None:
     transport = make({0: (5, 1)})
     closed = write(transport, (0,))
-    transport.close_session(0, WRITER)
+    transport.fence(0, WRITER)
     assert not transport.land(closed)
     transport2 = make({0: (5, 1)})
     stale = write(transport2, (0,))

@@ -1,7 +1,8 @@
-"""Deliberately broken variants of the core, one per real bug class, to show the checker bites.
+"""Deliberately broken variants of the core (and of the shell's fence, as the simulator models
+it), one per real bug class, to show the checker bites.
 
-Each mutant patches one method, guard or action of the core for the duration of a ``with``
-block and restores it afterwards. ``pdflow check --mutants`` (and tests/property/
+Each mutant patches one method, guard or action for the duration of a ``with`` block and
+restores it afterwards. ``pdflow check --mutants`` (and tests/property/
 test_mutants.py) run the model checker under each one and report how many steps it took to
 catch it.
 """
@@ -21,9 +22,10 @@ from pdflow.core.framework.table import Fired
 from pdflow.core.protocol.inputs import Input, SuccessArrived
 from pdflow.core.protocol.messages import Abort
 from pdflow.core.protocol.outputs import Output, StatusChanged
-from pdflow.core.resources.page_ledger import RoomPages
+from pdflow.core.resources.page_ledger import RoomPages, WriterHealth
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
 from pdflow.core.rooms.sender_room import SenderRoom
+from pdflow.sim.transport import FakeTransport
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 """(owner, attribute, make_replacement(original))."""
@@ -178,6 +180,20 @@ def _cancel_before_sender_lost(original: Any) -> Any:
     return park
 
 
+def _noop_fence(original: Any) -> Any:
+    def fence(self: FakeTransport, decode_rank: int, writer: Any) -> int:
+        return 0  # reported fenced, but the writer's writes still land (issue 12, finding 1)
+
+    return fence
+
+
+def _dead_means_cannot_write(original: Any) -> Any:
+    def cannot_write(self: WriterHealth, writer: Any) -> bool:
+        return writer in self.dead  # the heartbeat's verdict alone, before any fence
+
+    return cannot_write
+
+
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("release_on_abort_without_ack", "sglang#35049/#32564",
            "the fence frees a failed room's pages at once, without waiting for drain ACKs",
@@ -227,6 +243,12 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cancel_before_sender_lost", "sglang#9266 (cancel lost)",
            "an ABORT for a room not opened yet is ACKed but not remembered",
            ((PrefillEndpoint, "_park", _cancel_before_sender_lost),)),
+    Mutant("noop_fence", "pdflow#12 (close_session on the decode's own transport)",
+           "the shell reports a dead writer fenced while its in-flight writes can still land",
+           ((FakeTransport, "fence", _noop_fence),)),
+    Mutant("release_before_fence", "pdflow#12 (a false heartbeat verdict frees pages)",
+           "a writer declared dead counts as unable to write before it is fenced",
+           ((WriterHealth, "cannot_write", _dead_means_cannot_write),)),
 )  # fmt: skip
 
 

@@ -4,9 +4,11 @@ Each prefill rank owns source pages, filled with content derived from (room, gen
 page index); each decode rank owns destination pages. A decode page is split in segments, one
 per prefill rank writing into it (heads or layers of the KV). A write copies the source bytes
 it was given at StartTransfer and lands them later, when the driver says so: whole, partially
-(a failed write), corrupted, or never (its target process died, or the decode closed the
-session to its writer). Every landing is checked against the decode ledger *at landing time*:
-a byte written into a page its room instance does not own is a use-after-free, recorded.
+(a failed write), corrupted, or never (its target process died, or the decode fenced its
+writer). The fence has the semantics of a real receiver-side fence (pdflow.transport's
+``fence``): once applied, no write of that writer lands in that decode rank, even one already
+in flight. Every landing is checked against the decode ledger *at landing time*: a byte
+written into a page its room instance does not own is a use-after-free, recorded.
 """
 
 from __future__ import annotations
@@ -86,7 +88,7 @@ class FakeTransport:
     memory: dict[int, list[bytearray]] = field(default_factory=dict)
     sources: dict[int, list[bytes]] = field(default_factory=dict)
     live_targets: dict[int, PeerId] = field(default_factory=dict)
-    closed: set[tuple[int, PeerId]] = field(default_factory=set)
+    fenced: set[tuple[int, PeerId]] = field(default_factory=set)
     writes: dict[int, Write] = field(default_factory=dict)
     violations: list[UseAfterFree] = field(default_factory=list)
     landed_bytes: int = 0
@@ -100,9 +102,10 @@ class FakeTransport:
         ]
         self.live_targets[rank] = me
 
-    def close_session(self, decode_rank: int, writer: PeerId) -> int:
-        """The decode closed its session to ``writer``: its pending writes can never land."""
-        self.closed.add((decode_rank, writer))
+    def fence(self, decode_rank: int, writer: PeerId) -> int:
+        """The decode fenced ``writer`` on its receiving side: none of its writes, in flight
+        now or started later, can land in that rank. Returns how many pending writes it doomed."""
+        self.fenced.add((decode_rank, writer))
         doomed = [
             w.wid
             for w in self.writes.values()
@@ -113,7 +116,7 @@ class FakeTransport:
     def can_land(self, write: Write) -> bool:
         return (
             self.live_targets.get(write.target_rank) == write.target
-            and (write.target_rank, write.writer) not in self.closed
+            and (write.target_rank, write.writer) not in self.fenced
         )
 
     # ---- writes ----------------------------------------------------------------------------

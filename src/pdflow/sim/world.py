@@ -100,7 +100,7 @@ KV_DTYPE = "auto"
 
 @dataclass(frozen=True)
 class LocalEvent:
-    """Work a process's shell has queued (a topology fetch, a checksum, a session close)."""
+    """Work a process's shell has queued (a topology fetch, a checksum, a writer's fence)."""
 
     side: str
     rank: int
@@ -383,8 +383,9 @@ class World:
             self._queue_local(process, "topology", output.bootstrap)
         elif isinstance(output, CloseSession):
             assert isinstance(process, DecodeProcess)
-            self.transport.close_session(process.rank, output.peer)
-            self._queue_local(process, "session_closed", output.peer)
+            # The shell fences later (a local event), and reports SessionClosed only then:
+            # until it runs, the writer's writes can still land.
+            self._queue_local(process, "fence", output.peer)
         elif isinstance(output, VerifyChecksums):
             self._queue_local(process, "checksum", output)
 
@@ -401,7 +402,8 @@ class World:
         process = self.decode[event.rank]
         if event.kind == "topology":
             self.feed(process, self._answer_topology())
-        elif event.kind == "session_closed":
+        elif event.kind == "fence":
+            self.transport.fence(process.rank, event.payload)
             self.feed(process, SessionClosed(event.payload))
         elif event.kind == "checksum":
             verify: VerifyChecksums = event.payload
