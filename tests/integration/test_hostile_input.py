@@ -4,6 +4,9 @@ verified (checksums on), so "the node survived" means it still serves, not just 
 
 from __future__ import annotations
 
+import ctypes
+import gc
+import os
 from collections.abc import Iterable
 
 import anyio
@@ -11,9 +14,11 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
 from pdflow.io.codec import MAGIC, MsgpackCodec
+from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
@@ -86,3 +91,101 @@ async def test_a_forged_kv_args_with_a_bad_address_neither_kills_nor_hangs_the_p
                 await anyio.sleep(0.01)
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
     # Leaving the block returned: every socket, the failed one included, was closed.
+
+
+def forged_decode(index: int) -> PeerId:
+    """A decode rank that does not exist: nothing listens at its address."""
+    return PeerId(f"127.0.0.1:{20000 + index}", "forged", 0)
+
+
+async def test_1100_forged_kv_args_from_distinct_addresses_do_not_exhaust_sockets(
+    tmp_path: anyio.Path,
+) -> None:
+    """Before: each got a reply socket; ZMQ ran out at about 1,020 and the prefill died."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = p_node.ranks[0]
+        await forge(rank.peer.address, (
+            forged_kv_args(d_node, rank.peer, forged_decode(i).address) for i in range(1100)))
+        metrics = p_node.runtime.metrics
+        limit = settings.control_max_sockets
+        with anyio.fail_after(30):
+            while metrics.value("pdflow_control_evictions_total", {"what": "socket"}) < (
+                1100 - limit
+            ):
+                await anyio.sleep(0.05)
+        assert len(p_node.runtime.sockets) <= limit
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+
+
+async def test_1100_forged_aborts_for_rooms_not_opened_open_no_reply_socket(
+    tmp_path: anyio.Path,
+) -> None:
+    """Before: all were parked with no expiry and opened 1,022 reply sockets; the next
+    legitimate decode then killed the prefill."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    codec = MsgpackCodec()
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = p_node.ranks[0]
+        sockets = len(p_node.runtime.sockets)
+        await forge(rank.peer.address, (
+            codec.encode(Abort(1000 + i, 0, forged_decode(i), rank.peer, "forged"), None)
+            for i in range(1100)))
+        await dropped_at_least(p_node, "unannounced_decode", 1100)
+        assert len(p_node.runtime.sockets) == sockets
+        assert rank.snapshot().rooms == ()
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+
+
+def rss_bytes() -> int:
+    """Resident memory in use: freed heap the allocator kept is handed back first."""
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+    with open("/proc/self/statm") as statm:
+        return int(statm.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path) -> None:
+    """Before: +375 MiB of RSS, held for the bootstrap timeout (300 s); 80 such frames here
+    grew it by over 600 MiB. Now 40 are dropped unannounced, and of 40 from a decode that
+    announced a layout first only one fits the early-page budget (set to 256 Ki pages)."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True,
+                             control_max_early_pages=1 << 18)  # fmt: skip
+    codec = MsgpackCodec()
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        rank = p_node.ranks[0]
+        unannounced, announced = forged_decode(1), forged_decode(2)
+        # The second forger announces a layout first, claiming 4 Mi pages.
+        layout = packed_layout(base_addr=1 << 20, num_layers=1, num_pages=1 << 22, page_size=1,
+                               num_heads=1, head_dim=1, dtype=KvDtype.FP16)  # fmt: skip
+        args = KvArgs(announced, rank.peer, "127.0.0.1:1", layout, 1, 0, 1)
+        await forge(rank.peer.address, [codec.encode(args, None)])
+        pages = tuple(range(1 << 16, (1 << 16) + 209_000))  # 5 bytes each: just under 1 MiB
+        before = rss_bytes()
+        for decode in (unannounced, announced):
+            def frames(decode: PeerId = decode) -> Iterable[list[bytes]]:
+                for room in range(100, 140):
+                    yield codec.encode(RoomMetadata(room, 0, decode, rank.peer, "127.0.0.1:1",
+                                                    pages, None, 1), None)  # fmt: skip
+            await forge(rank.peer.address, frames())
+        await dropped_at_least(p_node, "unannounced_decode", 40)
+        early = settings.control_max_early_pages // len(pages)
+        await dropped_at_least(p_node, "early_pages_limit", 40 - early)
+        grown = rss_bytes() - before
+        assert grown < 48 << 20, f"RSS grew {grown >> 20} MiB"
+        assert await one_room(p_node, d_node, 2) is KVPoll.Success
+
+
+async def test_a_kv_args_accepted_from_a_prefill_never_announced_to_is_dropped(
+    tmp_path: anyio.Path,
+) -> None:
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = d_node.ranks[0]
+        stranger = PeerId("127.0.0.1:1", "forged", 0)
+        accepted = KvArgsAccepted(stranger, rank.peer, "127.0.0.1:2")
+        await forge(rank.peer.address, [MsgpackCodec().encode(accepted, None)])
+        await dropped_at_least(d_node, "unannounced_prefill", 1)
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        assert stranger not in d_node._writer_sessions

@@ -1,5 +1,8 @@
 """The ZMQ control channel of one endpoint: a PULL socket it binds, a cached PUSH per peer.
 
+The PUSH sockets live in a :class:`~pdflow.io.limits.SocketPool` the node's channels share, so
+their number is bounded per node: past the pool's limit the least recently used is closed.
+
 Sending never blocks an endpoint for long: each PUSH has a bounded queue (SNDHWM) and a send
 that cannot be queued within ``send_timeout_s`` is abandoned and counted; the core's timers cover
 a lost message. A send the channel cannot even attempt (an address that is not ``host:port``
@@ -21,6 +24,9 @@ import zmq
 import zmq.asyncio
 
 from pdflow.io.codec import ControlMessage, FrameError, WireCodec
+from pdflow.io.limits import SocketPool
+
+DEFAULT_MAX_SOCKETS = 512
 
 # Frames beyond this multiple of the codec limit are never even buffered.
 _HARD_LIMIT_FACTOR = 8
@@ -61,6 +67,7 @@ class ControlChannel:
         codec: WireCodec,
         pull: zmq.asyncio.Socket,
         address: str,
+        pool: SocketPool,
         *,
         send_timeout_s: float,
         send_hwm: int,
@@ -72,7 +79,7 @@ class ControlChannel:
         self.address = address
         self._context = context
         self._pull = pull
-        self._push: dict[str, zmq.asyncio.Socket] = {}
+        self._pool = pool
         self._send_timeout_s = send_timeout_s
         self._send_hwm = send_hwm
         self._on_drop = on_drop
@@ -93,8 +100,10 @@ class ControlChannel:
         on_drop: Callable[[str], None] = lambda reason: None,
         on_send_failed: Callable[[str], None] = lambda address: None,
         on_refused: Callable[[str], None] = lambda reason: None,
+        pool: SocketPool | None = None,
     ) -> ControlChannel:
-        """Bind a PULL on ``host:port`` (0: any free port; read :attr:`address`)."""
+        """Bind a PULL on ``host:port`` (0: any free port; read :attr:`address`). Without a
+        shared ``pool`` the channel gets its own, of DEFAULT_MAX_SOCKETS."""
         pull = context.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
         pull.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes * _HARD_LIMIT_FACTOR)
@@ -106,13 +115,14 @@ class ControlChannel:
         except zmq.ZMQError as exc:
             pull.close(linger=0)
             raise OSError(f"cannot bind the control socket on {host}:{port}: {exc}") from exc
-        return cls(context, codec, pull, f"{host}:{port}", send_timeout_s=send_timeout_s,
+        pool = pool if pool is not None else SocketPool(DEFAULT_MAX_SOCKETS)
+        return cls(context, codec, pull, f"{host}:{port}", pool, send_timeout_s=send_timeout_s,
                    send_hwm=send_hwm, on_drop=on_drop, on_send_failed=on_send_failed,
                    on_refused=on_refused)  # fmt: skip
 
     # ---- sending ---------------------------------------------------------------------------------
     def _socket_to(self, address: str) -> zmq.asyncio.Socket:
-        sock = self._push.get(address)
+        sock = self._pool.get(id(self), address)
         if sock is None:
             url = zmq_url(address)
             sock = self._context.socket(zmq.PUSH)
@@ -127,7 +137,7 @@ class ControlChannel:
                 # An unclosed socket would also make context.term() wait forever.
                 sock.close(linger=0)
                 raise SendRefused("connect_failed", f"{address!r}: {exc}") from None
-            self._push[address] = sock
+            self._pool.put(id(self), address, sock)
         return sock
 
     async def send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
@@ -161,7 +171,7 @@ class ControlChannel:
     def forget(self, address: str) -> None:
         """Close the cached PUSH to a dead peer: queued messages go with it, and a new process
         at the same address gets a fresh connection."""
-        sock = self._push.pop(address, None)
+        sock = self._pool.pop(id(self), address)
         if sock is not None:
             sock.close(linger=0)
 
@@ -192,10 +202,10 @@ class ControlChannel:
                     detail=detail[:200], frames=frames)  # fmt: skip
 
     def close(self) -> None:
-        for address in list(self._push):
+        for address in self.peers:
             self.forget(address)
         self._pull.close(linger=0)
 
     @property
     def peers(self) -> tuple[str, ...]:
-        return tuple(self._push)
+        return self._pool.addresses(id(self))

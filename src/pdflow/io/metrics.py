@@ -65,6 +65,10 @@ class NodeMetrics:
             "pdflow_control_refused_sends", "Control messages refused before sending (bad "
             "address, failed connect, oversized)", ["reason"], registry=r,
         )  # fmt: skip
+        self.evictions = Counter(
+            "pdflow_control_evictions", "Least recently used entries closed at a limit",
+            ["what"], registry=r,
+        )  # fmt: skip
         self.heartbeat_failures = Counter(
             "pdflow_heartbeat_failures", "Failed /health probes", ["bootstrap"], registry=r
         )

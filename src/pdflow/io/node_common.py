@@ -33,6 +33,7 @@ from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.io.codec import WireCodec
 from pdflow.io.control import ControlChannel
+from pdflow.io.limits import SocketPool
 from pdflow.io.metrics import NodeMetrics, RoomReport
 from pdflow.io.settings import Settings
 from pdflow.trace.format import message_id
@@ -42,6 +43,8 @@ log = structlog.get_logger("pdflow.node")
 
 # After the core refused a timer input, wait this long before firing again (no hot loop).
 _TIMER_RETRY_S = 0.1
+# Sockets a node needs besides its outgoing pool: one PULL per rank, with room to spare.
+_SPARE_SOCKETS = 64
 
 
 # ---- events: what the embedding engine receives --------------------------------------------------
@@ -380,6 +383,12 @@ class NodeRuntime:
         self.metrics = NodeMetrics(role, self.node_id)
         self.events = EventHub()
         self.context = zmq.asyncio.Context()
+        # ZMQ's own cap (1023 by default) must sit above the pool's, or the pool never acts.
+        self.context.set(zmq.MAX_SOCKETS, settings.control_max_sockets + _SPARE_SOCKETS)
+        self.sockets = SocketPool(
+            settings.control_max_sockets,
+            on_evict=lambda: self.metrics.evictions.labels("socket").inc(),
+        )
         self.channels: list[ControlChannel] = []
         trace_path = Path(settings.trace_dir) / f"{self.node_id}.jsonl"
         self.recorder = TraceRecorder(trace_path, max_bytes=settings.trace_max_bytes,
@@ -391,7 +400,7 @@ class NodeRuntime:
             self.context, self.codec, host=self.settings.host,
             on_drop=metrics.frame_dropped,
             on_send_failed=lambda address: metrics.send_failures.inc(),
-            on_refused=metrics.send_refused,
+            on_refused=metrics.send_refused, pool=self.sockets,
         )  # fmt: skip
         self.channels.append(channel)
         return channel

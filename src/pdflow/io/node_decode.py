@@ -255,10 +255,13 @@ class DecodeNode(NodeLifecycle):
     def _deliverer(self, host: EndpointHost) -> Deliver:
         async def deliver(message: ControlMessage, msg_id: str | None) -> None:
             if isinstance(message, KvArgsAccepted):
-                if message.decode == host.me:
-                    self._writer_sessions[message.prefill] = message.session_id
-                else:
+                if message.decode != host.me:
                     self.runtime.metrics.frame_dropped("stale_incarnation")
+                elif (host.rank, message.prefill) not in self._kv_sent:
+                    # Only a prefill rank this rank announced itself to has a session to offer.
+                    self.runtime.metrics.frame_dropped("unannounced_prefill")
+                else:
+                    self._writer_sessions[message.prefill] = message.session_id
             elif isinstance(message, KvArgs):
                 self.runtime.metrics.frame_dropped("wrong_direction")
             else:

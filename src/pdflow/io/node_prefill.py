@@ -59,6 +59,7 @@ from pdflow.io.kv_buffers import (
     staged_slices,
     writer_region,
 )
+from pdflow.io.limits import PrefillRankLimits
 from pdflow.io.node_common import (
     EndpointHost,
     NodeLifecycle,
@@ -94,6 +95,7 @@ class PrefillRank:
     async def open_room(self, room: int, generation: int) -> None:
         self._node.runtime.events.forget_room(self.rank, room)
         await self._host.call(OpenRoom(room, generation))
+        self._node.limits[self.rank].early.opened(room)
         self._host.clocks[room] = RoomClock(anyio.current_time())
 
     async def init_transfer(self, room: int, num_pages: int) -> None:
@@ -182,7 +184,13 @@ class PrefillNode(NodeLifecycle):
         self._executor = executor
         self._planners = {r.tp_rank: planner_factory(r) for r in ranks}
         self._rng = rng or random.Random()
-        self._decode_kv: dict[tuple[int, PeerId], KvArgs] = {}
+        evicted = self.runtime.metrics.evictions.labels("announcement").inc
+        self.limits = {
+            r.tp_rank: PrefillRankLimits(self.settings.control_max_peers,
+                                         self.settings.control_max_early_pages,
+                                         self.settings.bootstrap_timeout, evicted)
+            for r in ranks
+        }  # fmt: skip
         self._queues = TransferQueues(self.settings.transfer_queues, transfer_lanes)
         self._stack = AsyncExitStack()
         self.ranks: list[PrefillRank] = []
@@ -272,7 +280,12 @@ class PrefillNode(NodeLifecycle):
             elif isinstance(message, KvArgsAccepted):
                 self.runtime.metrics.frame_dropped("wrong_direction")
             else:
-                await host.feed(Received(message, msg_id))
+                is_open = lambda room: host.endpoint.summary(room) is not None  # noqa: E731
+                refusal = self.limits[host.rank].refusal(message, is_open, anyio.current_time())
+                if refusal is None:
+                    await host.feed(Received(message, msg_id))
+                else:
+                    self.runtime.metrics.frame_dropped(refusal)
 
         return deliver
 
@@ -280,7 +293,7 @@ class PrefillNode(NodeLifecycle):
         if args.prefill != host.me:
             self.runtime.metrics.frame_dropped("stale_incarnation")
             return
-        self._decode_kv[(host.rank, args.decode)] = args
+        self.limits[host.rank].announcements.announce(args)
         reply = KvArgsAccepted(host.me, args.decode, self.transport.session_id)
         await channel.send(args.decode.address, reply, None)
 
@@ -307,7 +320,7 @@ class PrefillNode(NodeLifecycle):
         def failed(reason: str) -> TransferCompleted:
             return TransferCompleted(start.room, start.generation, start.seq, False, reason)
 
-        args = self._decode_kv.get((host.rank, start.peer))
+        args = self.limits[host.rank].announcements.of(start.peer)
         if args is None:
             return failed(
                 f"decode {start.peer.address}#{start.peer.rank} never sent its KV "

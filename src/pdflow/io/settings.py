@@ -43,6 +43,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     transport_protocol: str = "tcp"
     checksum: bool = False
     allocation_policy: AllocationPolicy = AllocationPolicy.EARLY
+    control_max_sockets: int = 512
+    control_max_peers: int = 1024
+    control_max_early_pages: int = 1 << 20
 
     def __repr__(self) -> str:
         # The token is a secret: settings get logged, the token must not be.
@@ -165,6 +168,9 @@ _FIELDS: dict[str, _Field] = {
     "transport_protocol": _Field(lambda text: text.strip().lower(), _transport),
     "checksum": _Field(_parse_bool, _boolean),
     "allocation_policy": _Field(_parse_policy, _policy),
+    "control_max_sockets": _Field(_parse_int, _positive_int),
+    "control_max_peers": _Field(_parse_int, _positive_int),
+    "control_max_early_pages": _Field(_parse_int, _positive_int),
 }
 
 # The variable pdflow reads for a field, where it is not simply PDFLOW_<FIELD NAME>.

@@ -1,0 +1,184 @@
+"""The shell's resource bounds: what a node holds for its peers, capped per peer and in total.
+
+Each bound is a setting (see docs/operations.md for the defaults and how they were sized): past
+one, the node closes the least recently used entry or refuses the new one, counts it by reason,
+and keeps serving. What the *core* keeps per room id is bounded by the core itself.
+
+- :class:`SocketPool`: the outgoing PUSH sockets of all the control channels of one node; the
+  least recently used one is closed when a new peer needs a socket past ``limit``.
+- :class:`Announcements`: the KV layouts (KvArgs) decode ranks announced to one prefill rank,
+  one per decode rank (a restarted decode replaces its previous life), least recently used
+  evicted past ``limit``.
+- :class:`EarlyPages`: destination pages of RoomMetadata that arrived for a room the prefill
+  rank has not opened yet (the core parks it until the room opens or ``bootstrap_timeout``);
+  at most ``limit`` pages are admitted that way per rank.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
+from typing import Generic, TypeVar
+
+import zmq.asyncio
+
+from pdflow.core.protocol.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.io.kv_buffers import KvArgs
+
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class _Lru(Generic[K, V]):
+    """An ordered map that evicts its least recently used entry past ``limit``."""
+
+    def __init__(self, limit: int, evicted: Callable[[K, V], None]) -> None:
+        if limit < 1:
+            raise ValueError(f"a limit must be at least 1, got {limit}")
+        self.limit = limit
+        self._entries: OrderedDict[K, V] = OrderedDict()
+        self._evicted = evicted
+
+    def get(self, key: K) -> V | None:
+        value = self._entries.get(key)
+        if value is not None:
+            self._entries.move_to_end(key)
+        return value
+
+    def put(self, key: K, value: V) -> None:
+        self._entries.pop(key, None)
+        while len(self._entries) >= self.limit:
+            old_key, old_value = self._entries.popitem(last=False)
+            self._evicted(old_key, old_value)
+        self._entries[key] = value
+
+    def pop(self, key: K) -> V | None:
+        return self._entries.pop(key, None)
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(list(self._entries))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+
+class SocketPool:
+    """Outgoing sockets keyed by (owner, address); closing the least recently used past
+    ``limit`` loses what was queued on it (the core's timers cover lost messages)."""
+
+    def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
+        self._on_evict = on_evict
+        self._sockets: _Lru[tuple[int, str], zmq.asyncio.Socket] = _Lru(limit, self._close)
+
+    @property
+    def limit(self) -> int:
+        return self._sockets.limit
+
+    def _close(self, key: tuple[int, str], sock: zmq.asyncio.Socket) -> None:
+        sock.close(linger=0)
+        self._on_evict()
+
+    def get(self, owner: int, address: str) -> zmq.asyncio.Socket | None:
+        return self._sockets.get((owner, address))
+
+    def put(self, owner: int, address: str, sock: zmq.asyncio.Socket) -> None:
+        self._sockets.put((owner, address), sock)
+
+    def pop(self, owner: int, address: str) -> zmq.asyncio.Socket | None:
+        return self._sockets.pop((owner, address))
+
+    def addresses(self, owner: int) -> tuple[str, ...]:
+        return tuple(address for key_owner, address in self._sockets if key_owner == owner)
+
+    def __len__(self) -> int:
+        return len(self._sockets)
+
+
+def _decode_rank(peer: PeerId) -> tuple[str, int]:
+    return (peer.address, peer.rank)
+
+
+class Announcements:
+    """The KvArgs each decode rank announced to one prefill rank."""
+
+    def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
+        self._args: _Lru[tuple[str, int], KvArgs] = _Lru(limit, lambda key, args: on_evict())
+
+    def announce(self, args: KvArgs) -> None:
+        self._args.put(_decode_rank(args.decode), args)
+
+    def of(self, decode: PeerId) -> KvArgs | None:
+        """The layout this exact decode life announced (another incarnation: None)."""
+        args = self._args.get(_decode_rank(decode))
+        return args if args is not None and args.decode == decode else None
+
+    def __len__(self) -> int:
+        return len(self._args)
+
+
+class EarlyPages:
+    """Pages admitted for rooms not open yet, each released when its room opens or at
+    ``expires_at`` (the core has discarded what it parked by then)."""
+
+    def __init__(self, limit: int, hold_s: float) -> None:
+        if limit < 1:
+            raise ValueError(f"the early page limit must be at least 1, got {limit}")
+        self.limit = limit
+        self.hold_s = hold_s
+        self.pages = 0
+        # Insertion order is arrival order, and every hold is equally long: expiry pops from
+        # the front.
+        self._rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()
+
+    def admit(self, room: int, pages: int, now: float) -> bool:
+        self._expire(now)
+        if self.pages + pages > self.limit:
+            return False
+        held, _ = self._rooms.pop(room, (0, now))
+        self._rooms[room] = (held + pages, now + self.hold_s)
+        self.pages += pages
+        return True
+
+    def opened(self, room: int) -> None:
+        held, _ = self._rooms.pop(room, (0, 0.0))
+        self.pages -= held
+
+    def _expire(self, now: float) -> None:
+        while self._rooms:
+            room, (held, expires_at) = next(iter(self._rooms.items()))
+            if now < expires_at:
+                return
+            del self._rooms[room]
+            self.pages -= held
+
+
+class PrefillRankLimits:
+    """What one prefill rank admits from decode ranks before the core sees it.
+
+    A decode rank announces its KV layout (KvArgs) before its first message to a prefill rank,
+    on the same socket, so a RoomMetadata, BootstrapRequest or Abort from a decode life that
+    never announced one is dropped (``unannounced_decode``): nothing unknown makes the rank
+    park a message or open a reply socket. RoomMetadata must name pages that exist in the
+    announced layout (``pages_out_of_range``); for a room the rank has not opened yet it is
+    admitted within ``early``'s page limit (``early_pages_limit``)."""
+
+    def __init__(self, max_peers: int, max_early_pages: int, hold_s: float,
+                 on_evict: Callable[[], None] = lambda: None) -> None:  # fmt: skip
+        self.announcements = Announcements(max_peers, on_evict)
+        self.early = EarlyPages(max_early_pages, hold_s)
+
+    def refusal(self, message: object, is_open: Callable[[int], bool], now: float) -> str | None:
+        """None to hand ``message`` to the core, else why it is dropped."""
+        if not isinstance(message, RoomMetadata | BootstrapRequest | Abort):
+            return None
+        args = self.announcements.of(message.decode)
+        if args is None:
+            return "unannounced_decode"
+        if not isinstance(message, RoomMetadata) or not message.dst_pages:
+            return None
+        pages = message.dst_pages
+        if min(pages) < 0 or max(pages) >= args.layout.num_pages:
+            return "pages_out_of_range"
+        if not is_open(message.room) and not self.early.admit(message.room, len(pages), now):
+            return "early_pages_limit"
+        return None
