@@ -45,6 +45,9 @@ def test_fenced_writer_and_restarted_target_never_land() -> None:
     closed = write(transport, (0,))
     transport.fence(0, WRITER)
     assert not transport.land(closed)
+    transport.lift_fence(0, WRITER)
+    assert not transport.land(closed), "a write started before the fence stays refused"
+    assert transport.land(write(transport, (0,))), "one started after the lift lands"
     transport2 = make({0: (5, 1)})
     stale = write(transport2, (0,))
     transport2.decode_started(0, PeerId("d:1", "new", 0))

@@ -236,12 +236,42 @@ async def test_receiver_fence_refuses_a_write_already_in_flight(pair: Pair) -> N
                                     [Op(pair.src_addr, pair.dst_addr, 8)])).ok  # fmt: skip
 
 
+async def test_lifted_fence_admits_only_writes_issued_after_it(pair: Pair) -> None:
+    hold = pair.fabric.hold_writes(pair.receiver.session_id)
+    canary = b"\xc3" * 64
+    ctypes.memmove(pair.dst_addr, canary, 64)
+    outcomes = []
+
+    async def write(offset: int) -> None:
+        op = Op(pair.src_addr + offset, pair.dst_addr + offset, 32)
+        outcomes.append((offset, await pair.sender.batch_write(pair.receiver.session_id, [op])))
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(write, 0)  # issued before the fence, still in flight after the lift
+        await hold.wait_for_writer()
+        await pair.receiver.fence(pair.sender.session_id)
+        await pair.receiver.lift_fence(pair.sender.session_id)
+        tg.start_soon(write, 32)  # issued after the lift
+        await anyio.wait_all_tasks_blocked()
+        hold.release()
+    ok = {offset: outcome.ok for offset, outcome in outcomes}
+    assert ok == {0: False, 32: True}
+    assert pair.dst.raw[:32] == canary[:32], "a write issued before the fence landed"
+    assert pair.dst.raw[32:64] == pair.src.raw[32:64]
+    await pair.receiver.fence(pair.sender.session_id)  # fenced again: refused again
+    again = await pair.sender.batch_write(pair.receiver.session_id,
+                                          [Op(pair.src_addr, pair.dst_addr, 8)])  # fmt: skip
+    assert not again.ok and pair.dst.raw[:8] == canary[:8]
+
+
 async def test_fabric_without_receiver_fence_refuses_fence_calls() -> None:
     fabric = InProcessFabric(receiver_fence=False)
     receiver = fabric.create_transport()
     assert not receiver.fence_is_real
     with pytest.raises(FenceUnavailableError, match="quarantined until its drain ACK"):
         await receiver.fence("inproc:9")
+    with pytest.raises(FenceUnavailableError):
+        await receiver.lift_fence("inproc:9")
 
 
 async def test_cancelled_write_leaves_nothing_in_flight(pair: Pair) -> None:

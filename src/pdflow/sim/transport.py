@@ -7,8 +7,9 @@ it was given at StartTransfer and lands them later, when the driver says so: who
 (a failed write), corrupted, or never (its target process died, or the decode fenced its
 writer). The fence has the semantics of a real receiver-side fence (pdflow.transport's
 ``fence``): once applied, no write of that writer lands in that decode rank, even one already
-in flight. Every landing is checked against the decode ledger *at landing time*: a byte
-written into a page its room instance does not own is a use-after-free, recorded.
+in flight; ``lift_fence`` admits again only the writes started after it. Every landing is
+checked against the decode ledger *at landing time*: a byte written into a page its room
+instance does not own is a use-after-free, recorded.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ class FakeTransport:
     memory: dict[int, list[bytearray]] = field(default_factory=dict)
     sources: dict[int, list[bytes]] = field(default_factory=dict)
     live_targets: dict[int, PeerId] = field(default_factory=dict)
-    fenced: set[tuple[int, PeerId]] = field(default_factory=set)
+    fenced: dict[tuple[int, PeerId], int | None] = field(default_factory=dict)
+    """(decode rank, writer) -> None while fenced, else the first write id allowed again."""
     writes: dict[int, Write] = field(default_factory=dict)
     violations: list[UseAfterFree] = field(default_factory=list)
     landed_bytes: int = 0
@@ -105,7 +107,7 @@ class FakeTransport:
     def fence(self, decode_rank: int, writer: PeerId) -> int:
         """The decode fenced ``writer`` on its receiving side: none of its writes, in flight
         now or started later, can land in that rank. Returns how many pending writes it doomed."""
-        self.fenced.add((decode_rank, writer))
+        self.fenced[(decode_rank, writer)] = None
         doomed = [
             w.wid
             for w in self.writes.values()
@@ -113,10 +115,18 @@ class FakeTransport:
         ]
         return len(doomed)
 
+    def lift_fence(self, decode_rank: int, writer: PeerId) -> None:
+        """Writes ``writer`` starts from now on may land again; earlier ones stay refused."""
+        if (decode_rank, writer) in self.fenced:
+            self.fenced[(decode_rank, writer)] = self._next_wid
+
     def can_land(self, write: Write) -> bool:
+        key = (write.target_rank, write.writer)
+        allowed_from = self.fenced.get(key, 0)
         return (
             self.live_targets.get(write.target_rank) == write.target
-            and (write.target_rank, write.writer) not in self.fenced
+            and allowed_from is not None
+            and write.wid >= allowed_from
         )
 
     # ---- writes ----------------------------------------------------------------------------

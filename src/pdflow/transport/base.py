@@ -125,6 +125,14 @@ class Transport(abc.ABC):
         """
 
     @abc.abstractmethod
+    async def lift_fence(self, peer_session_id: str) -> None:
+        """Receiver side: writes the peer issues from now on may land here again; every write
+        it issued before this call stays refused. Call it only once the writer proved it no
+        longer writes anything fenced (its drain ACKs). Raises `FenceUnavailableError` where
+        `fence_is_real` is False.
+        """
+
+    @abc.abstractmethod
     async def aclose(self) -> None:
         """Fence every peer and release the engine; the transport is unusable afterwards."""
 

@@ -79,6 +79,10 @@ class GuardedTransport(Transport):
         """Refuse, from now on, every landing here of the peer's writes (if `fence_is_real`)."""
         raise FenceUnavailableError(f"{type(self).__name__} has no receiver-side fence")
 
+    def _engine_lift_fence(self, peer: str) -> None:
+        """Let the peer's writes issued from now on land here again (if `fence_is_real`)."""
+        raise FenceUnavailableError(f"{type(self).__name__} has no receiver-side fence")
+
     # -- public contract -----------------------------------------------------------------
 
     @property
@@ -141,14 +145,21 @@ class GuardedTransport(Transport):
                 del self._closing_peers[peer_session_id]
 
     async def fence(self, peer_session_id: str) -> None:
+        self._check_fence_is_real(peer_session_id)
+        self._engine_fence(peer_session_id)
+
+    async def lift_fence(self, peer_session_id: str) -> None:
+        self._check_fence_is_real(peer_session_id)
+        self._engine_lift_fence(peer_session_id)
+
+    def _check_fence_is_real(self, peer: str) -> None:
         self._check_open()
         if not self.fence_is_real:
             raise FenceUnavailableError(
-                f"{type(self).__name__} cannot stop writes from {peer_session_id} landing in "
-                "this process (fence_is_real is False); keep that writer's pages quarantined "
-                "until its drain ACK"
+                f"{type(self).__name__} cannot stop writes from {peer} landing in this process "
+                "(fence_is_real is False); keep that writer's pages quarantined until its "
+                "drain ACK"
             )
-        self._engine_fence(peer_session_id)
 
     async def aclose(self) -> None:
         if self._closed:

@@ -9,7 +9,8 @@ Fencing: the copy itself runs synchronously on the event loop, so a write is eit
 or not started; the only way a write can be "in flight" is while it waits on a test hold.
 `close_session` (sender side) waits for those. `fence` (receiver side) is real: the fabric
 records (receiver, writer) and checks it when a write lands, after any hold, so a fenced
-writer's write that was already in flight is refused when it is released.
+writer's write that was already in flight is refused when it is released. Every write is
+numbered when it is issued; `lift_fence` lets only writes numbered after it land again.
 """
 
 from __future__ import annotations
@@ -69,7 +70,9 @@ class InProcessFabric:
         self._numbers = itertools.count(1)
         self._failures: dict[str, _FailurePlan] = {}
         self._holds: dict[str, WriteHold] = {}
-        self._fenced: set[tuple[str, str]] = set()  # (receiver, writer)
+        # (receiver, writer) -> None while fenced, else the first write number allowed again
+        self._fences: dict[tuple[str, str], int | None] = {}
+        self._issued = itertools.count()
 
     def create_transport(self) -> InProcessTransport:
         session_id = f"inproc:{next(self._numbers)}"
@@ -84,10 +87,20 @@ class InProcessFabric:
         self._engines.pop(session_id, None)
 
     def _fence(self, receiver: str, writer: str) -> None:
-        self._fenced.add((receiver, writer))
+        self._fences[(receiver, writer)] = None
 
-    def _is_fenced(self, receiver: str, writer: str) -> bool:
-        return (receiver, writer) in self._fenced
+    def _lift_fence(self, receiver: str, writer: str) -> None:
+        if (receiver, writer) in self._fences:
+            self._fences[(receiver, writer)] = next(self._issued)
+
+    def _issue(self) -> int:
+        return next(self._issued)
+
+    def _refuses(self, receiver: str, writer: str, issued: int) -> bool:
+        if (receiver, writer) not in self._fences:
+            return False
+        allowed_from = self._fences[(receiver, writer)]
+        return allowed_from is None or issued < allowed_from
 
     # -- test hooks ----------------------------------------------------------------------
 
@@ -156,7 +169,11 @@ class InProcessTransport(GuardedTransport):
     def _engine_fence(self, peer: str) -> None:
         self._fabric._fence(receiver=self._session_id, writer=peer)
 
+    def _engine_lift_fence(self, peer: str) -> None:
+        self._fabric._lift_fence(receiver=self._session_id, writer=peer)
+
     async def _engine_write(self, peer: str, writes: Sequence[CheckedWrite]) -> TransferOutcome:
+        issued = self._fabric._issue()
         hold = self._fabric._holds.get(peer)
         if hold is not None:
             await hold._block()
@@ -165,7 +182,7 @@ class InProcessTransport(GuardedTransport):
             return _failed(f"no in-process engine has session id {peer} (never created or closed)")
         # Checked at landing time, after any hold: a write in flight when its receiver fenced
         # this writer must not land.
-        if self._fabric._is_fenced(receiver=peer, writer=self._session_id):
+        if self._fabric._refuses(receiver=peer, writer=self._session_id, issued=issued):
             return _failed(f"{peer} fenced writes from {self._session_id}; nothing was written")
         for index, write in enumerate(writes):
             if not target.accepts(write.dst_addr, write.length):
