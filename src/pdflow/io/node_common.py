@@ -3,8 +3,10 @@
 An :class:`EndpointHost` owns one core endpoint. Every input goes through :meth:`EndpointHost.
 call` (an engine call: the core's refusal is raised to the caller) or :meth:`EndpointHost.feed`
 (something the shell observed: a refusal is logged and counted, the node keeps serving). Both
-take the host's lock, so one endpoint sees one input at a time, and both act on every output
-of the step, in order, before the lock is released. The one timer per endpoint is re-armed from
+take the host's lock, so one endpoint sees one input at a time, and both carry out every output
+of the step, in order, before the lock is released, through the role's one dispatcher
+(:mod:`pdflow.core.endpoints.effects`, shared with the simulator) over the node's effects
+(:class:`RankEffects` and each node's subclass). The one timer per endpoint is re-armed from
 ``Step.timer_at`` after every step.
 """
 
@@ -171,11 +173,12 @@ class RoomClock:
 
 
 # ---- one endpoint ------------------------------------------------------------------------------
-Execute = Callable[["EndpointHost", Output, str | None], Awaitable[None]]
+Dispatch = Callable[[Output, str | None], Awaitable[None]]
+"""Carries out one output (the role's dispatcher bound to one rank's effects)."""
 
 
 class EndpointHost:
-    """One core endpoint with its lock, timer and the node's output executor."""
+    """One core endpoint with its lock, timer and the dispatcher of its outputs."""
 
     def __init__(
         self,
@@ -183,7 +186,7 @@ class EndpointHost:
         endpoint: Any,
         rank: int,
         me: PeerId,
-        execute: Execute,
+        dispatcher: Callable[[EndpointHost], Dispatch],
         metrics: NodeMetrics,
         events: EventHub,
     ) -> None:
@@ -191,13 +194,13 @@ class EndpointHost:
         self.endpoint = endpoint
         self.rank = rank
         self.me = me
-        self._execute = execute
-        self._metrics = metrics
-        self._events = events
+        self.metrics = metrics
+        self.events = events
         self._lock = anyio.Lock()
         self._timer_at: float | None = None
         self._rearmed = anyio.Event()
         self.clocks: dict[int, RoomClock] = {}
+        self._dispatch = dispatcher(self)
 
     async def call(self, inp: AnyEndpointInput) -> Step:
         """An engine call: raises the core's refusal (its state is unchanged)."""
@@ -208,7 +211,7 @@ class EndpointHost:
         try:
             return await self._drive(inp)
         except Exception as exc:
-            self._metrics.step_errors.labels(type(inp).__name__).inc()
+            self.metrics.step_errors.labels(type(inp).__name__).inc()
             log.error("step_refused", endpoint=self.endpoint_id, input=type(inp).__name__,
                       error=f"{type(exc).__name__}: {exc}")  # fmt: skip
             return None
@@ -221,7 +224,7 @@ class EndpointHost:
             seq = getattr(self.endpoint, "last_seq", None)
             for index, output in enumerate(step.outputs):
                 msg_id = None if seq is None else message_id(self.endpoint_id, seq, index)
-                await self._execute(self, output, msg_id)
+                await self._dispatch(output, msg_id)
             return step
 
     def _rearm(self, timer_at: float | None) -> None:
@@ -242,43 +245,50 @@ class EndpointHost:
             if await self.feed(TimerFired()) is None:
                 await anyio.sleep(_TIMER_RETRY_S)
 
-    # ---- outputs both roles handle alike -------------------------------------------------------
-    def surface_common(self, output: Output, role: str) -> bool:
-        """Status, removal and refusals; True when handled."""
-        if isinstance(output, StatusChanged):
-            self._status_changed(output, role)
-        elif isinstance(output, RoomRemoved):
-            self.clocks.pop(output.room, None)
-            self._events.publish(RoomClosed(self.rank, output.room, output.generation))
-        elif isinstance(output, Dropped):
-            self._metrics.core_dropped.labels(output.kind).inc()
-            log.info("message_dropped", endpoint=self.endpoint_id, kind=output.kind,
-                     reason=output.reason[:200])  # fmt: skip
-        else:
-            return False
-        return True
 
-    def _status_changed(self, output: StatusChanged, role: str) -> None:
+class RankEffects:
+    """The effects both nodes carry out alike, for one rank: the engine's events, the room
+    clocks and metrics, the drop counters. Each node's subclass adds the rest."""
+
+    role = ""
+
+    def __init__(self, host: EndpointHost) -> None:
+        self.host = host
+
+    async def report_status(self, change: StatusChanged) -> None:
+        host = self.host
         now = anyio.current_time()
-        clock = self.clocks.get(output.room)
-        if clock is not None and output.poll is KVPoll.WaitingForInput:
+        clock = host.clocks.get(change.room)
+        if clock is not None and change.poll is KVPoll.WaitingForInput:
             clock.ready_at = now
-        if clock is not None and output.poll.is_terminal:
-            self._metrics.room_finished(self._report(output, clock, now, role))
-        self._events.publish(
-            RoomStatus(self.rank, output.room, output.generation, output.poll, output.reason)
+        if clock is not None and change.poll.is_terminal:
+            host.metrics.room_finished(self._report(change, clock, now))
+        host.events.publish(
+            RoomStatus(host.rank, change.room, change.generation, change.poll, change.reason)
         )
 
-    def _report(self, output: StatusChanged, clock: RoomClock, now: float, role: str) -> RoomReport:
+    async def forget_room(self, removed: RoomRemoved) -> None:
+        self.host.clocks.pop(removed.room, None)
+        self.host.events.publish(RoomClosed(self.host.rank, removed.room, removed.generation))
+
+    async def count_drop(self, dropped: Dropped) -> None:
+        self.host.metrics.core_dropped.labels(dropped.kind).inc()
+        log.info("message_dropped", endpoint=self.host.endpoint_id, kind=dropped.kind,
+                 reason=dropped.reason[:200])  # fmt: skip
+
+    async def record_only(self, output: Output) -> None:
+        log.debug("output", endpoint=self.host.endpoint_id, output=type(output).__name__)
+
+    def _report(self, change: StatusChanged, clock: RoomClock, now: float) -> RoomReport:
         waited = None
         if clock.ready_at is not None and clock.published_at is not None:
             waited = max(clock.published_at - clock.ready_at, 0.0)
         return RoomReport(
-            role=role, endpoint=self.endpoint_id, room=output.room,
-            generation=output.generation, outcome=output.poll.name.lower(),
+            role=self.role, endpoint=self.host.endpoint_id, room=change.room,
+            generation=change.generation, outcome=change.poll.name.lower(),
             latency_s=now - clock.opened_at,
             transfer_s=clock.transfer_s if clock.bytes_moved is not None else None,
-            allocation_wait_s=waited, bytes_moved=clock.bytes_moved, reason=output.reason,
+            allocation_wait_s=waited, bytes_moved=clock.bytes_moved, reason=change.reason,
         )  # fmt: skip
 
 

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import ctypes
 import random
-from collections.abc import Sequence
+from collections.abc import Callable, Coroutine, Sequence
 from contextlib import AsyncExitStack
+from functools import partial
+from typing import Any
 
 import anyio
 import anyio.to_thread
@@ -22,13 +24,12 @@ from pdflow.core.cluster.registry import declared_checksum
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
+from pdflow.core.endpoints.effects import carry_out_decode
 from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
-    CloseSession,
     DecodeEndpointConfig,
     HeartbeatResult,
-    NeedTopology,
     OpenReceiver,
     PrefillInfo,
     Received,
@@ -41,8 +42,8 @@ from pdflow.core.endpoints.endpoint_io import (
 )
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
-from pdflow.core.protocol.messages import PeerId
-from pdflow.core.protocol.outputs import Output, SendMessage, VerifyChecksums
+from pdflow.core.protocol.messages import AnyMessage, PeerId
+from pdflow.core.protocol.outputs import VerifyChecksums
 from pdflow.core.resources.page_ledger import (
     PagesFreed,
     PagesQuarantined,
@@ -66,11 +67,13 @@ from pdflow.io.kv_buffers import (
     writer_region,
 )
 from pdflow.io.node_common import (
+    Dispatch,
     EndpointHost,
     NodeLifecycle,
     NodeRuntime,
     PagesHeld,
     PagesReleased,
+    RankEffects,
     RoomClock,
     RoomStatus,
     WriterFenced,
@@ -141,14 +144,60 @@ class DecodeRank:
     @property
     def allocatable(self) -> int:
         """Pages neither reserved nor quarantined."""
-        allocatable: int = self._host.endpoint.ledger.allocatable
+        allocatable: int = self._host.endpoint.allocatable_pages
         return allocatable
 
     def quarantine(self) -> tuple[QuarantinedRoom, ...]:
-        report: tuple[QuarantinedRoom, ...] = self._host.endpoint.ledger.report(
+        report: tuple[QuarantinedRoom, ...] = self._host.endpoint.quarantine(
             anyio.current_time()
         )
         return report
+
+
+class DecodeRankEffects(RankEffects):
+    """What the node does for one decode rank's outputs (dispatched by carry_out_decode)."""
+
+    role = "decode"
+
+    def __init__(self, node: DecodeNode, host: EndpointHost) -> None:
+        super().__init__(host)
+        self.node = node
+
+    async def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> None:
+        await self.node.send(self.host, to, message, msg_id)
+
+    async def forget_room(self, removed: RoomRemoved) -> None:
+        key = (self.host.rank, removed.room)
+        self.node.room_pages.pop(key, None)
+        self.node.room_staging.pop(key, None)
+        await super().forget_room(removed)
+
+    async def fetch_topology(self, bootstrap: str) -> None:
+        node, host = self.node, self.host
+        node.spawn(lambda: node.resolve(host, bootstrap))
+
+    async def close_session(self, writer: PeerId) -> None:
+        node, host = self.node, self.host
+        node.spawn(lambda: node.close_session(host, writer))
+
+    async def verify_checksums(self, request: VerifyChecksums) -> None:
+        node, host = self.node, self.host
+        node.spawn(lambda: node.verify(host, request))
+
+    async def note_staging(self, placed: StagingPlaced) -> None:
+        self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
+
+    async def release_pages(self, freed: PagesFreed) -> None:
+        self.host.events.publish(
+            PagesReleased(self.host.rank, freed.room, freed.generation, freed.pages)
+        )
+        self.node.update_quarantine()
+
+    async def hold_pages(self, held: PagesQuarantined) -> None:
+        self.host.events.publish(PagesHeld(
+            self.host.rank, held.room, held.generation, held.pages, held.writers
+        ))  # fmt: skip
+        self.node.update_quarantine()
 
 
 class DecodeNode(NodeLifecycle):
@@ -233,7 +282,7 @@ class DecodeNode(NodeLifecycle):
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
-        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._execute,
+        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
                             self.runtime.metrics, self.runtime.events)  # fmt: skip
         self._hosts.append(host)
         self._channels[rank_kv.tp_rank] = channel
@@ -270,50 +319,30 @@ class DecodeNode(NodeLifecycle):
         return deliver
 
     # ---- outputs -------------------------------------------------------------------------------
-    async def _execute(self, host: EndpointHost, output: Output, msg_id: str | None) -> None:
-        if isinstance(output, SendMessage):
-            await self._send(host, output, msg_id)
-        elif isinstance(output, NeedTopology):
-            self._tasks.start_soon(self._resolve, host, output.bootstrap)
-        elif isinstance(output, CloseSession):
-            self._tasks.start_soon(self._close_session, host, output.peer)
-        elif isinstance(output, VerifyChecksums):
-            self._tasks.start_soon(self._verify, host, output)
-        elif isinstance(output, StagingPlaced):
-            self.room_staging[(host.rank, output.room)] = output.offset
-        elif isinstance(output, PagesFreed):
-            self.runtime.events.publish(
-                PagesReleased(host.rank, output.room, output.generation, output.pages)
-            )
-            self._update_quarantine()
-        elif isinstance(output, PagesQuarantined):
-            self.runtime.events.publish(PagesHeld(
-                host.rank, output.room, output.generation, output.pages, output.writers
-            ))  # fmt: skip
-            self._update_quarantine()
-        else:
-            if isinstance(output, RoomRemoved):
-                self.room_pages.pop((host.rank, output.room), None)
-                self.room_staging.pop((host.rank, output.room), None)
-            if not host.surface_common(output, "decode"):
-                log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
+    def _dispatcher(self, host: EndpointHost) -> Dispatch:
+        return partial(carry_out_decode, DecodeRankEffects(self, host))
 
-    async def _send(self, host: EndpointHost, output: SendMessage, msg_id: str | None) -> None:
+    def spawn(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
+        """Work an output asked for that answers with a later input (never under the lock)."""
+        self._tasks.start_soon(job)
+
+    async def send(self, host: EndpointHost, to: PeerId, message: AnyMessage,
+                   msg_id: str | None) -> None:  # fmt: skip
         channel = self._channels[host.rank]
-        key = (host.rank, output.to)
+        key = (host.rank, to)
         if key not in self._kv_sent:
             # Same socket, sent first: the prefill has the layout before any room metadata.
             kv = self.ranks[self._hosts.index(host)].kv
             ring = self._staging.get(host.rank)
-            args = kv.kv_args(host.me, output.to, self.transport.session_id,
+            args = kv.kv_args(host.me, to, self.transport.session_id,
                               None if ring is None else ctypes.addressof(ring))  # fmt: skip
-            if await channel.send(output.to.address, args, None):
+            if await channel.send(to.address, args, None):
                 self._kv_sent.add(key)
-        await channel.send(output.to.address, output.message, msg_id)
+        await channel.send(to.address, message, msg_id)
 
-    def _update_quarantine(self) -> None:
+    def update_quarantine(self) -> None:
         now = anyio.current_time()
-        report = tuple(room for host in self._hosts for room in host.endpoint.ledger.report(now))
+        report = tuple(room for host in self._hosts for room in host.endpoint.quarantine(now))
         self.runtime.metrics.quarantine(report)
 
     # ---- topology ------------------------------------------------------------------------------
@@ -324,7 +353,7 @@ class DecodeNode(NodeLifecycle):
             self._clients[bootstrap] = client
         return client
 
-    async def _resolve(self, host: EndpointHost, bootstrap: str) -> None:
+    async def resolve(self, host: EndpointHost, bootstrap: str) -> None:
         try:
             info = await self._fetch_topology(bootstrap)
         except (BootstrapError, ValueError) as exc:
@@ -366,7 +395,7 @@ class DecodeNode(NodeLifecycle):
 
     # ---- heartbeat -----------------------------------------------------------------------------
     def _known_bootstraps(self) -> set[str]:
-        return {bootstrap for host in self._hosts for bootstrap in host.endpoint.topologies}
+        return {bootstrap for host in self._hosts for bootstrap in host.endpoint.known_bootstraps()}
 
     async def _probe(self, bootstrap: str) -> HealthStatus:
         status = await self._client(bootstrap).health()
@@ -376,11 +405,11 @@ class DecodeNode(NodeLifecycle):
 
     async def _heartbeat(self, result: HeartbeatResult) -> None:
         for host in self._hosts:
-            if result.bootstrap in host.endpoint.topologies:
+            if result.bootstrap in host.endpoint.known_bootstraps():
                 await host.feed(result)
 
     # ---- dead writers and checksums ------------------------------------------------------------
-    async def _close_session(self, host: EndpointHost, peer: PeerId) -> None:
+    async def close_session(self, host: EndpointHost, peer: PeerId) -> None:
         """Fence a writer the core declared dead, on this process's own receiving side.
 
         SessionClosed lets the core free the writer's quarantined pages, so it is handed over
@@ -400,19 +429,19 @@ class DecodeNode(NodeLifecycle):
         self.runtime.events.publish(WriterFenced(host.rank, peer))
         await host.feed(SessionClosed(peer))
 
-    async def _verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
-        reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request)
+    async def verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
+        # Asked here, not in the worker thread: the endpoint is only touched from the loop.
+        writers = host.endpoint.writers_of(request.room)
+        reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request, writers)
         await host.feed(ChecksumChecked(request.room, request.generation, not reason, reason))
 
     def _scatter(self, rank: int, kv: RankKv, pages: tuple[int, ...], offset: int,
-                 room: int) -> None:  # fmt: skip
+                 writers: tuple[PeerId, ...]) -> None:  # fmt: skip
         """Move each writer's staged slices of the room into the room's pages."""
-        host = self._hosts[[h.rank for h in self._hosts].index(rank)]
-        receiver = host.endpoint.rooms.get(room)
-        if receiver is None or self._executor is None:
+        if self._executor is None:
             return
         base = ctypes.addressof(self._staging[rank]) + offset
-        for writer in receiver.writers:
+        for writer in writers:
             region = writer_region(kv.layout, kv.heads, self._writer_heads[writer])
             if region is None:
                 continue
@@ -420,7 +449,7 @@ class DecodeNode(NodeLifecycle):
             for page_slices in staged_slices(kv.layout, pages, region, where):
                 self._executor.scatter(page_slices)
 
-    def _mismatch(self, rank: int, request: VerifyChecksums) -> str:
+    def _mismatch(self, rank: int, request: VerifyChecksums, writers: tuple[PeerId, ...]) -> str:
         """Empty when every writer's digest matches the bytes in this room's pages."""
         pages = self.room_pages.get((rank, request.room))
         kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
@@ -428,7 +457,7 @@ class DecodeNode(NodeLifecycle):
             return "the node has no record of this room's pages; cannot verify"
         offset = self.room_staging.get((rank, request.room))
         if offset is not None:
-            self._scatter(rank, kv, pages, offset, request.room)
+            self._scatter(rank, kv, pages, offset, writers)
         problems = []
         for peer, expected in request.expected:
             heads = self._writer_heads.get(peer)

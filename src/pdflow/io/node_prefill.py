@@ -14,6 +14,7 @@ import random
 import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
+from functools import partial
 
 import anyio
 import anyio.to_thread
@@ -23,6 +24,7 @@ import structlog
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.planning import StagedSlices, WriteOp
+from pdflow.core.endpoints.effects import carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenRoom,
@@ -40,8 +42,8 @@ from pdflow.core.protocol.inputs import (
     SendChunk,
     TransferCompleted,
 )
-from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId
-from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer
+from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, PeerId
+from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import BootstrapClient
 from pdflow.io.bootstrap_server import serve
@@ -61,9 +63,12 @@ from pdflow.io.kv_buffers import (
 )
 from pdflow.io.limits import PrefillRankLimits
 from pdflow.io.node_common import (
+    Dispatch,
     EndpointHost,
+    Job,
     NodeLifecycle,
     NodeRuntime,
+    RankEffects,
     RoomClock,
     RoomStatus,
     TransferQueues,
@@ -137,6 +142,23 @@ class PrefillRank:
         return await self._node.runtime.events.wait_status(
             self.rank, room, lambda poll: poll is KVPoll.Failed or poll >= threshold
         )
+
+
+class PrefillRankEffects(RankEffects):
+    """What the node does for one prefill rank's outputs (dispatched by carry_out_prefill)."""
+
+    role = "prefill"
+
+    def __init__(self, node: PrefillNode, host: EndpointHost) -> None:
+        super().__init__(host)
+        self.node = node
+
+    async def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> None:
+        await self.node.channel_of(self.host).send(to.address, message, msg_id)
+
+    async def start_transfer(self, start: StartTransfer) -> None:
+        node, host = self.node, self.host
+        node.queue_transfer(peer_key(start.peer), lambda worker: node.transfer(host, start, worker))
 
 
 class StagedWrite(msgspec.Struct, frozen=True):
@@ -241,7 +263,7 @@ class PrefillNode(NodeLifecycle):
                                        timeouts=timeouts_from(self.settings))  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(unique)
         endpoint = self.runtime.recorder.wrap(endpoint_id, PrefillEndpoint(config))
-        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._execute,
+        host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
                             self.runtime.metrics, self.runtime.events)  # fmt: skip
         self._hosts.append(host)
         self.ranks.append(PrefillRank(self, host))
@@ -298,19 +320,16 @@ class PrefillNode(NodeLifecycle):
         await channel.send(args.decode.address, reply, None)
 
     # ---- outputs -------------------------------------------------------------------------------
-    async def _execute(self, host: EndpointHost, output: Output, msg_id: str | None) -> None:
-        if isinstance(output, SendMessage):
-            await self.runtime.channels[self._hosts.index(host)].send(
-                output.to.address, output.message, msg_id
-            )
-        elif isinstance(output, StartTransfer):
-            self._queues.submit(
-                peer_key(output.peer), lambda worker: self._transfer(host, output, worker)
-            )
-        elif not host.surface_common(output, "prefill"):
-            log.debug("output", endpoint=host.endpoint_id, output=type(output).__name__)
+    def _dispatcher(self, host: EndpointHost) -> Dispatch:
+        return partial(carry_out_prefill, PrefillRankEffects(self, host))
 
-    async def _transfer(self, host: EndpointHost, start: StartTransfer, worker: int) -> None:
+    def channel_of(self, host: EndpointHost) -> ControlChannel:
+        return self.runtime.channels[self._hosts.index(host)]
+
+    def queue_transfer(self, key: str, job: Job) -> None:
+        self._queues.submit(key, job)
+
+    async def transfer(self, host: EndpointHost, start: StartTransfer, worker: int) -> None:
         done = await self._write(host, start, worker)
         await host.feed(done)
 

@@ -69,7 +69,7 @@ def _unopened_decode(world: World) -> list[Any]:
 
 def _open_rooms(world: World, side: str) -> list[Any]:
     processes = world.prefill if side == "prefill" else world.decode
-    return [(p.rank, room) for p in processes for room in sorted(p.endpoint.rooms)]
+    return [(p.rank, room) for p in processes for room in p.endpoint.open_rooms()]
 
 
 def _terminal_rooms(world: World, side: str) -> list[Any]:
@@ -77,13 +77,7 @@ def _terminal_rooms(world: World, side: str) -> list[Any]:
     processes: list[PrefillProcess] | list[DecodeProcess] = (
         world.prefill if side == "prefill" else world.decode
     )
-    found = []
-    for p in processes:
-        draining: set[int] = getattr(p.endpoint, "remove_when_drained", set())
-        for room in sorted(p.endpoint.rooms):
-            if p.endpoint.rooms[room].poll.is_terminal and room not in draining:
-                found.append((p.rank, room))
-    return found
+    return [(p.rank, room) for p in processes for room in p.endpoint.clearable_rooms()]
 
 
 def _progress(world: World) -> list[Any]:
@@ -91,7 +85,7 @@ def _progress(world: World) -> list[Any]:
         (p.rank, room)
         for p in world.prefill
         for room in sorted(p.jobs)
-        if room in p.endpoint.rooms and p.next_engine_call(room) is not None
+        if p.endpoint.is_open(room) and p.next_engine_call(room) is not None
     ]
 
 
@@ -103,7 +97,7 @@ def _late(world: World) -> list[Any]:
     """Writes whose decode room already failed or is gone: landing now is landing late."""
     late = []
     for w in world.transport.writes.values():
-        room = world.decode[w.target_rank].endpoint.rooms.get(w.room)
+        room = world.decode[w.target_rank].endpoint.summary(w.room)
         failed = room is not None and room.poll is KVPoll.Failed
         gone = room is None or room.generation != w.generation
         if not w.landed and (gone or failed):
@@ -177,11 +171,19 @@ def _duplicate_claim(world: World, choice: tuple[str, int, int], hint: int) -> N
     side, rank, room = choice
     if side == "prefill":
         process = world.prefill[rank]
-        world.expect_refusal(process, OpenRoom(room, process.endpoint.rooms[room].generation + 1))
+        generation = _open_generation(process, room) + 1
+        world.expect_refusal(process, OpenRoom(room, generation))
     else:
         decode = world.decode[rank]
-        generation = decode.endpoint.rooms[room].generation + 1
+        generation = _open_generation(decode, room) + 1
         world.expect_refusal(decode, OpenReceiver(room, generation, BOOTSTRAP))
+
+
+def _open_generation(process: PrefillProcess | DecodeProcess, room: int) -> int:
+    generation = process.endpoint.generation_of(room)
+    if generation is None:
+        raise KeyError(f"{process.name}: room {room} is not open")
+    return generation
 
 
 def _prefill_progress(world: World, choice: tuple[int, int], hint: int) -> None:
@@ -372,7 +374,7 @@ def _give_up_waiting_for_memory(world: World) -> bool:
     gave_up = False
     for decode in world.decode:
         for room, job in sorted(decode.jobs.items()):
-            if job.stage == "queued" and room in decode.endpoint.rooms:
+            if job.stage == "queued" and decode.endpoint.is_open(room):
                 world.feed(decode, RoomCall(room, AbortRequested("no memory for this request")))
                 gave_up = True
     return gave_up

@@ -19,7 +19,7 @@ class Envelope:
     src: str
     to: PeerId
     message: AnyMessage
-    msg_id: str
+    msg_id: str | None
 
     @property
     def link(self) -> Link:

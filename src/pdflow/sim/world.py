@@ -35,12 +35,11 @@ from pdflow.core.cluster.topology import (
     resolve_rank_mapping,
 )
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.effects import carry_out_decode, carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     ChecksumChecked,
-    CloseSession,
     DecodeEndpointConfig,
-    NeedTopology,
     PrefillEndpointConfig,
     PrefillInfo,
     Received,
@@ -58,8 +57,6 @@ from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import (
-    Output,
-    SendMessage,
     StartTransfer,
     StatusChanged,
     VerifyChecksums,
@@ -75,6 +72,7 @@ from pdflow.core.resources.admission import (
 )
 from pdflow.core.resources.page_ledger import PagesFreed, SessionClosed
 from pdflow.sim.clock import VirtualClock
+from pdflow.sim.effects import DecodeSimEffects, PrefillSimEffects
 from pdflow.sim.engine import (
     DecodeProcess,
     PrefillProcess,
@@ -328,7 +326,7 @@ class World:
     def feed(self, process: PrefillProcess | DecodeProcess, inp: AnyEndpointInput) -> Step:
         """One core step of one endpoint: check it, record it, carry out its outputs."""
         endpoint = process.endpoint
-        before = set(endpoint.rooms)
+        before = set(endpoint.open_rooms())
         now = self.clock.now
         try:
             step = endpoint.handle(inp, now)
@@ -339,7 +337,11 @@ class World:
         self.steps += 1
         self.monitor.observe(process, inp, step, before)
         for index, output in enumerate(step.outputs):
-            self._carry_out(process, output, f"{process.name}:{seq}:{index}")
+            msg_id = f"{process.name}:{seq}:{index}"
+            if isinstance(process, PrefillProcess):
+                carry_out_prefill(PrefillSimEffects(self, process), output, msg_id)
+            else:
+                carry_out_decode(DecodeSimEffects(self, process), output, msg_id)
         return step
 
     def _record(
@@ -364,32 +366,7 @@ class World:
             error,
         )
 
-    def _carry_out(
-        self, process: PrefillProcess | DecodeProcess, output: Output, msg_id: str
-    ) -> None:
-        if isinstance(output, SendMessage):
-            self.network.send(Envelope(process.me.address, output.to, output.message, msg_id))
-        elif isinstance(output, StartTransfer):
-            assert isinstance(process, PrefillProcess)
-            self._start_write(process, output)
-        elif isinstance(output, StatusChanged):
-            self._status_changed(process, output)
-        elif isinstance(output, RoomRemoved):
-            self._room_removed(process, output)
-        elif isinstance(output, PagesFreed):
-            assert isinstance(process, DecodeProcess)
-            self._pages_freed(process, output)
-        elif isinstance(output, NeedTopology):
-            self._queue_local(process, "topology", output.bootstrap)
-        elif isinstance(output, CloseSession):
-            assert isinstance(process, DecodeProcess)
-            # The shell fences later (a local event), and reports SessionClosed only then:
-            # until it runs, the writer's writes can still land.
-            self._queue_local(process, "fence", output.peer)
-        elif isinstance(output, VerifyChecksums):
-            self._queue_local(process, "checksum", output)
-
-    def _queue_local(
+    def queue_local(
         self, process: PrefillProcess | DecodeProcess, kind: str, payload: Any
     ) -> None:
         side = "prefill" if isinstance(process, PrefillProcess) else "decode"
@@ -406,11 +383,9 @@ class World:
             self.transport.fence(process.rank, event.payload)
             self.feed(process, SessionClosed(event.payload))
         elif event.kind == "checksum":
-            verify: VerifyChecksums = event.payload
-            room = process.endpoint.rooms.get(verify.room)
-            if room is not None and room.generation == verify.generation:
-                # (The shell cancels the check of a room the engine has cleared meanwhile.)
-                self.feed(process, self._check_checksums(process, verify))
+            # Like the node, the world answers even if the engine cleared the room meanwhile:
+            # the endpoint drops a late answer.
+            self.feed(process, self._check_checksums(process, event.payload))
 
     def _check_checksums(self, process: DecodeProcess, verify: VerifyChecksums) -> ChecksumChecked:
         job = process.jobs.get(verify.room)
@@ -427,7 +402,7 @@ class World:
         return ChecksumChecked(verify.room, verify.generation, not bad, "; ".join(bad))
 
     # ---- engine reactions --------------------------------------------------------------------
-    def _status_changed(
+    def status_changed(
         self, process: PrefillProcess | DecodeProcess, change: StatusChanged
     ) -> None:
         job = process.jobs.get(change.room)
@@ -466,8 +441,7 @@ class World:
                 self._publish(process, process.requests[output.request_id], output.reserve_pages)
 
     def _publish(self, process: DecodeProcess, job: ReceiverJob, count: int) -> None:
-        ledger = process.endpoint.ledger
-        free = [p for p in range(ledger.pool_size) if ledger.is_free(p)]
+        free = process.endpoint.free_pages()
         if len(free) < count:
             self.monitor.fail(
                 f"{process.name}: admission granted {count} pages for room {job.request.rid} but "
@@ -479,7 +453,7 @@ class World:
         room = job.request.room
         self.feed(process, PublishPages(room, job.pages, aux_index=room % 8))
 
-    def _pages_freed(self, process: DecodeProcess, freed: PagesFreed) -> None:
+    def pages_freed(self, process: DecodeProcess, freed: PagesFreed) -> None:
         rid = f"{freed.room}/{freed.generation}"
         job = process.requests.pop(rid, None)
         if job is not None and job.stage == "admitted":
@@ -487,7 +461,7 @@ class World:
             step = process.admission.handle(FinishRequest(rid), self.clock.now)
             self.monitor.record_fired(step.fired)
 
-    def _room_removed(self, process: PrefillProcess | DecodeProcess, removed: RoomRemoved) -> None:
+    def room_removed(self, process: PrefillProcess | DecodeProcess, removed: RoomRemoved) -> None:
         self.monitor.room_removed(process, removed.room, removed.generation)
         job = process.jobs.pop(removed.room, None)
         if isinstance(process, PrefillProcess):
@@ -514,7 +488,7 @@ class World:
         self.feed(process, Received(envelope.message, envelope.msg_id))
 
     # ---- writes ------------------------------------------------------------------------------
-    def _start_write(self, process: PrefillProcess, start: StartTransfer) -> None:
+    def start_write(self, process: PrefillProcess, start: StartTransfer) -> None:
         target_rank = start.peer.rank
         writers = self.writers_of(target_rank, start.room)
         data = tuple(self.transport.sources[process.rank][p] for p in start.src_pages)
@@ -554,7 +528,7 @@ class World:
 
     # ---- requests ----------------------------------------------------------------------------
     def room_busy(self, room: int) -> bool:
-        if any(room in p.endpoint.rooms for p in self.processes()):
+        if any(p.endpoint.is_open(room) for p in self.processes()):
             return True
         return any(
             r.room == room and (r.unopened_prefill or r.unopened_decode) for r in self.requests
@@ -630,11 +604,7 @@ class World:
 
     # ---- checks ------------------------------------------------------------------------------
     def _owner_of(self, decode_rank: int, page: int) -> tuple[int, int] | None:
-        ledger = self.decode[decode_rank].endpoint.ledger
-        for held in ledger.snapshot().rooms:
-            if page in held.pages:
-                return (held.room, held.generation)
-        return None
+        return self.decode[decode_rank].endpoint.page_holder(page)
 
     def processes(self) -> Iterator[PrefillProcess | DecodeProcess]:
         yield from self.prefill

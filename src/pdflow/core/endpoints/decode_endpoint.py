@@ -57,7 +57,7 @@ from pdflow.core.protocol.inputs import (
     SuccessArrived,
     Tick,
 )
-from pdflow.core.protocol.messages import AbortAck, StatusReport, peer_order
+from pdflow.core.protocol.messages import AbortAck, PeerId, StatusReport, peer_order
 from pdflow.core.protocol.outputs import ArmFence, Output
 from pdflow.core.resources.page_ledger import (
     AckArrived,
@@ -66,6 +66,7 @@ from pdflow.core.resources.page_ledger import (
     LedgerSnapshot,
     PageLedger,
     PagesFreed,
+    QuarantinedRoom,
     ReleaseAfterSuccess,
     ReleaseUnpublished,
     Reserve,
@@ -151,8 +152,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         elif isinstance(inp, SessionClosed):
             self._ledger(inp, now, out, fired)
         elif isinstance(inp, ChecksumChecked):
-            room = self._known_room(inp.room)
-            if room.generation == inp.generation:
+            room = self.rooms.get(inp.room)
+            if room is None:
+                # The room failed and was cleared while its check ran: the answer is late.
+                self._drop(out, "unknown_room", f"checksum result for room {inp.room}")
+            elif room.generation == inp.generation:
                 self._room_input(room, ChecksumResult(inp.ok, inp.reason), now, out, fired)
                 # Every writer reported Success before verification: the region is done with.
                 if self.staging is not None:
@@ -498,6 +502,39 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                     self._release_staging(freed.room, freed.generation, now, out, fired)
 
     # ---- read-only views -------------------------------------------------------------------------
+    def clearable_rooms(self) -> tuple[int, ...]:
+        """Terminal rooms the engine may clear now."""
+        return tuple(r for r in self.open_rooms() if self.rooms[r].poll.is_terminal)
+
+    @property
+    def allocatable_pages(self) -> int:
+        """Pages neither reserved nor quarantined."""
+        return self.ledger.allocatable
+
+    def free_pages(self) -> tuple[int, ...]:
+        """Pages the engine may publish now, in order."""
+        return tuple(p for p in range(self.ledger.pool_size) if self.ledger.is_free(p))
+
+    def page_holder(self, page: int) -> tuple[int, int] | None:
+        """The (room, generation) whose pages include ``page``; None when the page is free."""
+        for held in self.ledger.snapshot().rooms:
+            if page in held.pages:
+                return (held.room, held.generation)
+        return None
+
+    def quarantine(self, now: float) -> tuple[QuarantinedRoom, ...]:
+        """Failed rooms whose pages wait for writers to be cleared, and since when."""
+        return self.ledger.report(now)
+
+    def known_bootstraps(self) -> tuple[str, ...]:
+        """Prefill instances whose topology this rank holds (the ones to heartbeat)."""
+        return tuple(sorted(self.topologies))
+
+    def writers_of(self, room_id: int) -> tuple[PeerId, ...]:
+        """The prefill ranks that write into the open room's pages; () when it is not open."""
+        room = self.rooms.get(room_id)
+        return () if room is None else room.writers
+
     def summary(self, room_id: int) -> ReceiverSummary | None:
         room = self.rooms.get(room_id)
         if room is None:

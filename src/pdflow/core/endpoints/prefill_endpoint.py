@@ -313,6 +313,13 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         )
 
     # ---- read-only views -------------------------------------------------------------------------
+    def clearable_rooms(self) -> tuple[int, ...]:
+        """Terminal rooms the engine may clear now (one cleared while draining is waited for)."""
+        return tuple(
+            r for r in self.open_rooms()
+            if self.rooms[r].poll.is_terminal and r not in self.remove_when_drained
+        )  # fmt: skip
+
     def summary(self, room_id: int) -> SenderSummary | None:
         room = self.rooms.get(room_id)
         if room is None:

@@ -27,6 +27,19 @@ class RoomHost(Generic[R]):
         self.deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.counters: Counter[str] = Counter()
 
+    # ---- read-only queries (what a shell may ask; it never reads the rooms themselves) -------
+    def open_rooms(self) -> tuple[int, ...]:
+        """The room ids open on this rank, in order."""
+        return tuple(sorted(self.rooms))
+
+    def is_open(self, room_id: int) -> bool:
+        return room_id in self.rooms
+
+    def generation_of(self, room_id: int) -> int | None:
+        """The open room's generation; None when the room id is not open."""
+        room = self.rooms.get(room_id)
+        return None if room is None else int(room.generation)
+
     @property
     def label(self) -> str:
         return f"{self.me.address}/{self.me.incarnation}#{self.me.rank}"
