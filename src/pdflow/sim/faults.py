@@ -39,6 +39,9 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The prefill sends a KV checksum with each Success (its PDFLOW_CHECKSUM)."""
     prefill_declares_checksums: bool = True
     """Its registration says whether it does (False: it does not say, as SGLang's)."""
+    receiver_fence: bool = True
+    """Whether the decode's transport can fence a writer on its receiving side (in-process, a
+    future RDMA binding) or not (Mooncake TCP): then a dead writer's pages wait for its ACK."""
 
     @property
     def prefill_ranks(self) -> int:
@@ -178,6 +181,7 @@ def draw_plan(seed: int) -> FaultPlan:
     shape = msgspec.structs.replace(
         shape, prefill_checksums=rng.random() < 0.7, prefill_declares_checksums=rng.random() < 0.5
     )
+    shape = msgspec.structs.replace(shape, receiver_fence=rng.random() < 0.7)
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -244,7 +244,15 @@ class Monitor:
 
 
 def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) -> bool:
-    """A room still fenced after settling is fine only if an ABORT or its ACK was lost."""
+    """A room still fenced after settling is fine only if an ABORT or its ACK was lost, or,
+    without a receiver-side fence, if every writer it waits on is a process life that ended
+    (it will never ACK, and nothing proves its writes cannot land)."""
+    if not world.shape.receiver_fence:
+        ledger = world.decode[decode_rank].endpoint.ledger
+        held = {(q.room, q.generation): q.waiting_on for q in ledger.report(world.clock.now)}
+        live = {world.prefill_peer(rank) for rank in range(world.shape.prefill_ranks)}
+        if (room, gen) in held and not live.intersection(held[(room, gen)]):
+            return True
     address = world.decode[decode_rank].me.address
     for envelope in world.network.lost:
         message = envelope.message
