@@ -10,6 +10,7 @@ import os
 from collections.abc import Iterable
 
 import anyio
+import httpx
 import pytest
 import zmq
 import zmq.asyncio
@@ -18,6 +19,7 @@ from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
 from pdflow.io.codec import MAGIC, MsgpackCodec
+from pdflow.io.frame_auth import authenticated
 from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
@@ -189,3 +191,25 @@ async def test_a_kv_args_accepted_from_a_prefill_never_announced_to_is_dropped(
         await dropped_at_least(d_node, "unannounced_prefill", 1)
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
         assert stranger not in d_node._writer_sessions
+
+
+async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_forges_frames(
+    tmp_path: anyio.Path,
+) -> None:
+    """Before: GET /route gave out (address, incarnation, rank) without a token, and a frame
+    naming them was taken as the peer's: a forged ABORT for a room not yet opened failed it."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True,
+                             bootstrap_token="cluster-secret")  # fmt: skip
+    async with two_nodes(settings) as (p_node, d_node):
+        async with httpx.AsyncClient(base_url=f"http://{p_node.bootstrap}") as http:
+            route = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+            assert (await http.get(route)).status_code == 401
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success  # the decode announced itself
+        decode, rank = d_node.ranks[0].peer, p_node.ranks[0]
+        abort = Abort(2, 0, decode, rank.peer, "forged")
+        wrong_key = authenticated(MsgpackCodec(), "another-secret", 30.0)
+        await forge(rank.peer.address, [MsgpackCodec().encode(abort, None),
+                                        wrong_key.encode(abort, None)])
+        await dropped_at_least(p_node, "unauthenticated", 1)
+        await dropped_at_least(p_node, "bad_mac", 1)
+        assert await one_room(p_node, d_node, 2) is KVPoll.Success

@@ -39,19 +39,22 @@ for _state in RegistryState:
         (_state, "RegisterDpRank", "unauthorized"): (RegisterDpRank(7, 0), 401),
         (_state, "RegisterDpRank", "bad_dp_rank"): (RegisterDpRank(7, 3, TOKEN), 400),
         (_state, "RegisterDpRank", None): (RegisterDpRank(7, 0, TOKEN), 200),
-        (_state, "QueryDpRanks", None): (QueryDpRanks((7,)), 200),
+        (_state, "QueryDpRanks", "unauthorized"): (QueryDpRanks((7,)), 401),
+        (_state, "QueryDpRanks", None): (QueryDpRanks((7,), TOKEN), 200),
+        (_state, "QueryTopology", "unauthorized"): (QueryTopology("wrong"), 401),
+        (_state, "QueryRank", "unauthorized"): (QueryRank(0, 0, 0, 0), 401),
         (_state, "Tick", None): (Tick(), None),
         (_state, "CheckHealth", None): (CheckHealth(), 200),
     }
 ROW_PROBES |= {
     (_C, "RegisterRank", "completes_topology"): (rank(1, token=TOKEN), 200),
     (_C, "RegisterRank", None): (rank(0, port=40009, token=TOKEN), 200),
-    (_C, "QueryTopology", None): (QueryTopology(), 503),
-    (_C, "QueryRank", None): (QueryRank(0, 0, 0, 0), 503),
+    (_C, "QueryTopology", None): (QueryTopology(TOKEN), 503),
+    (_C, "QueryRank", None): (QueryRank(0, 0, 0, 0, TOKEN), 503),
     (_R, "RegisterRank", None): (rank(0, port=40009, token=TOKEN), 200),
-    (_R, "QueryTopology", None): (QueryTopology(), 200),
-    (_R, "QueryRank", "rank_registered"): (QueryRank(0, 0, 1, 0), 200),
-    (_R, "QueryRank", None): (QueryRank(0, 0, 5, 0), 404),
+    (_R, "QueryTopology", None): (QueryTopology(TOKEN), 200),
+    (_R, "QueryRank", "rank_registered"): (QueryRank(0, 0, 1, 0, TOKEN), 200),
+    (_R, "QueryRank", None): (QueryRank(0, 0, 5, 0, TOKEN), 404),
 }
 
 
@@ -214,14 +217,20 @@ def test_malformed_registration_is_refused_and_changes_nothing(
         assert registry.snapshot() == before
 
 
-def test_token_guards_writes_only() -> None:
+def test_token_guards_every_request_but_health() -> None:
+    """Reads too: GET /route hands out the identity (address, incarnation, rank) of every
+    prefill rank, which was all a forger needed."""
     registry = Registry(token=TOKEN)
     for bad in (None, "wrong", TOKEN + "x", ""):
         reply = _reply(registry, rank(0, token=bad))
         assert reply.status == 401 and "PDFLOW_BOOTSTRAP_TOKEN" in str(reply.body)
         assert _reply(registry, RegisterDpRank(1, 0, bad)).status == 401
+        for read in (QueryTopology(bad), QueryRank(0, 0, 0, 0, bad), QueryDpRanks((1,), bad)):
+            reply = _reply(registry, read)
+            assert reply.status == 401 and "read" in str(reply.body)
     assert registry.snapshot() == Registry().snapshot()
-    assert _reply(registry, QueryTopology()) == Reply(503, NOT_READY_0)
+    assert _reply(registry, CheckHealth()) == Reply(200, "OK")
+    assert _reply(registry, QueryTopology(TOKEN)) == Reply(503, NOT_READY_0)
     assert _reply(registry, rank(0, token=TOKEN)) == Reply(200, "OK")
     assert _reply(registry, RegisterDpRank(1, 0, TOKEN)) == Reply(200, "OK")
     # The secret never shows in what the registry exposes.

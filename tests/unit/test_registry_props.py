@@ -80,12 +80,12 @@ def test_readiness_is_distinct_ranks(
         else:
             assert registry.snapshot() == before
         assert (registry.state is RegistryState.READY) == (len(accepted) == world)
-        topology = registry.reply_to(QueryTopology(), float(now))
+        topology = registry.reply_to(QueryTopology(TOKEN), float(now))
         assert topology.status == (200 if len(accepted) == world else 503)
         if topology.status == 503:
             assert f"({len(accepted)} workers registered)" in str(topology.body)
     if len(accepted) == world:
         for (dp, cp, tp, pp), (port, incarnation) in accepted.items():
-            body = registry.reply_to(QueryRank(dp, cp, tp, pp), 99.0).body
+            body = registry.reply_to(QueryRank(dp, cp, tp, pp, TOKEN), 99.0).body
             assert body == {"rank_ip": "127.0.0.1", "rank_port": port,
                             "incarnation": incarnation}

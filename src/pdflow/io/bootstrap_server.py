@@ -143,7 +143,8 @@ def rank_query_of(request: Request) -> Input:
         except ValueError:
             raise _Refusal(400, f"Invalid inputs for bootstrap server: {name}={value!r} is not "
                                 "an integer.") from None
-    return route_query(*ranks)
+    dp, cp, tp, pp = ranks
+    return route_query(dp, cp, tp, pp, request_token(request))
 
 
 async def dp_rank_registration_of(request: Request, limit: int) -> RegisterDpRank:
@@ -155,7 +156,7 @@ async def dp_rank_registration_of(request: Request, limit: int) -> RegisterDpRan
 async def dp_rank_query_of(request: Request, limit: int) -> QueryDpRanks:
     body: _DpQueryBody = _convert(await _json_object(request, limit), _DpQueryBody,
                                   "dp rank query")
-    return QueryDpRanks(tuple(body.bootstrap_rooms))
+    return QueryDpRanks(tuple(body.bootstrap_rooms), request_token(request))
 
 
 # ---- reply -> response ------------------------------------------------------------------------

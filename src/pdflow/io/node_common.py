@@ -35,6 +35,7 @@ from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.io.codec import WireCodec
 from pdflow.io.control import ControlChannel
+from pdflow.io.frame_auth import authenticated
 from pdflow.io.limits import SocketPool
 from pdflow.io.metrics import NodeMetrics, RoomReport
 from pdflow.io.settings import Settings
@@ -388,7 +389,8 @@ class NodeRuntime:
         self.role = role
         self.settings = settings
         self.incarnation = incarnation
-        self.codec = codec
+        # With the cluster token set, every control frame carries a MAC (io/frame_auth.py).
+        self.codec = authenticated(codec, settings.bootstrap_token, settings.control_mac_window)
         self.node_id = f"{role}-{incarnation}"
         self.metrics = NodeMetrics(role, self.node_id)
         self.events = EventHub()

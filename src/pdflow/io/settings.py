@@ -46,6 +46,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     control_max_sockets: int = 512
     control_max_peers: int = 1024
     control_max_early_pages: int = 1 << 20
+    control_mac_window: float = 30.0
 
     def __repr__(self) -> str:
         # The token is a secret: settings get logged, the token must not be.
@@ -171,6 +172,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_sockets": _Field(_parse_int, _positive_int),
     "control_max_peers": _Field(_parse_int, _positive_int),
     "control_max_early_pages": _Field(_parse_int, _positive_int),
+    "control_mac_window": _Field(_parse_float, _positive),
 }
 
 # The variable pdflow reads for a field, where it is not simply PDFLOW_<FIELD NAME>.

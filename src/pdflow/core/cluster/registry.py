@@ -99,14 +99,17 @@ class RegisterRank(Input, frozen=True, tag="RegisterRank"):
 class QueryTopology(Input, frozen=True, tag="QueryTopology"):
     """``GET /route`` with all four ranks -1: the prefill's parallel layout."""
 
+    token: str | None = None
+
 
 class QueryRank(Input, frozen=True, tag="QueryRank"):
-    """``GET /route`` for one prefill rank."""
+    """``GET /route`` for one prefill rank: its control address, so it needs the token."""
 
     dp: int
     cp: int
     tp: int
     pp: int
+    token: str | None = None
 
 
 class RegisterDpRank(Input, frozen=True, tag="RegisterDpRank"):
@@ -121,6 +124,7 @@ class QueryDpRanks(Input, frozen=True, tag="QueryDpRanks"):
     """``POST /query_dp_ranks``: the dp rank of each room, for the rooms still known."""
 
     rooms: tuple[int, ...]
+    token: str | None = None
 
 
 class CheckHealth(Input, frozen=True, tag="CheckHealth"):
@@ -134,11 +138,25 @@ def declared_checksum(ranks: Iterable[PrefillRankInfo]) -> bool | None:
     return declared.pop() if len(declared) == 1 else None
 
 
-def route_query(dp: int, cp: int, tp: int, pp: int) -> QueryTopology | QueryRank:
+def route_query(
+    dp: int, cp: int, tp: int, pp: int, token: str | None = None
+) -> QueryTopology | QueryRank:
     """SGLang's sentinel: all four ranks -1 asks for the topology, anything else for a rank."""
     if (dp, cp, tp, pp) == (-1, -1, -1, -1):
-        return QueryTopology()
-    return QueryRank(dp, cp, tp, pp)
+        return QueryTopology(token)
+    return QueryRank(dp, cp, tp, pp, token)
+
+
+_Authorized = RegisterRank | RegisterDpRank | QueryTopology | QueryRank | QueryDpRanks
+"""The requests that need the shared token when the registry has one (all but CheckHealth)."""
+
+_GUARDED_REQUESTS: dict[type[Input], str] = {
+    RegisterRank: "registration (PUT /route)",
+    RegisterDpRank: "dp rank registration (POST /register_dp_rank)",
+    QueryTopology: "topology read (GET /route)",
+    QueryRank: "rank read (GET /route)",
+    QueryDpRanks: "dp rank read (POST /query_dp_ranks)",
+}
 
 
 # ---- answers --------------------------------------------------------------------------------
@@ -222,6 +240,11 @@ _ALL_INPUTS = (
 def _answers_in_every_state(state: RegistryState) -> list[Any]:
     """The rows that read the same whatever the readiness."""
     return [
+        # Reads reveal the prefill's endpoints: with a token set they need it too.
+        row(state, QueryTopology, state, guard="unauthorized", emits=_REPLY,
+            action="refuse_unauthorized"),
+        row(state, QueryRank, state, guard="unauthorized", emits=_REPLY,
+            action="refuse_unauthorized"),
         row(
             state,
             RegisterRank,
@@ -264,6 +287,8 @@ def _room_rows(state: RegistryState) -> list[Any]:
             state, RegisterDpRank, state, guard="bad_dp_rank", emits=_REPLY, action="refuse_dp_rank"
         ),
         row(state, RegisterDpRank, state, emits=_REPLY, action="record_dp_rank"),
+        row(state, QueryDpRanks, state, guard="unauthorized", emits=_REPLY,
+            action="refuse_unauthorized"),
         row(state, QueryDpRanks, state, emits=_REPLY, action="answer_dp_ranks"),
         row(state, Tick, state, action="expire_rooms"),
         row(state, CheckHealth, state, emits=_REPLY, action="answer_health"),
@@ -374,7 +399,7 @@ class Registry(TableMachine[RegistryState]):
     def _guard_unauthorized(self, inp: Input, now: float) -> bool:
         if self._token is None:
             return False
-        given = cast(RegisterRank | RegisterDpRank, inp).token
+        given = cast(_Authorized, inp).token
         return given is None or not hmac.compare_digest(given.encode(), self._token.encode())
 
     def _guard_malformed(self, inp: Input, now: float) -> bool:
@@ -399,7 +424,7 @@ class Registry(TableMachine[RegistryState]):
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_refuse_unauthorized(self, inp: Input, now: float) -> list[Output]:
-        what = "registration" if isinstance(inp, RegisterRank) else "dp rank registration"
+        what = _GUARDED_REQUESTS[type(inp)]
         return [
             Reply(
                 401,

@@ -1,0 +1,103 @@
+"""Authenticated control frames: what verifies, and why each forged frame is refused."""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+
+import pytest
+
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata, StatusReport
+from pdflow.io.codec import FrameError, MsgpackCodec
+from pdflow.io.frame_auth import AuthenticatedCodec, authenticated, control_key, identity
+
+DECODE = PeerId("127.0.0.1:5001", "d-inc", 0)
+PREFILL = PeerId("127.0.0.1:6001", "p-inc", 1)
+KEY = control_key("s3cret")
+
+
+class Clock:
+    def __init__(self, now: float = 1_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def codec(clock: Clock, key: bytes = KEY) -> AuthenticatedCodec:
+    return AuthenticatedCodec(MsgpackCodec(), key, window_s=30.0, clock=clock)
+
+
+def reason_of(receiver: AuthenticatedCodec, frames: list[bytes]) -> str:
+    with pytest.raises(FrameError) as caught:
+        receiver.decode(frames)
+    return caught.value.reason
+
+
+def metadata(room: int = 7) -> RoomMetadata:
+    return RoomMetadata(room, 0, DECODE, PREFILL, "s", (1, 2, 3), None, 1)
+
+
+def test_an_authenticated_frame_round_trips_with_its_id() -> None:
+    clock = Clock()
+    sender, receiver = codec(clock), codec(clock)
+    status = StatusReport(7, 0, KVPoll.Success, PREFILL, DECODE)
+    for message, sent_by in ((metadata(), DECODE), (status, PREFILL)):
+        frames = sender.encode(message, "decode-x#0:3:0")
+        assert len(frames) == 5 and frames[-1].endswith(identity(sent_by))
+        assert receiver.decode(frames) == (message, "decode-x#0:3:0")
+
+
+def test_frames_without_a_valid_mac_are_refused_by_reason() -> None:
+    clock = Clock()
+    sender, receiver = codec(clock), codec(clock)
+    plain = MsgpackCodec().encode(metadata(), None)
+    assert reason_of(receiver, plain) == "unauthenticated"
+    assert reason_of(receiver, [*plain, b"short"]) == "unauthenticated"
+    good = sender.encode(metadata(), "m:1:0")
+    tampered = [*good[:2], good[2].replace(b"\x01\x02\x03", b"\x01\x02\x04"), *good[3:]]
+    assert reason_of(receiver, tampered) == "bad_mac"
+    assert reason_of(receiver, [*good[:3], b"m:1:1", good[4]]) == "bad_mac"  # another id
+    assert reason_of(receiver, [*good[:4], good[4][:-1] + b"9"]) == "bad_mac"  # another sender
+    other_token = codec(clock, control_key("other")).encode(metadata(), None)
+    assert reason_of(receiver, other_token) == "bad_mac"
+
+
+def test_stale_and_replayed_frames_are_refused() -> None:
+    sender_clock, receiver_clock = Clock(), Clock()
+    sender, receiver = codec(sender_clock), codec(receiver_clock)
+    frames = sender.encode(metadata(), None)
+    receiver_clock.now += 31.0
+    assert reason_of(receiver, frames) == "stale"
+    receiver_clock.now -= 62.0  # a sender clock ahead of ours by more than the window
+    assert reason_of(receiver, frames) == "stale"
+    receiver_clock.now += 31.0 + 29.0
+    assert receiver.decode(frames)[0] == metadata()
+    assert reason_of(receiver, frames) == "replayed"
+    # The same message sent again is a new frame (its sequence differs), not a replay.
+    assert receiver.decode(sender.encode(metadata(), None))[0] == metadata()
+
+
+def test_a_mac_naming_another_sender_than_the_message_is_refused() -> None:
+    """A token holder cannot put one peer's name on another peer's message."""
+    clock = Clock()
+    receiver = codec(clock)
+    honest = codec(clock).encode(Abort(7, 0, DECODE, PREFILL), None)
+    body, head = honest[:4], honest[4][:16]
+    other = identity(PeerId("127.0.0.1:9999", "x", 0))
+    mac = hmac.new(KEY, b"pdflow control frame v1\0", hashlib.sha256)
+    mac.update(head + b"".join(len(part).to_bytes(8, "big") for part in (other, *body)))
+    for part in (other, *body):
+        mac.update(part)
+    assert reason_of(receiver, [*body, head + mac.digest() + other]) == "sender_mismatch"
+
+
+def test_no_token_means_no_wrapper_and_the_key_is_not_the_token() -> None:
+    plain = MsgpackCodec()
+    assert authenticated(plain, None, 30.0) is plain
+    assert isinstance(authenticated(plain, "t", 30.0), AuthenticatedCodec)
+    assert control_key("t") != control_key("u") and len(control_key("t")) == 32
+    assert control_key("t") != hashlib.sha256(b"t").digest()
+    with pytest.raises(ValueError, match="positive"):
+        AuthenticatedCodec(plain, KEY, window_s=0)
