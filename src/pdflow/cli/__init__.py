@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 # Sub-command modules, imported lazily so `pdflow spec check` does not pay for torch or zmq.
-COMMANDS = ("demo", "spec", "replay", "trace", "bench", "bootstrap", "check")
+COMMANDS = ("demo", "spec", "replay", "trace", "bench", "bootstrap", "check", "chaos")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,0 +1,53 @@
+"""What every chaos agent process shares: JSON lines on stdout, commands on stdin, logs on
+stderr (the harness sends each process's stderr to its own log file)."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+import structlog
+
+Handler = Callable[[dict[str, Any]], Awaitable[None]]
+
+
+def emit(**fields: Any) -> None:
+    print(json.dumps(fields), flush=True)
+
+
+def configure_logging() -> None:
+    structlog.configure(
+        processors=[
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper("iso"),
+            structlog.processors.JSONRenderer(),
+        ],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.INFO),
+    )
+
+
+async def serve_commands(handlers: dict[str, Handler]) -> None:
+    """Run each command in its own task until ``quit`` or the end of stdin."""
+    async with anyio.create_task_group() as tasks:
+        async for line in anyio.wrap_file(sys.stdin):
+            if not line.strip():
+                continue
+            command = json.loads(line)
+            if command["op"] == "quit":
+                break
+            tasks.start_soon(_guarded, handlers[command["op"]], command)
+        tasks.cancel_scope.cancel()
+
+
+async def _guarded(handler: Handler, command: dict[str, Any]) -> None:
+    try:
+        await handler(command)
+    except Exception as exc:  # one command's failure is reported, the process keeps serving
+        error = f"{type(exc).__name__}: {exc}"
+        emit(event="error", op=command["op"], room=command.get("room"),
+             generation=command.get("generation"), error=error)  # fmt: skip

@@ -1,0 +1,219 @@
+"""A chaos decode instance: a DecodeNode over Mooncake TCP and an engine that keeps canaries.
+
+    python -m pdflow.chaos.decode_agent '<json options>'
+
+The engine takes pages only from what the node released (``PagesReleased``), paints every
+released page with the canary and checks it when the page is taken again and on a periodic
+scan: a broken canary is a write that landed after release, reported at once as a ``canary``
+event. A successful room's pages must hold exactly the room's pattern (``mismatch`` says
+where not). Commands: ``room``, ``state`` (ledger, engine free list, open rooms, a full canary
+scan), ``quit``.
+
+``PDFLOW_CHAOS_MUTANT=free_on_hold`` breaks the engine on purpose: it reuses a failed room's
+pages as soon as they are quarantined (``PagesHeld``), as if the fence were a no-op; the chaos
+checker must then report writes after release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+import time
+from typing import Any
+
+import anyio
+import structlog
+
+from pdflow.chaos.agent_io import configure_logging, emit, serve_commands
+from pdflow.chaos.kv_pattern import broken_canaries, mismatch, pages_for, paint_canary, rank_caches
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
+from pdflow.io.node_common import PagesHeld, PagesReleased
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
+
+log = structlog.get_logger("pdflow.chaos.decode")
+
+MUTANT_VARIABLE = "PDFLOW_CHAOS_MUTANT"
+FREE_ON_HOLD = "free_on_hold"
+CANARY_SCAN_S = 1.0
+STAGING_PAGES = 512
+
+
+class RankPages:
+    """One rank's pages as the engine sees them: free (canary painted) or in use."""
+
+    def __init__(self, cache: HostKvCache, kv: RankKv, rng: random.Random) -> None:
+        self.cache, self.kv, self.rng = cache, kv, rng
+        pool = kv.layout.num_pages
+        self.free = set(range(pool))
+        self.in_use: set[int] = set()
+        self.released_by: dict[int, tuple[int, int, float]] = {}
+        self.freed = anyio.Event()
+        paint_canary(cache, kv, range(pool))
+
+    def release(self, pages: tuple[int, ...], room: int, generation: int) -> None:
+        strays = [p for p in pages if p not in self.in_use]
+        if strays:
+            emit(event="violation", kind="release_not_in_use", rank=self.kv.tp_rank,
+                 pages=strays, room=room, generation=generation)  # fmt: skip
+        now = time.time()
+        for page in pages:
+            if page in self.in_use:
+                self.in_use.discard(page)
+                self.free.add(page)
+                self.released_by[page] = (room, generation, now)
+        paint_canary(self.cache, self.kv, [p for p in pages if p in self.free])
+        self.freed.set()
+
+    def check(self, pages: list[int], when: str) -> None:
+        for page in broken_canaries(self.cache, self.kv, pages):
+            room, generation, released_at = self.released_by.get(page, (-1, -1, 0.0))
+            emit(event="canary", rank=self.kv.tp_rank, page=page, when=when,
+                 released_room=room, released_generation=generation, released_at=released_at,
+                 found_at=time.time())  # fmt: skip
+            paint_canary(self.cache, self.kv, [page])  # report each landing once
+
+    def take(self, count: int) -> list[int] | None:
+        if len(self.free) < count:
+            return None
+        taken = self.rng.sample(sorted(self.free), count)
+        self.check(taken, "taken")
+        self.free.difference_update(taken)
+        self.in_use.update(taken)
+        return taken
+
+
+async def main(options: dict[str, Any]) -> None:
+    settings = load_settings(**options["settings"])
+    mutant = os.environ.get(MUTANT_VARIABLE, "")
+    tp, num_pages = options["tp"], options["num_pages"]
+    caches = rank_caches(tp, num_pages)
+    rng = random.Random(options["seed"])
+    pages = [RankPages(cache, kv, rng) for cache, kv in caches]
+    staged = options["staging"]
+    staging_bytes = STAGING_PAGES * staging_page_bytes(caches[0][1].layout) if staged else 0
+    transport = await anyio.to_thread.run_sync(
+        MooncakeTransport.open, MooncakeConfig(host=settings.host)
+    )
+    async with (
+        transport,
+        DecodeNode(ranks=[kv for _, kv in caches], transport=transport, settings=settings,
+                   staging_bytes=staging_bytes) as node,
+        anyio.create_task_group() as tasks,
+    ):  # fmt: skip
+        index_of = {kv.tp_rank: i for i, (_, kv) in enumerate(caches)}
+        freed_early: set[tuple[int, int, int]] = set()
+
+        async def pump() -> None:
+            async with node.subscribe() as stream:
+                async for event in stream:
+                    # The mutant reuses quarantined pages as if the fence had made them safe.
+                    if not isinstance(event, PagesReleased | PagesHeld):
+                        continue
+                    key = (event.rank, event.room, event.generation)
+                    if isinstance(event, PagesHeld):
+                        if mutant != FREE_ON_HOLD:
+                            continue
+                        # The mutant reuses quarantined pages as if the fence made them safe.
+                        freed_early.add(key)
+                    elif key in freed_early:
+                        freed_early.discard(key)
+                        continue
+                    pages[index_of[event.rank]].release(event.pages, event.room,
+                                                        event.generation)  # fmt: skip
+
+        async def scan() -> None:
+            while True:
+                await anyio.sleep(CANARY_SCAN_S)
+                for rank_pages in pages:
+                    rank_pages.check(sorted(rank_pages.free), "scan")
+
+        tasks.start_soon(pump)
+        tasks.start_soon(scan)
+        emit(event="ready", pid=os.getpid(), incarnation=node.incarnation, mutant=mutant,
+             ranks=[r.peer.address for r in node.ranks])  # fmt: skip
+
+        async def take_all(indices: list[int], count: int) -> dict[int, list[int]]:
+            # All ranks at once: holding one rank's pages while waiting on another's deadlocks.
+            while any(len(pages[i].free) < count for i in indices):
+                short = next(i for i in indices if len(pages[i].free) < count)
+                pages[short].freed = anyio.Event()
+                await pages[short].freed.wait()
+            taken = {}
+            for i in indices:
+                got = pages[i].take(count)
+                assert got is not None
+                taken[i] = got
+            return taken
+
+        async def room(cmd: dict[str, Any]) -> None:
+            room_id, generation = cmd["room"], cmd["generation"]
+            ranks = node.ranks
+            for rank in ranks:
+                await rank.open(room_id, generation, cmd["bootstrap"])
+            ready = [(await rank.wait(room_id)).poll is not KVPoll.Failed for rank in ranks]
+            count = pages_for(cmd["tokens"])
+            held = await take_all([i for i, ok in enumerate(ready) if ok], count)
+            results: dict[int, tuple[str, str]] = {}
+
+            async def one(index: int) -> None:
+                rank = ranks[index]
+                if index in held:
+                    await rank.publish_pages(room_id, held[index])
+                final = await rank.wait(room_id, terminal=True)
+                results[index] = (final.poll.name, final.reason)
+
+            async def abort_later(delay: float) -> None:
+                await anyio.sleep(delay)
+                for rank in ranks:
+                    if rank.poll(room_id) not in (None, KVPoll.Failed, KVPoll.Success):
+                        await rank.abort(room_id, "chaos: the decode side gave up")
+
+            async with anyio.create_task_group() as group:
+                if cmd.get("abort_after") is not None:
+                    group.start_soon(abort_later, cmd["abort_after"])
+                async with anyio.create_task_group() as sides:
+                    for index in range(len(ranks)):
+                        sides.start_soon(one, index)
+                group.cancel_scope.cancel()
+            problems = []
+            for index, taken in held.items():
+                if results[index][0] == "Success":
+                    cache, kv = caches[index]
+                    found = mismatch(cache, kv, room_id, generation, taken)
+                    if found:
+                        problems.append(f"rank {kv.tp_rank}: {found}")
+            for rank in ranks:
+                await rank.clear(room_id)
+            ordered = [results[i] for i in range(len(ranks))]
+            emit(event="room", room=room_id, generation=generation,
+                 results=[r for r, _ in ordered], reasons=[why for _, why in ordered],
+                 mismatch=problems, pages=count)  # fmt: skip
+
+        async def state(cmd: dict[str, Any]) -> None:
+            ranks_state = []
+            for rank, rank_pages in zip(node.ranks, pages, strict=True):
+                rank_pages.check(sorted(rank_pages.free), "final")
+                snapshot = rank.snapshot()
+                ledger = snapshot.ledger
+                ranks_state.append({
+                    "rank": rank.rank, "pool": ledger.pool_size, "free": ledger.free,
+                    "reserved": ledger.reserved, "quarantined": ledger.quarantined,
+                    "rooms_open": [s.room for s in snapshot.rooms],
+                    "engine_free": len(rank_pages.free), "engine_in_use": len(rank_pages.in_use),
+                    "held_for": [[p.address, p.incarnation] for p in ledger.dead_writers],
+                })  # fmt: skip
+            emit(event="state", incarnation=node.incarnation, ranks=ranks_state)
+
+        await serve_commands({"room": room, "state": state})
+        tasks.cancel_scope.cancel()
+    emit(event="stopped")
+
+
+if __name__ == "__main__":
+    configure_logging()
+    anyio.run(main, json.loads(sys.argv[1]), backend="asyncio")

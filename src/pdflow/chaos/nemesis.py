@@ -1,0 +1,153 @@
+"""The seeded nemesis: the whole fault schedule is drawn from the seed and written before the
+run starts; then each fault is applied at its time and undone (healed) at its end.
+
+Kinds (``--nemesis``): ``partition`` (a host's link down, then up), ``oneway`` (one host's
+packets to another dropped, the reverse delivered), ``kill`` (kill -9 a prefill instance, restart
+it with a new incarnation on the same addresses), ``pause`` (SIGSTOP a prefill or decode past
+the heartbeat window, then SIGCONT), ``registry`` (kill -9 the standalone registry and restart
+it, empty) and ``slow`` (a rate-limited link). Faults do not overlap, so every one is healed
+before the next begins and the last is healed before the workload ends.
+"""
+
+from __future__ import annotations
+
+import random
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+
+import anyio
+import msgspec
+import structlog
+
+from pdflow.chaos.netns import Network
+
+log = structlog.get_logger("pdflow.chaos.nemesis")
+
+KINDS = ("partition", "oneway", "kill", "pause", "registry", "slow")
+
+
+class Fault(msgspec.Struct, frozen=True):
+    at: float
+    duration: float
+    kind: str
+    target: str
+    peer: str | None = None
+
+    @property
+    def end(self) -> float:
+        return self.at + self.duration
+
+    def describe(self) -> str:
+        where = f"{self.target} -> {self.peer}" if self.peer else self.target
+        return f"{self.kind} {where} for {self.duration:.1f}s"
+
+
+class Applied(msgspec.Struct):
+    fault: Fault
+    started: float | None = None
+    healed: float | None = None
+    error: str = ""
+
+
+def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Sequence[str],
+                decodes: Sequence[str], heartbeat_window_s: float,
+                warmup_s: float = 4.0, tail_s: float = 4.0) -> list[Fault]:  # fmt: skip
+    """Non-overlapping faults from ``warmup_s`` until ``tail_s`` before the end."""
+    rng = random.Random(f"nemesis-{seed}")
+    faults: list[Fault] = []
+    at = warmup_s
+    while kinds:
+        kind = rng.choice(list(kinds))
+        peer = None
+        if kind == "partition":
+            target = rng.choice([*prefills, *decodes, "registry"])
+            length = rng.uniform(2.0, 6.0)
+        elif kind == "oneway":
+            source_side, target_side = rng.choice([(prefills, decodes), (decodes, prefills)])
+            target, peer = rng.choice(list(source_side)), rng.choice(list(target_side))
+            length = rng.uniform(2.0, 6.0)
+        elif kind == "kill":
+            target, length = rng.choice(list(prefills)), rng.uniform(0.5, 3.0)
+        elif kind == "pause":
+            target = rng.choice([*prefills, *decodes])
+            length = heartbeat_window_s * rng.uniform(2.0, 4.0)
+        elif kind == "registry":
+            target, length = "registry", rng.uniform(0.5, 3.0)
+        else:
+            target, length = rng.choice([*prefills, *decodes]), rng.uniform(3.0, 8.0)
+        if at + length > duration_s - tail_s:
+            break
+        faults.append(Fault(round(at, 3), round(length, 3), kind, target, peer))
+        at += length + rng.uniform(1.0, 4.0)
+    return faults
+
+
+Restart = Callable[[str], Awaitable[None]]
+Kill = Callable[[str], Awaitable[None]]
+Signal = Callable[[str, signal.Signals], None]
+
+
+class Nemesis:
+    """Applies a schedule. Process faults go through callbacks so the harness owns processes."""
+
+    def __init__(self, schedule: Sequence[Fault], network: Network, kill: Kill,
+                 restart: Restart, send_signal: Signal, t0: float) -> None:  # fmt: skip
+        self.applied = [Applied(fault) for fault in schedule]
+        self.network = network
+        self.kill, self.restart, self.send_signal = kill, restart, send_signal
+        self.t0 = t0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    async def run(self) -> None:
+        for applied in self.applied:
+            fault = applied.fault
+            if fault.at > self.now():
+                await anyio.sleep(fault.at - self.now())
+            try:
+                applied.started = self.now()
+                await self._begin(fault)
+                log.info("fault_started", fault=fault.describe(), t=round(applied.started, 3))
+                await anyio.sleep(max(0.0, fault.end - self.now()))
+            except Exception as exc:
+                applied.error = f"{type(exc).__name__}: {exc}"
+                log.error("fault_failed", fault=fault.describe(), error=applied.error)
+            finally:
+                with anyio.CancelScope(shield=True):
+                    await self._heal(fault, applied)
+
+    async def _begin(self, fault: Fault) -> None:
+        if fault.kind == "partition":
+            self.network.link_down(fault.target)
+        elif fault.kind == "oneway":
+            assert fault.peer is not None
+            self.network.block_oneway(fault.target, fault.peer)
+        elif fault.kind in ("kill", "registry"):
+            await self.kill(fault.target)
+        elif fault.kind == "pause":
+            self.send_signal(fault.target, signal.SIGSTOP)
+        elif fault.kind == "slow":
+            self.network.slow(fault.target)
+
+    async def _heal(self, fault: Fault, applied: Applied) -> None:
+        try:
+            if fault.kind == "partition":
+                self.network.link_up(fault.target)
+            elif fault.kind == "oneway":
+                assert fault.peer is not None
+                self.network.unblock_oneway(fault.target, fault.peer)
+            elif fault.kind in ("kill", "registry"):
+                await self.restart(fault.target)
+            elif fault.kind == "pause":
+                self.send_signal(fault.target, signal.SIGCONT)
+            elif fault.kind == "slow":
+                self.network.unslow(fault.target)
+        except Exception as exc:
+            applied.error = (applied.error + "; " if applied.error else "") + (
+                f"heal failed: {type(exc).__name__}: {exc}"
+            )
+            log.error("fault_heal_failed", fault=fault.describe(), error=applied.error)
+        applied.healed = self.now()
+        log.info("fault_healed", fault=fault.describe(), t=round(applied.healed, 3))

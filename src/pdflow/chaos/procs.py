@@ -1,0 +1,234 @@
+"""The processes of a chaos run: one agent per host, each a separate OS process started inside
+its host's namespace, driven over its stdin and read on its stdout (never over the network).
+
+Each start is a new *life* (a new incarnation for a node); its trace directory, log file and
+pending results belong to that life. When a life ends (kill -9 or a crash) every result still
+awaited from it resolves as ``Killed``, so the router never waits for a dead process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import structlog
+from anyio.abc import Process, TaskGroup
+from anyio.streams.buffered import BufferedByteReceiveStream
+
+from pdflow.chaos.netns import Network
+
+log = structlog.get_logger("pdflow.chaos.procs")
+
+START_TIMEOUT_S = 90.0
+"""Generous: a start imports torch-free pdflow and Mooncake on two busy cores."""
+
+OnEvent = Callable[["Agent", dict[str, Any]], None]
+
+STARTED: set[int] = set()
+"""Every pid this process started, for the last-resort cleanup (see :func:`kill_started`)."""
+
+
+def kill_started() -> None:
+    for pid in sorted(STARTED):
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    STARTED.clear()
+
+
+class Pending:
+    """A result a process will print (or fail to, if its life ends first)."""
+
+    def __init__(self) -> None:
+        self.done = anyio.Event()
+        self.value: dict[str, Any] = {}
+
+    def set(self, value: dict[str, Any]) -> None:
+        if not self.done.is_set():
+            self.value = value
+            self.done.set()
+
+
+class Agent:
+    """One host's process, across its lives."""
+
+    def __init__(self, name: str, role: str, host: str, network: Network, out_dir: Path,
+                 options: Callable[[int], dict[str, Any]], on_event: OnEvent) -> None:  # fmt: skip
+        self.name, self.role, self.host = name, role, host
+        self.network = network
+        self.out_dir = out_dir
+        self.options = options
+        self.on_event = on_event
+        self.life = 0
+        self.process: Process | None = None
+        self.ready: dict[str, Any] = {}
+        self.pending: dict[tuple[int, int], Pending] = {}
+        self.state_reply: Pending | None = None
+        self.lives: list[dict[str, Any]] = []
+        self.paused = False
+        self.exited = anyio.Event()
+
+    @property
+    def address(self) -> str:
+        return self.network.addresses[self.host]
+
+    @property
+    def running(self) -> bool:
+        return self.process is not None and self.process.returncode is None
+
+    def trace_dir(self, life: int) -> Path:
+        return self.out_dir / "traces" / f"{self.name}-life{life}"
+
+    def argv(self) -> list[str]:
+        module = {"prefill": "pdflow.chaos.prefill_agent", "decode": "pdflow.chaos.decode_agent",
+                  "registry": "pdflow.cli"}[self.role]  # fmt: skip
+        if self.role == "registry":
+            args = ["bootstrap", "--host", self.address, "--port", str(self.options(self.life)
+                                                                        ["port"])]  # fmt: skip
+        else:
+            args = [json.dumps(self.options(self.life))]
+        return [*self.network.command_prefix(self.host), sys.executable, "-m", module, *args]
+
+    async def start(self, tasks: TaskGroup) -> None:
+        """Start the next life and wait until it says it is ready."""
+        self.life += 1
+        self.trace_dir(self.life).mkdir(parents=True, exist_ok=True)
+        logs = self.out_dir / "logs"
+        logs.mkdir(parents=True, exist_ok=True)
+        stderr = open(logs / f"{self.name}-life{self.life}.log", "wb")  # noqa: SIM115
+        env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
+        self.exited = anyio.Event()
+        self.paused = False
+        try:
+            self.process = await anyio.open_process(self.argv(), env=env, stderr=stderr)
+            STARTED.add(self.process.pid)
+        finally:
+            stderr.close()
+        reader = BufferedByteReceiveStream(self.process.stdout)  # type: ignore[arg-type]
+        with anyio.fail_after(START_TIMEOUT_S):
+            line = await reader.receive_until(b"\n", 1 << 20)
+        self.ready = (
+            {"event": "ready", "text": line.decode()} if self.role == "registry"
+            else json.loads(line)
+        )  # fmt: skip
+        self.lives.append({"life": self.life, "pid": self.process.pid, "started": time.time(),
+                           "incarnation": self.ready.get("incarnation"),
+                           "trace_dir": str(self.trace_dir(self.life))})  # fmt: skip
+        log.info("chaos_process_ready", name=self.name, life=self.life, pid=self.process.pid)
+        tasks.start_soon(self._pump, reader, self.process, self.life)
+
+    async def _pump(self, reader: BufferedByteReceiveStream, process: Process, life: int) -> None:
+        try:
+            while True:
+                try:
+                    line = await reader.receive_until(b"\n", 1 << 22)
+                except (anyio.EndOfStream, anyio.IncompleteRead, anyio.ClosedResourceError,
+                        anyio.BrokenResourceError):  # fmt: skip
+                    break
+                if self.role == "registry":
+                    continue
+                self._dispatch(json.loads(line))
+            await process.wait()
+        finally:
+            if life == self.life:
+                self._life_ended(process.returncode)
+
+    def _dispatch(self, event: dict[str, Any]) -> None:
+        kind = event.get("event")
+        if kind == "room":
+            waiter = self.pending.pop((event["room"], event["generation"]), None)
+            if waiter is not None:
+                waiter.set(event)
+        elif kind == "error" and event.get("room") is not None:
+            waiter = self.pending.pop((event["room"], event["generation"]), None)
+            if waiter is not None:
+                waiter.set({**event, "results": ["Refused"], "reasons": [event["error"]]})
+        elif kind == "state" and self.state_reply is not None:
+            self.state_reply.set(event)
+        self.on_event(self, event)
+
+    def _life_ended(self, returncode: int | None) -> None:
+        for waiter in self.pending.values():
+            waiter.set({"event": "room", "results": ["Killed"], "life_ended": True,
+                        "reasons": [f"{self.name} life {self.life} ended (rc {returncode})"]})
+        self.pending.clear()
+        if self.state_reply is not None:
+            self.state_reply.set({"event": "state", "dead": True})
+        if self.lives:
+            self.lives[-1]["ended"] = time.time()
+            self.lives[-1]["returncode"] = returncode
+        self.exited.set()
+
+    async def send(self, command: dict[str, Any]) -> bool:
+        if not self.running or self.process is None or self.process.stdin is None:
+            return False
+        try:
+            await self.process.stdin.send((json.dumps(command) + "\n").encode())
+        except (anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
+            return False
+        return True
+
+    async def run_room(self, command: dict[str, Any]) -> Pending:
+        """Send a room command; the returned result resolves when the process answers."""
+        waiter = Pending()
+        key = (command["room"], command["generation"])
+        self.pending[key] = waiter
+        if not await self.send({"op": "room", **command}):
+            self.pending.pop(key, None)
+            waiter.set({"event": "room", "results": ["NotRunning"],
+                        "reasons": [f"{self.name} is not running"]})  # fmt: skip
+        return waiter
+
+    async def state(self, timeout_s: float = 10.0) -> dict[str, Any]:
+        self.state_reply = Pending()
+        if not await self.send({"op": "state"}):
+            return {"event": "state", "dead": True}
+        with anyio.move_on_after(timeout_s):
+            await self.state_reply.done.wait()
+        return self.state_reply.value or {"event": "state", "timeout": True}
+
+    def signal(self, signum: signal.Signals) -> None:
+        if self.running and self.process is not None:
+            self.process.send_signal(signum)
+            if signum == signal.SIGSTOP:
+                self.paused = True
+            elif signum == signal.SIGCONT:
+                self.paused = False
+
+    async def kill(self) -> None:
+        """kill -9 and wait for the life to end."""
+        if self.running:
+            self.signal(signal.SIGCONT)
+            self.signal(signal.SIGKILL)
+            with anyio.move_on_after(10):
+                await self.exited.wait()
+
+    async def quit(self, timeout_s: float = 20.0) -> None:
+        """Ask the process to stop (traces flushed); kill it if it does not."""
+        if not self.running or self.process is None:
+            return
+        self.signal(signal.SIGCONT)
+        if self.role == "registry":
+            self.process.terminate()
+        else:
+            await self.send({"op": "quit"})
+        with anyio.move_on_after(timeout_s):
+            await self.exited.wait()
+        await self.kill()
+
+
+def trace_files(agent: Agent) -> dict[int, list[Path]]:
+    """Each life's trace files."""
+    found = {}
+    for life in range(1, agent.life + 1):
+        files = sorted(agent.trace_dir(life).glob("*.jsonl*"))
+        if files:
+            found[life] = files
+    return found

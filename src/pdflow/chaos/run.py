@@ -1,0 +1,300 @@
+"""One chaos run: hosts, processes, workload and nemesis at once, then heal, settle, probe every
+pair, collect the end state, stop every process, replay every trace, check, report.
+
+Everything is torn down on every exit path: processes killed, namespaces deleted.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+import msgspec
+import structlog
+
+from pdflow.chaos.nemesis import KINDS, Applied, Nemesis, plan_faults
+from pdflow.chaos.netns import FAULT_MEANS, NETWORK_FAULTS, Network, kill_pid, open_network
+from pdflow.chaos.procs import Agent, trace_files
+from pdflow.chaos.workload import Attempt, PlannedRequest, Router, plan_workload
+
+log = structlog.get_logger("pdflow.chaos")
+
+BOOTSTRAP_PORT = 8998
+HEARTBEAT_S, HEARTBEAT_FAILURES = 0.5, 2
+ROOM_TIMEOUT_S = 8.0
+SETTLE_S = 30.0
+PROBE_DEADLINE_S = 25.0
+QUIESCE_S = 15.0
+PREFILLS = ("prefill-0", "prefill-1")
+DECODES = ("decode-0", "decode-1")
+EMBEDDED_REGISTRY = "prefill-0"
+"""prefill-0 serves its own registry (as SGLang does); prefill-1 registers with the standalone
+registry process on the ``registry`` host, the one the ``registry`` fault restarts."""
+
+
+class ChaosOptions(msgspec.Struct, frozen=True):
+    seed: int = 1
+    duration_s: float = 60.0
+    nemesis: tuple[str, ...] = KINDS
+    out_dir: str = "out/chaos"
+    rate_per_s: float = 3.0
+    namespaces: bool = True
+    num_pages: int = 1024
+
+
+class ReplayResult(msgspec.Struct):
+    process: str
+    life: int
+    files: list[str]
+    returncode: int
+    output: str
+
+
+class RunRecord(msgspec.Struct, kw_only=True):
+    """Everything the checker and the report read."""
+
+    options: ChaosOptions
+    network: str
+    addresses: dict[str, str]
+    unavailable: dict[str, str]
+    fault_means: dict[str, str]
+    plan: list[PlannedRequest]
+    faults: list[Applied]
+    attempts: list[Attempt]
+    shed: list[int]
+    events: list[dict[str, Any]]
+    lives: dict[str, list[dict[str, Any]]]
+    final_state: dict[str, dict[str, Any]]
+    replays: list[ReplayResult]
+    workload_end: float
+    wall_s: float
+
+
+def agent_settings(out: Path, name: str, address: str, life: int) -> dict[str, Any]:
+    return {
+        "host": address, "trace_dir": str(out / "traces" / f"{name}-life{life}"),
+        "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+        "heartbeat_max_failure": HEARTBEAT_FAILURES, "bootstrap_timeout": ROOM_TIMEOUT_S,
+        "waiting_timeout": ROOM_TIMEOUT_S, "trace_enabled": True,
+    }  # fmt: skip
+
+
+class Cluster:
+    """The agents of one run and how to reach their registries."""
+
+    def __init__(self, options: ChaosOptions, network: Network, out: Path,
+                 on_event: Callable[[Agent, dict[str, Any]], None]) -> None:  # fmt: skip
+        self.network = network
+        self.seed = options.seed
+        addresses = network.addresses
+        registry_address = f"{addresses['registry']}:{BOOTSTRAP_PORT}"
+        self.bootstraps = {
+            name: (f"{addresses[name]}:{BOOTSTRAP_PORT}" if name == EMBEDDED_REGISTRY
+                   else registry_address)
+            for name in PREFILLS
+        }  # fmt: skip
+
+        def prefill_options(name: str) -> Callable[[int], dict[str, Any]]:
+            return lambda life: {
+                "settings": agent_settings(out, name, addresses[name], life), "tp": 2,
+                "num_pages": options.num_pages, "bootstrap": self.bootstraps[name],
+                "serve_bootstrap": name == EMBEDDED_REGISTRY,
+            }  # fmt: skip
+
+        def decode_options(name: str, index: int) -> Callable[[int], dict[str, Any]]:
+            # decode-0 is TP=2 like the prefills; decode-1 is TP=1, so it receives staged.
+            return lambda life: {
+                "settings": agent_settings(out, name, addresses[name], life),
+                "tp": 2 if index == 0 else 1, "staging": index != 0,
+                "num_pages": options.num_pages, "seed": options.seed * 10 + index,
+            }  # fmt: skip
+
+        self.registry = Agent("registry", "registry", "registry", network, out,
+                              lambda life: {"port": BOOTSTRAP_PORT}, on_event)  # fmt: skip
+        self.prefills = [Agent(n, "prefill", n, network, out, prefill_options(n), on_event)
+                         for n in PREFILLS]  # fmt: skip
+        self.decodes = [Agent(n, "decode", n, network, out, decode_options(n, i), on_event)
+                        for i, n in enumerate(DECODES)]  # fmt: skip
+
+    @property
+    def agents(self) -> list[Agent]:
+        return [self.registry, *self.prefills, *self.decodes]
+
+    def by_name(self, name: str) -> Agent:
+        return next(a for a in self.agents if a.name == name)
+
+
+def hosts() -> list[str]:
+    return ["registry", *PREFILLS, *DECODES]
+
+
+async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRecord:
+    out = Path(options.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    network = open_network(hosts(), options.namespaces)
+    if network.kind != "netns":
+        say("network namespaces unavailable: running on loopback; these faults cannot be "
+            "injected: " + "; ".join(network.unavailable.values()))
+    for fault in NETWORK_FAULTS:
+        if fault in network.unavailable and fault in options.nemesis:
+            say(f"skipping nemesis kind {network.unavailable[fault]}")
+    cluster: Cluster | None = None
+    try:
+        events: list[dict[str, Any]] = []
+        t0 = time.monotonic()
+
+        def on_event(agent: Agent, event: dict[str, Any]) -> None:
+            if event.get("event") in ("canary", "violation", "error"):
+                events.append({**event, "process": agent.name, "life": agent.life,
+                               "t": round(time.monotonic() - t0, 3)})  # fmt: skip
+
+        cluster = Cluster(options, network, out, on_event)
+        return await _run(options, network, cluster, events, out, say)
+    finally:
+        if cluster is not None:
+            await _stop_all(cluster)
+        for pid in network.processes_inside():
+            kill_pid(pid)
+        try:
+            network.heal()
+        finally:
+            network.close()
+
+
+async def _run(options: ChaosOptions, network: Network, cluster: Cluster,
+               events: list[dict[str, Any]], out: Path,
+               say: Callable[[str], None]) -> RunRecord:  # fmt: skip
+    from pdflow.chaos.checker import settled
+
+    started = time.monotonic()
+    kinds = tuple(k for k in options.nemesis if network.can(k))
+    schedule = plan_faults(options.seed, options.duration_s, kinds, PREFILLS, DECODES,
+                           HEARTBEAT_S * HEARTBEAT_FAILURES)  # fmt: skip
+    plan = plan_workload(options.seed, options.duration_s, len(PREFILLS), len(DECODES),
+                         options.rate_per_s)  # fmt: skip
+    (out / "schedule.json").write_bytes(msgspec.json.encode(
+        {"seed": options.seed, "faults": schedule, "requests": plan}))  # fmt: skip
+    say(f"schedule written first: {len(schedule)} faults, {len(plan)} requests -> "
+        f"{out / 'schedule.json'}")
+    async with anyio.create_task_group() as tasks:
+        say(f"starting {len(cluster.agents)} processes on {network.kind} "
+            f"({', '.join(f'{h}={a}' for h, a in network.addresses.items())})")
+        await cluster.registry.start(tasks)
+        await cluster.prefills[0].start(tasks)
+        async with anyio.create_task_group() as starting:
+            for agent in [*cluster.prefills[1:], *cluster.decodes]:
+                starting.start_soon(agent.start, tasks)
+        t0 = time.monotonic()
+        router = Router(plan, cluster.prefills, cluster.decodes, cluster.bootstraps, t0)
+
+        async def kill(name: str) -> None:
+            await cluster.by_name(name).kill()
+
+        async def restart(name: str) -> None:
+            agent = cluster.by_name(name)
+            if not agent.running:
+                await agent.start(tasks)
+
+        def send_signal(name: str, signum: signal.Signals) -> None:
+            cluster.by_name(name).signal(signum)
+
+        nemesis = Nemesis(schedule, network, kill, restart, send_signal, t0)
+        say(f"running workload and nemesis for {options.duration_s:.0f}s")
+        async with anyio.create_task_group() as running:
+            running.start_soon(router.run, tasks)
+            running.start_soon(nemesis.run)
+        workload_end = router.now()
+        await _heal(cluster, network, tasks)
+        say("healed; settling")
+        with anyio.move_on_after(SETTLE_S):
+            while router.in_flight:
+                await anyio.sleep(0.2)
+        await _probe_pairs(router, cluster)
+        say("probed every prefill x decode pair; collecting end state")
+        final_state = await _quiesce(cluster, settled)
+        await _stop_all(cluster)
+        tasks.cancel_scope.cancel()
+    replays = _replay_all(cluster, say)
+    return RunRecord(
+        options=options, network=network.kind, addresses=dict(network.addresses),
+        unavailable=dict(network.unavailable), fault_means=FAULT_MEANS, plan=plan,
+        faults=nemesis.applied, attempts=router.attempts, shed=router.shed, events=events,
+        lives={a.name: a.lives for a in cluster.agents}, final_state=final_state,
+        replays=replays, workload_end=workload_end, wall_s=time.monotonic() - started,
+    )  # fmt: skip
+
+
+async def _heal(cluster: Cluster, network: Network, tasks: anyio.abc.TaskGroup) -> None:
+    network.heal()
+    for agent in cluster.agents:
+        agent.signal(signal.SIGCONT)
+        if not agent.running:
+            await agent.start(tasks)
+
+
+async def _probe_pairs(router: Router, cluster: Cluster) -> None:
+    """After healing: every prefill x decode pair must serve a fresh room again, with the same
+    decode processes (none is ever restarted)."""
+    probe_base = 2**50 + 100 * cluster.seed
+
+    async def pair(p: int, d: int) -> None:
+        deadline = router.now() + PROBE_DEADLINE_S
+        request = PlannedRequest(index=-1, at=router.now(), tokens=64, prefill=p, decode=d,
+                                 chunk_pages=2)  # fmt: skip
+        tries = 0
+        while router.now() < deadline:
+            room = probe_base + 1000 * tries + 10 * p + d  # a fresh id for every try
+            tries += 1
+            record = await router.attempt(room, request, p, None, probe=True)
+            if record.outcome == "success":
+                return
+            await anyio.sleep(1.0)
+
+    async with anyio.create_task_group() as probes:
+        for p in range(len(cluster.prefills)):
+            for d in range(len(cluster.decodes)):
+                probes.start_soon(pair, p, d)
+
+
+NodeState = dict[str, Any]
+
+
+async def _quiesce(cluster: Cluster,
+                   settled: Callable[[NodeState], bool]) -> dict[str, NodeState]:  # fmt: skip
+    """Each node's end state, polled until every node is quiet (or the time is up)."""
+    states: dict[str, dict[str, Any]] = {}
+    deadline = time.monotonic() + QUIESCE_S
+    while True:
+        for agent in [*cluster.prefills, *cluster.decodes]:
+            states[agent.name] = await agent.state()
+        if all(settled(s) for s in states.values()) or time.monotonic() > deadline:
+            return states
+        await anyio.sleep(0.5)
+
+
+async def _stop_all(cluster: Cluster) -> None:
+    with anyio.CancelScope(shield=True):
+        for agent in cluster.agents:
+            await agent.quit()
+
+
+def _replay_all(cluster: Cluster, say: Callable[[str], None]) -> list[ReplayResult]:
+    """`pdflow replay` on each process life's traces (a killed life's traces included)."""
+    results = []
+    for agent in [*cluster.prefills, *cluster.decodes]:
+        for life, files in trace_files(agent).items():
+            done = subprocess.run(
+                [sys.executable, "-m", "pdflow.cli", "replay", *map(str, files)],
+                capture_output=True, text=True, timeout=300,
+            )
+            output = (done.stdout + done.stderr)[-2000:]
+            results.append(ReplayResult(agent.name, life, [str(f) for f in files],
+                                        done.returncode, output))  # fmt: skip
+    say(f"replayed {len(results)} process lives' traces")
+    return results

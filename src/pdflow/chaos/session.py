@@ -1,0 +1,69 @@
+"""Run, check and report: what `pdflow chaos` does, printed for a person."""
+
+from __future__ import annotations
+
+import signal
+import sys
+from pathlib import Path
+
+import anyio
+from rich.console import Console
+from rich.table import Table
+
+from pdflow.chaos.checker import attach_timelines, check
+from pdflow.chaos.netns import remove_owned
+from pdflow.chaos.procs import kill_started
+from pdflow.chaos.report import summary_rows, write_html, write_result
+from pdflow.chaos.run import ChaosOptions, run_chaos
+
+
+def run_and_report(options: ChaosOptions) -> int:
+    console = Console(highlight=False, width=120)
+    _quiet_logs()
+
+    def say(text: str) -> None:
+        console.print(f"[dim]chaos:[/] {text}")
+
+    previous = signal.signal(signal.SIGTERM, _exit_on_term)
+    try:
+        run = anyio.run(run_chaos, options, say, backend="asyncio")
+    finally:
+        # The run tears itself down; this catches what an interrupt left behind.
+        kill_started()
+        remove_owned()
+        signal.signal(signal.SIGTERM, previous)
+    violations = check(run)
+    attach_timelines(run, violations)
+    out = Path(options.out_dir)
+    result = write_result(run, violations, out)
+    page = write_html(run, violations, out)
+    table = Table(show_header=False, title=f"pdflow chaos seed {options.seed}")
+    for key, value in summary_rows(run, violations):
+        table.add_row(key, value)
+    console.print(table)
+    for violation in violations[:20]:
+        console.print(f"[bold red]VIOLATION[/] {violation.kind} ({violation.process}, room "
+                      f"{violation.room} gen {violation.generation}, t={violation.t}): "
+                      f"{violation.detail}", soft_wrap=True)  # fmt: skip
+    if len(violations) > 20:
+        console.print(f"... {len(violations) - 20} more in {result}")
+    console.print(f"schedule: {out / 'schedule.json'}  result: {result}  page: {page}")
+    console.print(f"reproduce: pdflow chaos --seed {options.seed} --duration "
+                  f"{options.duration_s:g} --nemesis {','.join(options.nemesis) or 'none'}")
+    return 1 if violations else 0
+
+
+def _exit_on_term(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _quiet_logs() -> None:
+    import logging
+
+    import structlog
+
+    structlog.configure(
+        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
+        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
+    )

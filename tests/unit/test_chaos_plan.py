@@ -1,0 +1,87 @@
+"""The chaos harness's seeded plans and its byte checks, without processes."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from pdflow.chaos.kv_pattern import (
+    CANARY,
+    broken_canaries,
+    fill,
+    mismatch,
+    page_view,
+    paint_canary,
+    rank_caches,
+)
+from pdflow.chaos.nemesis import KINDS, plan_faults
+from pdflow.chaos.workload import plan_workload
+from pdflow.cli.chaos_cmd import parse_kinds
+
+PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
+
+
+def test_one_seed_gives_one_fault_schedule_and_another_seed_another() -> None:
+    first = plan_faults(3, 120.0, KINDS, PREFILLS, DECODES, 1.0)
+    assert first == plan_faults(3, 120.0, KINDS, PREFILLS, DECODES, 1.0)
+    assert first != plan_faults(4, 120.0, KINDS, PREFILLS, DECODES, 1.0)
+
+
+def test_faults_do_not_overlap_and_end_before_the_workload_does() -> None:
+    for seed in range(20):
+        faults = plan_faults(seed, 60.0, KINDS, PREFILLS, DECODES, 1.0, tail_s=4.0)
+        assert faults, seed
+        for before, after in itertools.pairwise(faults):
+            assert before.end < after.at
+        assert faults[-1].end <= 56.0
+        # A pause must outlast the heartbeat window, or it tests nothing.
+        assert all(f.duration >= 2.0 for f in faults if f.kind == "pause")
+        assert {f.kind for f in faults} <= set(KINDS)
+
+
+def test_only_the_kinds_asked_for_are_planned() -> None:
+    faults = plan_faults(1, 120.0, ("kill",), PREFILLS, DECODES, 1.0)
+    assert faults and {f.kind for f in faults} == {"kill"}
+    assert all(f.target in PREFILLS for f in faults)  # decodes are never killed
+    assert plan_faults(1, 120.0, (), PREFILLS, DECODES, 1.0) == []
+
+
+def test_the_workload_is_seeded_bounded_and_reuses_rooms_and_aborts_from_both_sides() -> None:
+    plan = plan_workload(5, 60.0, 2, 2, rate_per_s=3.0, max_requests=400)
+    assert plan == plan_workload(5, 60.0, 2, 2, rate_per_s=3.0, max_requests=400)
+    assert all(r.at < 60.0 for r in plan) and len(plan) <= 400
+    assert {r.abort_side for r in plan} == {None, "decode", "prefill"}
+    reused = [r for r in plan if r.reuse_of is not None]
+    assert reused and all(r.reuse_of < r.index for r in reused)
+    fresh = [r.room for r in plan]  # the id a reuse falls back to while its room is busy
+    assert len(fresh) == len(set(fresh))
+    assert len(plan_workload(5, 60.0, 2, 2, max_requests=10)) == 10
+
+
+def test_a_write_into_a_free_page_breaks_its_canary_and_only_its_own() -> None:
+    (cache, kv), = rank_caches(1, 8)
+    paint_canary(cache, kv, range(8))
+    assert broken_canaries(cache, kv, list(range(8))) == []
+    fill(cache, kv, room=9, generation=0, pages=[5])
+    assert broken_canaries(cache, kv, list(range(8))) == [5]
+    paint_canary(cache, kv, [5])
+    page_view(cache, kv)[1, 3, 0, 0, 0] = CANARY - 1  # a single byte is enough
+    assert broken_canaries(cache, kv, list(range(8))) == [3]
+
+
+def test_the_byte_check_tells_generations_of_one_room_apart() -> None:
+    (cache, kv), (cache1, kv1) = rank_caches(2, 4)
+    fill(cache, kv, room=7, generation=1, pages=[0, 2])
+    assert mismatch(cache, kv, 7, 1, [0, 2]) == ""
+    assert "bytes differ" in mismatch(cache, kv, 7, 2, [0, 2])
+    assert "bytes differ" in mismatch(cache, kv, 7, 1, [2, 0])  # page order matters
+    fill(cache1, kv1, room=7, generation=1, pages=[0, 2])
+    assert mismatch(cache1, kv1, 7, 1, [0, 2]) == ""  # the other rank's heads
+
+
+def test_unknown_nemesis_kinds_are_refused_with_the_choices() -> None:
+    assert parse_kinds("kill,pause") == ("kill", "pause")
+    assert parse_kinds("none") == ()
+    with pytest.raises(ValueError, match=r"unknown nemesis kind.*choose from partition"):
+        parse_kinds("kill,flood")
