@@ -23,6 +23,7 @@ from typing import Any
 import anyio
 import structlog
 
+from pdflow.chaos.prefill_agent import SourcePages
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
@@ -50,24 +51,6 @@ class GatedTransport(MooncakeTransport):
             emit(event="write_held")
             await self.shut.wait()
         return await super().batch_write(peer_session_id, ops)
-
-
-class SourcePages:
-    def __init__(self, count: int) -> None:
-        self.free = list(range(count))
-        self.available = anyio.Event()
-
-    async def take(self, count: int) -> list[int]:
-        while len(self.free) < count:
-            if self.available.is_set():
-                self.available = anyio.Event()
-            await self.available.wait()
-        taken, self.free = self.free[:count], self.free[count:]
-        return taken
-
-    def give(self, pages: list[int]) -> None:
-        self.free.extend(pages)
-        self.available.set()
 
 
 async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: SourcePages,

@@ -205,7 +205,11 @@ async def main(options: dict[str, Any]) -> None:
                     "reserved": ledger.reserved, "quarantined": ledger.quarantined,
                     "rooms_open": [s.room for s in snapshot.rooms],
                     "engine_free": len(rank_pages.free), "engine_in_use": len(rank_pages.in_use),
-                    "held_for": [[p.address, p.incarnation] for p in ledger.dead_writers],
+                    "quarantine": [
+                        {"room": q.room, "generation": q.generation, "pages": len(q.pages),
+                         "waiting_on": [[p.address, p.incarnation] for p in q.waiting_on]}
+                        for q in rank.quarantine()
+                    ],
                 })  # fmt: skip
             emit(event="state", incarnation=node.incarnation, ranks=ranks_state)
 

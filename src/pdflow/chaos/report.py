@@ -10,7 +10,7 @@ from pathlib import Path
 
 import msgspec
 
-from pdflow.chaos.checker import Violation
+from pdflow.chaos.checker import Violation, ended_incarnations
 from pdflow.chaos.run import RunRecord
 
 _WIDTH, _LEFT, _LANE, _PAD = 1100, 150, 7, 14
@@ -20,7 +20,7 @@ _OUTCOME_COLOUR = {
 }  # fmt: skip
 _FAULT_COLOUR = {
     "partition": "#1565c0", "oneway": "#00838f", "kill": "#6a1b9a", "pause": "#5d4037",
-    "registry": "#ad1457", "slow": "#558b2f",
+    "registry": "#ad1457", "slow": "#9e9d24",
 }  # fmt: skip
 
 
@@ -49,11 +49,20 @@ def summary_rows(run: RunRecord, violations: list[Violation]) -> list[tuple[str,
                             "attempts succeeded"),
         ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
         ("faults that failed to apply", str(len(failed_faults))),
+        ("pages held for ended lives", f"{_held_for_ended(run)} pages quarantined at the end "
+                                      "for writers whose process was killed (by design)"),
         ("process lives", ", ".join(f"{n} {len(lives)}" for n, lives in run.lives.items())),
         ("traces replayed", f"{sum(r.returncode == 0 for r in run.replays)}/{len(run.replays)} OK"),
         ("violations", f"{len(violations)}" + (": " + ", ".join(
             f"{k} {v}" for k, v in sorted(kinds.items())) if violations else "")),
     ]  # fmt: skip
+
+
+def _held_for_ended(run: RunRecord) -> int:
+    ended = ended_incarnations(run)
+    return sum(held["pages"] for state in run.final_state.values()
+               for rank in state.get("ranks", []) for held in rank["quarantine"]
+               if all(w[1] in ended for w in held["waiting_on"]))  # fmt: skip
 
 
 def write_result(run: RunRecord, violations: list[Violation], out: Path) -> Path:
