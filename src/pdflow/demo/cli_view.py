@@ -67,7 +67,8 @@ def run_and_show(options: DemoOptions, *, as_json: bool) -> int:
             if not as_json:
                 console.print(f"[red]the demo crashed; native engine output is in {engine_log}")
             raise
-    ok = report.tokens_equal and report.pages_quarantined == 0 and report.pages_leaked == 0
+    unexplained = report.pages_quarantined - report.pages_held_for_dead_writers
+    ok = report.tokens_equal and unexplained == 0 and report.pages_leaked == 0
     if as_json:
         sys.stdout.write(msgspec.json.encode(report).decode() + "\n")
     else:
@@ -77,8 +78,8 @@ def run_and_show(options: DemoOptions, *, as_json: bool) -> int:
         console.print("[bold red]DEMO FAILED[/bold red]: "
                       + ("decode tokens differ from the single-process run; "
                          if not report.tokens_equal else "")
-                      + (f"{report.pages_quarantined} pages quarantined, "
-                         f"{report.pages_leaked} leaked" if report.pages_quarantined
+                      + (f"{unexplained} pages quarantined without cause, "
+                         f"{report.pages_leaked} leaked" if unexplained
                          or report.pages_leaked else ""))  # fmt: skip
         for record in report.records:
             if not record.ok or record.tokens != record.expected:
@@ -108,7 +109,9 @@ def _show(console: Console, report: DemoReport) -> None:
         ("handshake", f"p50 {_fmt(report.handshake_ms_p50, ' ms')}, "
                       f"p99 {_fmt(report.handshake_ms_p99, ' ms')}"),
         ("TTFT", f"p50 {_fmt(report.ttft_ms_p50, ' ms')}, p99 {_fmt(report.ttft_ms_p99, ' ms')}"),
-        ("pages quarantined", str(report.pages_quarantined)),
+        ("pages quarantined", f"{report.pages_quarantined}"
+         + (f" ({report.pages_held_for_dead_writers} held for the stopped prefill: "
+            "no receiver-side fence)" if report.pages_held_for_dead_writers else "")),
         ("pages leaked", str(report.pages_leaked)),
         ("wall time", f"{report.wall_s:.1f} s"),
     ]  # fmt: skip

@@ -69,6 +69,9 @@ class DemoReport(msgspec.Struct, kw_only=True):
     ttft_ms_p50: float | None
     ttft_ms_p99: float | None
     pages_quarantined: int
+    pages_held_for_dead_writers: int
+    """Of the quarantined pages, those waiting on a stopped prefill that the decode's transport
+    cannot fence (Mooncake TCP): expected, and held for good (docs/operations.md)."""
     pages_leaked: int
     faults: list[str]
     traces: list[str]
@@ -105,6 +108,7 @@ class Router:
         if self.kill_request is not None:
             self.aborts.discard(self.kill_request)
         self.faults: list[str] = []
+        self.stopped_incarnations: set[str] = set()
         self.spawn: Callable[[Callable[[], Awaitable[None]]], None] | None = None
 
     async def run_request(self, record: RequestRecord, prompt: list[int]) -> None:
@@ -133,10 +137,15 @@ class Router:
         self.prefill = None  # new attempts wait for the next life of the prefill
         old.kill()
         await old.stopped.wait()  # its sockets are closed: the address can be served again
+        self.stopped_incarnations.add(old.incarnation)
+        held = ("freed once the decode fenced the dead writer on its receiving side"
+                if self.decode.node.transport.fence_is_real else
+                "held for good: Mooncake TCP cannot fence a writer on the receiving side and "
+                "a stopped writer never sends its drain ACK")  # fmt: skip
         self.fault(f"prefill instance {old.incarnation} stopped abruptly while request "
                    f"{self.kill_request}'s KV was in flight; the decode failed the rooms it "
-                   "had with it (heartbeat or incarnation change) and kept their pages fenced "
-                   "until the dead writer's transport session was closed")
+                   "had with it (heartbeat or incarnation change) and quarantined their "
+                   f"pages, {held}")
         self.prefill = self.start_prefill()
         await self.prefill.ready.wait()
         self.fault(f"prefill restarted as incarnation {self.prefill.incarnation} on the same "
@@ -237,12 +246,13 @@ async def run_demo(options: DemoOptions, on_progress: Callable[[int], None],
             record.room = router.room_base + record.index
             record.expected = references[record.index]
         await _run_all(router, records, prompts, options, on_progress, notes)
-        await _settle(decode)
+        await _settle(decode, router.stopped_incarnations)
         snapshot = decode.node.ranks[0].snapshot()
         free_in_engine = decode_cache.allocator.num_free
+        held_for_dead = _held_for_dead_writers(decode, router.stopped_incarnations)
         tasks.cancel_scope.cancel()
     report = _report(options, transports.kind, router, records, snapshot, free_in_engine,
-                     out_dir, time.perf_counter() - started)
+                     held_for_dead, out_dir, time.perf_counter() - started)
     report.timeline = _timeline_page(report.traces, out_dir / "timeline.html")
     return report
 
@@ -286,7 +296,15 @@ async def _run_all(router: Router, records: list[RequestRecord], prompts: list[l
             tasks.start_soon(one, record)
 
 
-async def _settle(decode: DecodeEngine, timeout_s: float = 15.0) -> None:
+def _held_for_dead_writers(decode: DecodeEngine, stopped: set[str]) -> int:
+    """Quarantined pages that only a stopped prefill could free, where nothing can fence it."""
+    if decode.node.transport.fence_is_real:
+        return 0
+    return sum(len(room.pages) for room in decode.node.ranks[0].quarantine()
+               if all(w.incarnation in stopped for w in room.waiting_on))  # fmt: skip
+
+
+async def _settle(decode: DecodeEngine, stopped: set[str], timeout_s: float = 15.0) -> None:
     """Wait until every fenced page came back to the ledger *and* the engine has taken the
     matching PagesReleased events (they arrive on a stream); the report then shows what is left,
     and the demo fails loudly if a page never came back."""
@@ -295,15 +313,16 @@ async def _settle(decode: DecodeEngine, timeout_s: float = 15.0) -> None:
         while True:
             snapshot = rank.snapshot()
             ledger = snapshot.ledger
-            engine_whole = decode.cache.allocator.num_free == decode.cache.num_pages
-            if ledger.free == ledger.pool_size and not snapshot.rooms and engine_whole:
+            held = _held_for_dead_writers(decode, stopped)
+            engine_whole = decode.cache.allocator.num_free + held == decode.cache.num_pages
+            if ledger.free + held == ledger.pool_size and not snapshot.rooms and engine_whole:
                 return
             await anyio.sleep(0.05)
 
 
 def _report(options: DemoOptions, transport: str, router: Router,
             records: list[RequestRecord], snapshot: object, free_in_engine: int,
-            out_dir: Path, wall_s: float) -> DemoReport:  # fmt: skip
+            held_for_dead: int, out_dir: Path, wall_s: float) -> DemoReport:  # fmt: skip
     from pdflow.core.endpoints.decode_endpoint import DecodeSnapshot
 
     assert isinstance(snapshot, DecodeSnapshot)
@@ -314,7 +333,7 @@ def _report(options: DemoOptions, transport: str, router: Router,
     handshakes = [r.handshake_s * 1e3 for r in done if r.handshake_s is not None]
     ttfts = [r.ttft_s * 1e3 for r in done if r.ttft_s is not None]
     leaked = (ledger.pool_size - ledger.free - ledger.quarantined) + (
-        ledger.pool_size - free_in_engine
+        ledger.pool_size - free_in_engine - ledger.quarantined
     )
     return DemoReport(
         transport=transport,
@@ -330,6 +349,7 @@ def _report(options: DemoOptions, transport: str, router: Router,
         ttft_ms_p50=percentile(ttfts, 0.5),
         ttft_ms_p99=percentile(ttfts, 0.99),
         pages_quarantined=ledger.quarantined,
+        pages_held_for_dead_writers=held_for_dead,
         pages_leaked=leaked,
         faults=router.faults,
         traces=sorted(str(p) for p in (out_dir / "traces").glob("*.jsonl")),
