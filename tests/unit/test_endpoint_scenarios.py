@@ -26,18 +26,24 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyKnown,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
+from pdflow.core.framework.errors import LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
-    PrefillCompleted,
     PublishPages,
     SendChunk,
     TransferCompleted,
 )
-from pdflow.core.protocol.messages import Abort, AbortAck, BootstrapRequest, PeerId, RoomMetadata
+from pdflow.core.protocol.messages import (
+    Abort,
+    AbortAck,
+    BootstrapRequest,
+    PeerId,
+    RoomMetadata,
+    StatusReport,
+)
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined, SessionClosed
@@ -270,23 +276,18 @@ def test_late_status_after_clear_has_no_effect() -> None:
     assert not d.rooms and not polls(step)
 
 
-def test_refused_claim_under_prefill_complete_changes_nothing() -> None:
-    """Found by the model checker: under prefill_complete, a decode's bootstrap request for an
-    earlier generation of a room id (a request the prefill never opened) holds the id in the
-    ready table. Opening the next generation is refused with InvalidInput, and that refusal
-    must leave the endpoint unchanged: before the fix, the room was already created when the
-    table refused, so a half-opened room lived on and reported statuses."""
+def test_a_later_claim_under_prefill_complete_supersedes_an_earlier_bootstrap() -> None:
+    """Under prefill_complete, a decode's bootstrap request for an earlier generation of a room
+    id (one the prefill never opened) no longer holds the id: opening the next generation
+    succeeds, and the endpoint waiting on the earlier one is told it failed."""
     policy = AllocationPolicy.PREFILL_COMPLETE
     p = prefill(policy=policy)
     stale = BootstrapRequest(room=4, generation=1, decode=DECODE, prefill=PREFILL_A)
     p.handle(Received(stale), 0.0)
-    before = p.snapshot()
-    with pytest.raises(InvalidInput, match="generation"):
-        p.handle(OpenRoom(4, 2), 1.0)
-    assert p.snapshot() == before
-    assert 4 not in p.rooms
-    with pytest.raises(LocalProtocolError):
-        p.handle(RoomCall(4, PrefillCompleted()), 1.0)
+    step = p.handle(OpenRoom(4, 2), 1.0)
+    (notice,) = sent(step, StatusReport)
+    assert (notice.generation, notice.status) == (1, KVPoll.Failed)
+    assert p.rooms[4].generation == 2 and p.rooms[4].poll is KVPoll.Bootstrapping
 
 
 def test_late_topology_answer_does_not_hide_the_old_writers() -> None:

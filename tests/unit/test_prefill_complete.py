@@ -2,7 +2,7 @@
 
 import pytest
 
-from pdflow.core.framework.errors import InvalidInput, ProtocolError, RemoteProtocolError
+from pdflow.core.framework.errors import InvalidInput, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import AbortRequested, Input, Tick
@@ -21,6 +21,7 @@ from pdflow.core.rooms.prefill_complete import (
     MarkComplete,
     OwnerRefused,
     PrefillCompleteTable,
+    Superseded,
 )
 
 ME = PeerId("10.0.1.1:8000", "p1")
@@ -36,23 +37,24 @@ SETUP: dict[BootstrapRoomState, list[Input]] = {
     BootstrapRoomState.ABSENT: [],
     BootstrapRoomState.UNOWNED: [BootstrapArrived(ROOM, GEN, D1)],
     BootstrapRoomState.OWNED: [ClaimRoom(ROOM, GEN, OWNER)],
-    BootstrapRoomState.READY: [ClaimRoom(ROOM, GEN, OWNER), MarkComplete(ROOM, OWNER)],
-    BootstrapRoomState.FAILED: [ClaimRoom(ROOM, GEN, OWNER), FailRoom(ROOM)],
-    BootstrapRoomState.TOMBSTONE: [FailRoom(ROOM)],
+    BootstrapRoomState.READY: [ClaimRoom(ROOM, GEN, OWNER), MarkComplete(ROOM, GEN, OWNER)],
+    BootstrapRoomState.FAILED: [ClaimRoom(ROOM, GEN, OWNER), FailRoom(ROOM, GEN)],
+    BootstrapRoomState.TOMBSTONE: [FailRoom(ROOM, GEN)],
 }
 
 SAMPLES: dict[str, Input] = {
     "ClaimRoom": ClaimRoom(ROOM, GEN, 8),
     "BootstrapArrived": BootstrapArrived(ROOM, GEN, D1),
-    "MarkComplete": MarkComplete(ROOM, OWNER),
-    "FailRoom": FailRoom(ROOM),
-    "CloseRoom": CloseRoom(ROOM, OWNER, False),
+    "MarkComplete": MarkComplete(ROOM, GEN, OWNER),
+    "FailRoom": FailRoom(ROOM, GEN),
+    "CloseRoom": CloseRoom(ROOM, GEN, OWNER, False),
+    "Superseded": Superseded(ROOM, GEN, GEN + 1),
     "Tick": Tick(),
 }
 
 
 def _room_in(state: BootstrapRoomState) -> BootstrapRoom:
-    room = BootstrapRoom(ROOM, ME, TTL)
+    room = BootstrapRoom(ROOM, GEN, ME, TTL, lambda: GEN)
     for inp in SETUP[state]:
         room.fire(inp, 0.0)
     assert room.state is state
@@ -101,8 +103,8 @@ def test_at_most_one_owner() -> None:
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     step = table.handle(ClaimRoom(ROOM, GEN, 8), 1.0)
     assert step.outputs == (OwnerRefused(ROOM, 8, DUPLICATE_ROOM),)
-    table.handle(CloseRoom(ROOM, 8, False), 2.0)  # the refused sender cleans up
-    table.handle(MarkComplete(ROOM, 8), 2.0)
+    table.handle(CloseRoom(ROOM, GEN, 8, False), 2.0)  # the refused sender cleans up
+    table.handle(MarkComplete(ROOM, GEN, 8), 2.0)
     (room,) = table.snapshot().rooms
     assert (room.owner, room.state) == (OWNER, "OWNED")
 
@@ -111,8 +113,8 @@ def test_at_most_one_ready_notice() -> None:
     table = _table()
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
-    sent = _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0))
-    sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
+    sent = _notices(table.handle(MarkComplete(ROOM, GEN, OWNER), 1.0))
+    sent += _notices(table.handle(MarkComplete(ROOM, GEN, OWNER), 2.0))
     sent += _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 3.0))
     assert sent == [(D1, KVPoll.WaitingForInput)]
 
@@ -120,7 +122,7 @@ def test_at_most_one_ready_notice() -> None:
 def test_ready_before_the_bootstrap_waits_for_the_endpoint() -> None:
     table = _table()
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
-    assert _notices(table.handle(MarkComplete(ROOM, OWNER), 1.0)) == []
+    assert _notices(table.handle(MarkComplete(ROOM, GEN, OWNER), 1.0)) == []
     assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D1), 2.0)) == [
         (D1, KVPoll.WaitingForInput)
     ]
@@ -131,26 +133,26 @@ def test_failure_beats_a_late_ready() -> None:
     table = _table()
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
-    sent = _notices(table.handle(FailRoom(ROOM, "aborted"), 1.0))
-    sent += _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0))
-    sent += _notices(table.handle(FailRoom(ROOM), 3.0))
+    sent = _notices(table.handle(FailRoom(ROOM, GEN, "aborted"), 1.0))
+    sent += _notices(table.handle(MarkComplete(ROOM, GEN, OWNER), 2.0))
+    sent += _notices(table.handle(FailRoom(ROOM, GEN), 3.0))
     assert sent == [(D1, KVPoll.Failed)]
-    assert table.is_failed(ROOM)
+    assert table.is_failed(ROOM, GEN)
 
 
 def test_failure_after_ready_is_still_notified_once() -> None:
     table = _table()
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
-    table.handle(MarkComplete(ROOM, OWNER), 1.0)
-    sent = _notices(table.handle(FailRoom(ROOM), 2.0))
-    sent += _notices(table.handle(CloseRoom(ROOM, OWNER, False), 3.0))
+    table.handle(MarkComplete(ROOM, GEN, OWNER), 1.0)
+    sent = _notices(table.handle(FailRoom(ROOM, GEN), 2.0))
+    sent += _notices(table.handle(CloseRoom(ROOM, GEN, OWNER, False), 3.0))
     assert sent == [(D1, KVPoll.Failed)]
 
 
 def test_cancel_before_the_sender_exists_is_not_lost() -> None:
     table = _table()
-    table.handle(FailRoom(ROOM, "aborted by the decode"), 0.0)
+    table.handle(FailRoom(ROOM, GEN, "aborted by the decode"), 0.0)
     assert table.handle(ClaimRoom(ROOM, GEN, OWNER), 1.0).outputs == (
         OwnerRefused(ROOM, OWNER, DUPLICATE_ROOM),
     )
@@ -167,12 +169,12 @@ def test_cancel_before_the_sender_exists_is_not_lost() -> None:
 def test_tombstone_expires_at_exactly_ttl() -> None:
     table = _table()
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 100.0)
-    step = table.handle(CloseRoom(ROOM, OWNER, False), 100.0)
+    step = table.handle(CloseRoom(ROOM, GEN, OWNER, False), 100.0)
     assert step.timer_at == 100.0 + TTL
     table.handle(Tick(), 100.0 + TTL - 1e-6)
-    assert table.state_of(ROOM) is BootstrapRoomState.TOMBSTONE
+    assert table.state_of(ROOM, GEN) is BootstrapRoomState.TOMBSTONE
     step = table.handle(Tick(), 100.0 + TTL)
-    assert table.state_of(ROOM) is BootstrapRoomState.ABSENT and step.timer_at is None
+    assert table.state_of(ROOM, GEN) is BootstrapRoomState.ABSENT and step.timer_at is None
     assert table.handle(ClaimRoom(ROOM, 2, OWNER), 200.0).outputs == ()
 
 
@@ -182,16 +184,16 @@ def test_unowned_room_expires_at_ttl_but_owned_rooms_do_not() -> None:
     table.handle(ClaimRoom(6, GEN, OWNER), 0.0)
     assert table.timer_at() == TTL
     table.handle(Tick(), TTL)
-    assert table.state_of(ROOM) is BootstrapRoomState.ABSENT
-    assert table.state_of(6) is BootstrapRoomState.OWNED
+    assert table.state_of(ROOM, GEN) is BootstrapRoomState.ABSENT
+    assert table.state_of(6, GEN) is BootstrapRoomState.OWNED
     assert table.timer_at() is None
 
 
 def test_success_close_deletes_the_room() -> None:
     table = _table()
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
-    table.handle(MarkComplete(ROOM, OWNER), 1.0)
-    table.handle(CloseRoom(ROOM, OWNER, True), 2.0)
+    table.handle(MarkComplete(ROOM, GEN, OWNER), 1.0)
+    table.handle(CloseRoom(ROOM, GEN, OWNER, True), 2.0)
     assert table.snapshot().rooms == ()
 
 
@@ -200,25 +202,33 @@ def test_a_second_endpoint_is_refused_and_the_first_kept() -> None:
     table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
     assert _notices(table.handle(BootstrapArrived(ROOM, GEN, D2), 1.0)) == [(D2, KVPoll.Failed)]
-    assert _notices(table.handle(MarkComplete(ROOM, OWNER), 2.0)) == [(D1, KVPoll.WaitingForInput)]
+    ready = _notices(table.handle(MarkComplete(ROOM, GEN, OWNER), 2.0))
+    assert ready == [(D1, KVPoll.WaitingForInput)]
 
 
-def test_stale_generation_bootstrap_is_dropped_without_change() -> None:
+def test_an_earlier_generations_bootstrap_creates_nothing() -> None:
     table = _table()
-    table.handle(ClaimRoom(ROOM, GEN, OWNER), 0.0)
+    table.handle(ClaimRoom(ROOM, GEN + 1, OWNER), 0.0)
     before = table.snapshot()
-    with pytest.raises(RemoteProtocolError, match="stale"):
-        table.handle(BootstrapArrived(ROOM, GEN + 1, D1), 1.0)
-    assert table.snapshot() == before
+    step = table.handle(BootstrapArrived(ROOM, GEN, D1), 1.0)
+    assert step.outputs == () and table.snapshot() == before
 
 
-def test_opening_another_generation_than_the_waiting_endpoint_is_refused() -> None:
+def test_a_later_generation_supersedes_a_waiting_endpoint_and_a_tombstone() -> None:
+    """Bug A's table half: generation 1's tombstone (or waiting endpoint) never blocks the next
+    generation of the room id; the endpoint waiting on generation 1 is told it failed."""
     table = _table()
     table.handle(BootstrapArrived(ROOM, GEN, D1), 0.0)
-    before = table.snapshot()
-    with pytest.raises(InvalidInput, match="generation"):
-        table.handle(ClaimRoom(ROOM, GEN + 1, OWNER), 1.0)
-    assert table.snapshot() == before
+    step = table.handle(ClaimRoom(ROOM, GEN + 1, OWNER), 1.0)
+    assert _notices(step) == [(D1, KVPoll.Failed)]
+    assert table.state_of(ROOM, GEN) is BootstrapRoomState.ABSENT
+    assert table.state_of(ROOM, GEN + 1) is BootstrapRoomState.OWNED
+    table.handle(FailRoom(ROOM, GEN + 1), 2.0)
+    table.handle(CloseRoom(ROOM, GEN + 1, OWNER, False), 3.0)
+    assert table.state_of(ROOM, GEN + 1) is BootstrapRoomState.TOMBSTONE
+    assert table.handle(BootstrapArrived(ROOM, GEN + 2, D2), 4.0).outputs == ()
+    assert table.handle(ClaimRoom(ROOM, GEN + 2, OWNER), 4.0).outputs == ()
+    assert table.held() == 1
 
 
 def test_the_table_takes_only_its_own_inputs() -> None:

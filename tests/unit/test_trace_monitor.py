@@ -21,7 +21,8 @@ def test_a_real_trace_follows_the_spec(tmp_path: Path) -> None:
     assert report.ok, report.violations
     assert report.records == len(trace.records)
     machines = {machine for machine, _ in report.rows_seen}
-    assert machines == {"SenderRoom", "ReceiverRoom", "PageLedger"}
+    slots = {"PrefillRoomSlot", "DecodeRoomSlot"}
+    assert machines == {"SenderRoom", "ReceiverRoom", "PageLedger", *slots}
 
 
 def test_a_tampered_transition_is_caught_at_its_seq(

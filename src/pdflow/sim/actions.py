@@ -12,7 +12,6 @@ from collections.abc import Callable
 from typing import Any
 
 from pdflow.core.endpoints.endpoint_io import (
-    ClearRoom,
     HeartbeatResult,
     OpenReceiver,
     OpenRoom,
@@ -50,11 +49,14 @@ def _requests(world: World) -> list[Any]:
 
 
 def _unopened_prefill(world: World) -> list[Any]:
+    """Requests a prefill engine may open now: one whose room id it still holds open (for
+    another generation) waits until the engine has cleared that one."""
     return [
         (i, rank)
         for i, r in enumerate(world.requests)
         if r.prefill_life == world.prefill_life
         for rank in sorted(r.unopened_prefill)
+        if not world.prefill[rank].endpoint.is_open(r.room)
     ]
 
 
@@ -64,6 +66,7 @@ def _unopened_decode(world: World) -> list[Any]:
         for i, r in enumerate(world.requests)
         for rank in sorted(r.unopened_decode)
         if r.decode_lives[rank] == world.decode[rank].life
+        and not world.decode[rank].endpoint.is_open(r.room)
     ]
 
 
@@ -73,7 +76,8 @@ def _open_rooms(world: World, side: str) -> list[Any]:
 
 
 def _terminal_rooms(world: World, side: str) -> list[Any]:
-    """Rooms the engine may clear (a draining prefill room already cleared is left alone)."""
+    """Rooms the engine may clear (a cleared prefill room that still drains is not the
+    engine's any more: the endpoint holds it out of sight)."""
     processes: list[PrefillProcess] | list[DecodeProcess] = (
         world.prefill if side == "prefill" else world.decode
     )
@@ -272,7 +276,7 @@ def _abort(side: str) -> Callable[[World, tuple[int, int], int], None]:
 def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
     def run(world: World, choice: tuple[int, int], hint: int) -> None:
         process = (world.prefill if side == "prefill" else world.decode)[choice[0]]
-        world.feed(process, ClearRoom(choice[1]))
+        world.clear(process, choice[1])
 
     return run
 

@@ -63,6 +63,8 @@ class PrefillProcess:
     endpoint: PrefillEndpoint
     free_sources: list[int]
     jobs: dict[int, SenderJob] = field(default_factory=dict)
+    draining_jobs: dict[tuple[int, int], SenderJob] = field(default_factory=dict)
+    """Rooms the engine cleared while their writes drain: their source pages stay pinned."""
 
     @property
     def me(self) -> PeerId:

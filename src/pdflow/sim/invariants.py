@@ -16,11 +16,19 @@ from __future__ import annotations
 from collections import Counter
 from typing import TYPE_CHECKING
 
-from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, CloseSession, OpenReceiver, OpenRoom
+from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
+    CloseSession,
+    Dropped,
+    OpenReceiver,
+    OpenRoom,
+    Received,
+)
+from pdflow.core.endpoints.prefill_slots import NONE
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired
-from pdflow.core.protocol.messages import Abort, AbortAck, PeerId
+from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import StatusChanged
 from pdflow.sim.transport import source_content
 
@@ -47,6 +55,9 @@ INVARIANTS = (
     "lost_instance_fails_rooms",
     "checksums_fail_closed",
     "registry_ordered",
+    "newer_generation_not_stale",
+    "generation_isolation",
+    "bounded_room_state",
 )
 
 
@@ -64,6 +75,10 @@ class Monitor:
         self.removed: set[tuple[str, int, int]] = set()
         self.changed_at: dict[tuple[str, int, int], float] = {}
         self.coverage: Counter[Transition] = Counter()
+        self.opened: dict[tuple[str, int], int] = {}
+        """(prefill process, room id) -> the highest generation the engine opened there."""
+        self.cancelled: dict[tuple[str, int], int] = {}
+        """(prefill process, room id) -> the highest generation an ABORT was delivered for."""
         self.checks = 0
         self._reported_uaf = 0
 
@@ -100,6 +115,8 @@ class Monitor:
         for output in step.outputs:
             if isinstance(output, StatusChanged):
                 self._status(process, output)
+        if process.endpoint.role == "prefill":
+            self._check_generations(process, inp, step)  # type: ignore[arg-type]
         self._check_writes()
         if process.endpoint.role == "decode":
             self._check_admission(process)  # type: ignore[arg-type]
@@ -166,6 +183,46 @@ class Monitor:
                 f"{process.name}: room {change.room}/{change.generation} timed out after "
                 f"{waited:g}s in {self.polls[key].name}, budget {budget:g}s"
             )
+
+    def _check_generations(
+        self, process: PrefillProcess, inp: AnyEndpointInput, step: Step
+    ) -> None:
+        """One generation of a room id never decides for another, and a rank keeps nothing
+        for a generation it has finished."""
+        name = process.name
+        if isinstance(inp, Received) and isinstance(inp.message, (RoomMetadata, Abort)):
+            message = inp.message
+            key = (name, message.room)
+            if isinstance(message, Abort):
+                self.cancelled[key] = max(self.cancelled.get(key, message.generation),
+                                          message.generation)  # fmt: skip
+            stale = [o for o in step.outputs
+                     if isinstance(o, Dropped) and o.kind == "stale_generation"]  # fmt: skip
+            opened = self.opened.get(key)
+            if stale and (opened is None or message.generation > opened):
+                self.fail(
+                    f"{name}: {type(message).__name__} for room {message.room}/"
+                    f"{message.generation} dropped as stale, but the highest generation opened "
+                    f"there is {opened}"
+                )
+        if isinstance(inp, OpenRoom) and inp.room in process.endpoint.rooms:
+            key = (name, inp.room)
+            self.opened[key] = max(self.opened.get(key, inp.generation), inp.generation)
+            failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed
+                         for o in step.outputs)  # fmt: skip
+            if failed and self.cancelled.get(key, inp.generation - 1) < inp.generation:
+                self.fail(
+                    f"{name}: room {inp.room}/{inp.generation} failed as it opened, but no "
+                    "ABORT for that generation (or a later one) ever reached this rank"
+                )
+        endpoint = process.endpoint
+        for room, record in endpoint.pending.items():
+            parked = record.parked_generation != NONE
+            if not parked and record.cancelled <= endpoint.opened.get(room, NONE):
+                self.fail(
+                    f"{name}: room {room} keeps a cancel for generation {record.cancelled}, "
+                    "which it opened already (state that grows with failures)"
+                )
 
     def _check_lost_writers(self, process: DecodeProcess, step: Step) -> None:
         """Once a writer is declared dead, no room still counts on it."""

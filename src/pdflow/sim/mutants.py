@@ -10,6 +10,7 @@ catch it.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -17,12 +18,17 @@ from typing import Any
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.prefill_slots import (
+    PREFILL_SLOT_TABLE,
+    PrefillRoomSlot,
+    SlotState,
+)
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.framework.table import Fired
+from pdflow.core.framework.table import Fired, Row, Table
 from pdflow.core.protocol.inputs import Input, SuccessArrived
-from pdflow.core.protocol.messages import Abort
 from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.core.resources.page_ledger import RoomPages, WriterHealth
+from pdflow.core.rooms.prefill_complete import BootstrapRoom, PrefillCompleteTable
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
 from pdflow.core.rooms.sender_room import SenderRoom
 from pdflow.sim.transport import FakeTransport
@@ -160,24 +166,75 @@ def _status_resurrects(original: Any) -> Any:
     return receive
 
 
-def _no_ack_for_unopened(original: Any) -> Any:
-    def park(self: PrefillEndpoint, message: Any, now: float, outputs: Any, fired: Any) -> None:
-        original(self, message, now, outputs, fired)
-        if isinstance(message, Abort):  # the ACK of a room not opened yet is never sent
-            outputs[:] = [o for o in outputs if getattr(o, "message", None) is None
-                          or type(o.message).__name__ != "AbortAck"]  # fmt: skip
+def _rows_swapped(table: Table[Any], field: str, name: str, make: Callable[[Any], Any]) -> Patch:
+    """A patch of a table whose rows hold their guards and actions by reference: every row
+    naming ``name`` (a guard or action, as the spec names it) gets ``make(original)``."""
+    attr = "guard_fn" if field == "guard" else "action_fn"
 
-    return park
+    def swap(cells: dict[tuple[str, str], tuple[Row[Any], ...]]) -> Any:
+        return {
+            key: tuple(
+                dataclasses.replace(r, **{attr: make(getattr(r, attr))})
+                if getattr(r, field) == name
+                else r
+                for r in rows
+            )
+            for key, rows in cells.items()
+        }
+
+    return (table, "_cells", swap)
 
 
-def _cancel_before_sender_lost(original: Any) -> Any:
-    def park(self: PrefillEndpoint, message: Any, now: float, outputs: Any, fired: Any) -> None:
-        if isinstance(message, Abort):  # ACKed, then forgotten: the room opens as if never aborted
-            outputs.append(self._ack(message))
-            return
-        original(self, message, now, outputs, fired)
+def _no_ack(original: Any) -> Any:
+    def cancel(self: PrefillRoomSlot, inp: Any, now: float) -> list[Output]:
+        original(self, inp, now)
+        return []  # the cancel is kept, but its ACK is never sent
 
-    return park
+    return cancel
+
+
+def _ack_without_cancel(original: Any) -> Any:
+    def cancel(self: PrefillRoomSlot, inp: Any, now: float) -> list[Output]:
+        return [self.host.ack(inp.abort)]  # ACKed, then forgotten: it opens as if never aborted
+
+    return cancel
+
+
+def _room_keyed_ready_table(original: Any) -> Any:
+    def machine(self: PrefillCompleteTable, inp: Any) -> BootstrapRoom:
+        held = self._rooms.get(inp.room, {})
+        if held:  # keyed by room id only: any generation's entry answers for every generation
+            return next(iter(held.values()))
+        result: BootstrapRoom = original(self, inp)
+        return result
+
+    return machine
+
+
+def _newer_generation_stale(original: Any) -> Any:
+    def classify(self: PrefillRoomSlot) -> SlotState:
+        state: SlotState = original(self)
+        hosted = [r for r in self.host.rooms.values() if r.key == self.key]
+        hosted += [r for (key, _), r in self.host.draining.items() if key == self.key]
+        other = any(r.generation != self.generation for r in hosted)
+        if state in (SlotState.ABSENT, SlotState.PARKED, SlotState.CANCELLED) and other:
+            return SlotState.REMOVED  # "not the open generation": taken for a stale one
+        return state
+
+    return classify
+
+
+def _late_abort_kept(original: Any) -> Any:
+    def step(self: PrefillRoomSlot, inp: Any, now: float) -> Any:
+        result = original(self, inp, now)
+        if self.state is SlotState.REMOVED and type(inp).__name__ == "AbortArrived":
+            # The answering ABORT of a cleared room is kept as an early arrival, forever.
+            record = self.record
+            record.cancelled = max(record.cancelled, self.generation)
+            self.host.pending[self.key] = record
+        return result
+
+    return step
 
 
 def _noop_fence(original: Any) -> Any:
@@ -239,16 +296,25 @@ MUTANTS: tuple[Mutant, ...] = (
            ((RoomPages, "_guard_clears_last_writer", _always(True)),)),
     Mutant("unopened_abort_not_acked", "sglang#38961 (late ABORT never ACKed)",
            "an ABORT for a room the prefill has not opened yet is never ACKed",
-           ((PrefillEndpoint, "_park", _no_ack_for_unopened),)),
+           (_rows_swapped(PREFILL_SLOT_TABLE, "action", "cancel", _no_ack),)),
     Mutant("cancel_before_sender_lost", "sglang#9266 (cancel lost)",
            "an ABORT for a room not opened yet is ACKed but not remembered",
-           ((PrefillEndpoint, "_park", _cancel_before_sender_lost),)),
+           (_rows_swapped(PREFILL_SLOT_TABLE, "action", "cancel", _ack_without_cancel),)),
     Mutant("noop_fence", "pdflow#12 (close_session on the decode's own transport)",
            "the shell reports a dead writer fenced while its in-flight writes can still land",
            ((FakeTransport, "fence", _noop_fence),)),
     Mutant("release_before_fence", "pdflow#12 (a false heartbeat verdict frees pages)",
            "a writer declared dead counts as unable to write before it is fenced",
            ((WriterHealth, "cannot_write", _dead_means_cannot_write),)),
+    Mutant("failed_generation_blocks_next", "issue 11 bug A (room-keyed tombstone)",
+           "the prefill_complete table is keyed by room id: a failed generation refuses the next",
+           ((PrefillCompleteTable, "_machine", _room_keyed_ready_table),)),
+    Mutant("newer_generation_taken_as_stale", "issue 11 bug B (stale_generation)",
+           "while one generation is hosted, messages of a newer one are handled as stale",
+           ((PrefillRoomSlot, "_classify", _newer_generation_stale),)),
+    Mutant("answering_abort_kept_forever", "issue 11 bug C (early arrivals grow)",
+           "the decode's ABORT answering a cleared failure is kept as a pending cancel",
+           ((PrefillRoomSlot, "step", _late_abort_kept),)),
 )  # fmt: skip
 
 

@@ -39,6 +39,7 @@ from pdflow.core.endpoints.effects import carry_out_decode, carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     ChecksumChecked,
+    ClearRoom,
     DecodeEndpointConfig,
     PrefillEndpointConfig,
     PrefillInfo,
@@ -51,7 +52,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyKnown,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.framework.errors import InvalidInput, ProtocolError
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
@@ -463,11 +464,17 @@ class World:
 
     def room_removed(self, process: PrefillProcess | DecodeProcess, removed: RoomRemoved) -> None:
         self.monitor.room_removed(process, removed.room, removed.generation)
-        job = process.jobs.pop(removed.room, None)
+        job = process.jobs.get(removed.room)
+        if job is not None and job.request.generation == removed.generation:
+            del process.jobs[removed.room]
+        else:
+            job = None
         if isinstance(process, PrefillProcess):
             assert job is None or isinstance(job, SenderJob)
-            if job is not None:
-                process.free_sources.extend(job.src_pages)
+            drained = process.draining_jobs.pop((removed.room, removed.generation), None)
+            for done in (job, drained):
+                if done is not None:
+                    process.free_sources.extend(done.src_pages)
             return
         assert job is None or isinstance(job, ReceiverJob)
         if job is not None and job.stage == "queued":
@@ -475,6 +482,16 @@ class World:
             process.requests.pop(job.request.rid, None)
             step = process.admission.handle(CancelRequest(job.request.rid), self.clock.now)
             self.monitor.record_fired(step.fired)
+
+    def clear(self, process: PrefillProcess | DecodeProcess, room: int) -> None:
+        """The engine clears a terminal room; a prefill room still draining leaves the engine's
+        view at once, its source pages pinned until the endpoint reports it removed."""
+        self.feed(process, ClearRoom(room))
+        if isinstance(process, PrefillProcess):
+            job = process.jobs.get(room)
+            if job is not None and process.endpoint.is_draining(room, job.request.generation):
+                del process.jobs[room]
+                process.draining_jobs[(room, job.request.generation)] = job
 
     # ---- message delivery --------------------------------------------------------------------
     def process_at(self, address: str) -> PrefillProcess | DecodeProcess:
@@ -538,9 +555,11 @@ class World:
         return [r for r in self.requests if self.room_busy(r.room)]
 
     def new_request(self, hint: int) -> Request:
-        retired = sorted(room for room in self.generations if not self.room_busy(room))
-        if self.plan.room_reuse and retired and hint % 2 == 0:
-            room = retired[(hint // 2) % len(retired)]
+        # The router reuses room ids at any moment, as a retry does (the next generation):
+        # while an earlier generation still drains, is open, or was never opened somewhere.
+        known = sorted(self.generations)
+        if self.plan.room_reuse and known and hint % 2 == 0:
+            room = known[(hint // 2) % len(known)]
         else:
             room = max(self.generations, default=-1) + 1
         generation = self.generations.get(room, 0) + 1
@@ -582,9 +601,9 @@ class World:
         process.jobs[request.room] = SenderJob(request, sources)
         try:
             self.feed(process, OpenRoom(request.room, request.generation))
-        except InvalidInput:
-            # The endpoint refused the claim (the room id is still held for another
-            # generation) and changed nothing: the engine fails this request on this rank.
+        except (InvalidInput, LocalProtocolError):
+            # The endpoint refused the claim (a later generation of the room id was opened
+            # here already) and changed nothing: the engine fails this request on this rank.
             del process.jobs[request.room]
             process.free_sources[:0] = sources
 

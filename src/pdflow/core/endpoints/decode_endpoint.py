@@ -20,6 +20,7 @@ from pdflow.core.cluster.topology import (
     TopologyOptions,
     resolve_rank_mapping,
 )
+from pdflow.core.endpoints.decode_slots import DecodeRoomSlot, StatusArrived
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     ChecksumChecked,
@@ -32,13 +33,13 @@ from pdflow.core.endpoints.endpoint_io import (
     PrefillInfo,
     Received,
     RoomCall,
-    RoomRemoved,
     StagingPlaced,
     TimerFired,
     TopologyFailed,
     TopologyKnown,
 )
 from pdflow.core.endpoints.room_host import RoomHost
+from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -123,6 +124,10 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         # A room's region is the ring allocation (room, chunk=generation): a reused room id
         # never inherits the region of its earlier life, which may still be fenced.
         self.waiting_for_staging: dict[int, PublishPages] = {}
+        # The step a room slot's action adds its effects to, and the receiver being opened.
+        self._step_out: list[Output] = []
+        self._step_fired: list[Fired] = []
+        self._opening = OpenReceiver(0, 0, "")
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
@@ -152,17 +157,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         elif isinstance(inp, SessionClosed):
             self._ledger(inp, now, out, fired)
         elif isinstance(inp, ChecksumChecked):
-            room = self.rooms.get(inp.room)
-            if room is None:
-                # The room failed and was cleared while its check ran: the answer is late.
-                self._drop(out, "unknown_room", f"checksum result for room {inp.room}")
-            elif room.generation == inp.generation:
-                self._room_input(room, ChecksumResult(inp.ok, inp.reason), now, out, fired)
-                # Every writer reported Success before verification: the region is done with.
-                if self.staging is not None:
-                    self._release_staging(room.key, room.generation, now, out, fired)
-            else:
-                self._drop(out, "stale_generation", f"checksum result for room {inp.room}")
+            self._slot(inp.room, inp.generation, inp, now, out, fired)
         elif isinstance(inp, TimerFired):
             for room_id in self.deadlines.pop_due(now):
                 if room_id in self.rooms:
@@ -180,18 +175,34 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     # ---- rooms -----------------------------------------------------------------------------------
     def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:
         self._refuse_duplicate(inp.room)
+        self._opening = inp
+        self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now, out, fired)
+
+    def _slot(
+        self, room: int, generation: int, inp: Input, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        """Fire one input into the (room, generation) slot; it routes it on."""
+        self._step_out, self._step_fired = out, fired
+        produced, transition = DecodeRoomSlot(self, room, generation).fire(inp, now)
+        out.extend(produced)
+        fired.append(transition)
+
+    # ---- what the room slots ask of their endpoint (DecodeSlotHost) ----------------------------
+    def host_receiver(self, room_id: int, generation: int, now: float) -> None:
+        inp, out, fired = self._opening, self._step_out, self._step_fired
         cfg = self.config
         room = ReceiverRoom(
-            inp.room, inp.generation, self.me, now,
+            room_id, generation, self.me, now,
             policy=cfg.policy, timeouts=cfg.timeouts,
+            session_id=cfg.session_id or self.me.address,
             # A staged room is finished by the shell (scatter, then checksums) before Success.
             verify_checksums=self.staging is not None,
             require_checksums=cfg.verify_checksums,
-            session_id=cfg.session_id or self.me.address,
         )  # fmt: skip
-        self.rooms[inp.room] = room
-        self.room_bootstrap[inp.room] = inp.bootstrap
-        self.room_dp_rank[inp.room] = inp.prefill_dp_rank
+        self.rooms[room_id] = room
+        self.room_bootstrap[room_id] = inp.bootstrap
+        self.room_dp_rank[room_id] = inp.prefill_dp_rank
         self._arm(room)
         info = self.topologies.get(inp.bootstrap)
         if info is not None:
@@ -200,7 +211,45 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         waiting = self.awaiting_topology.setdefault(inp.bootstrap, [])
         if not waiting:
             out.append(NeedTopology(inp.bootstrap))
-        waiting.append(inp.room)
+        waiting.append(room_id)
+
+    def deliver_status(self, room: ReceiverRoom, message: StatusReport, now: float) -> None:
+        translated: Input
+        if message.status is KVPoll.WaitingForInput:
+            translated = ReadyArrived(message.prefill)
+        elif message.status is KVPoll.Success:
+            translated = SuccessArrived(message.prefill, message.checksum)
+        elif message.status is KVPoll.Failed:
+            translated = FailureArrived(message.prefill, message.reason)
+        else:
+            self._drop(
+                self._step_out, "bad_status", f"status {message.status.name} is not reportable"
+            )
+            return
+        try:
+            self._room_input(room, translated, now, self._step_out, self._step_fired)
+        except RemoteProtocolError as exc:
+            self._drop(self._step_out, "protocol_error", str(exc))
+
+    def deliver_checksum(self, room: ReceiverRoom, result: ChecksumChecked, now: float) -> None:
+        out, fired = self._step_out, self._step_fired
+        self._room_input(room, ChecksumResult(result.ok, result.reason), now, out, fired)
+        # Every writer reported Success before verification: the region is done with.
+        if self.staging is not None:
+            self._release_staging(room.key, room.generation, now, out, fired)
+
+    def forget_receiver(self, room: ReceiverRoom, now: float) -> None:
+        out, fired = self._step_out, self._step_fired
+        if self.ledger.state_of(room.key, room.generation) is RoomPagesState.RESERVED:
+            # Reserved but never fenced: every writer reported Success (a success, or a failed
+            # checksum), so no write can still land.
+            self._ledger(ReleaseAfterSuccess(room.key, room.generation), now, out, fired)
+        self.room_bootstrap.pop(room.key, None)
+        self.room_dp_rank.pop(room.key, None)
+        self.deadlines.arm(room.key, None)
+
+    def count(self, counter: str) -> None:
+        self.counters[counter] += 1
 
     def _topology_known(
         self, info: PrefillInfo, now: float, out: list[Output], fired: list[Fired]
@@ -374,21 +423,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def _clear(self, room_id: int, now: float, out: list[Output], fired: list[Fired]) -> None:
         room = self._known_room(room_id)
-        if not room.poll.is_terminal:
-            raise LocalProtocolError(
-                f"room {room_id} is {room.poll.name}; only a terminal room can be cleared",
-                hint="abort the room first (RoomCall with AbortRequested)",
-            )
-        if self.ledger.state_of(room.key, room.generation) is RoomPagesState.RESERVED:
-            # Reserved but never fenced: every writer reported Success (a success, or a failed
-            # checksum), so no write can still land.
-            self._ledger(ReleaseAfterSuccess(room.key, room.generation), now, out, fired)
-        del self.rooms[room_id]
-        self.room_bootstrap.pop(room_id, None)
-        self.room_dp_rank.pop(room_id, None)
-        self.deadlines.arm(room_id, None)
-        self.counters[f"rooms_{room.poll.name.lower()}"] += 1
-        out.append(RoomRemoved(room.key, room.generation))
+        self._slot(room_id, room.generation, ClearSlot(room_id, room.generation), now, out, fired)
 
     # ---- messages --------------------------------------------------------------------------------
     def _receive(self, inp: Received, now: float, out: list[Output], fired: list[Fired]) -> None:
@@ -410,25 +445,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 AckArrived(message.room, message.generation, message.prefill), now, out, fired
             )
             return
-        room = self.rooms.get(message.room)
-        if room is None or room.generation != message.generation:
-            # A late status for a cleared room, or for another use of the room id: no effect.
-            self._drop(out, "unknown_room", f"status for room {message.room}/{message.generation}")
-            return
-        translated: Input
-        if message.status is KVPoll.WaitingForInput:
-            translated = ReadyArrived(message.prefill)
-        elif message.status is KVPoll.Success:
-            translated = SuccessArrived(message.prefill, message.checksum)
-        elif message.status is KVPoll.Failed:
-            translated = FailureArrived(message.prefill, message.reason)
-        else:
-            self._drop(out, "bad_status", f"status {message.status.name} is not reportable")
-            return
-        try:
-            self._room_input(room, translated, now, out, fired)
-        except RemoteProtocolError as exc:
-            self._drop(out, "protocol_error", str(exc))
+        self._slot(message.room, message.generation, StatusArrived(message), now, out, fired)
 
     def _heartbeat(
         self, inp: HeartbeatResult, now: float, out: list[Output], fired: list[Fired]

@@ -12,6 +12,7 @@ import msgspec
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
+    Input,
     PrefillCompleted,
     PublishPages,
     SendChunk,
@@ -117,7 +118,9 @@ class HeartbeatResult(EndpointInput, frozen=True, tag="HeartbeatResult"):
     incarnation: str | None = None
 
 
-class ChecksumChecked(EndpointInput, frozen=True, tag="ChecksumChecked"):
+class ChecksumChecked(Input, frozen=True, tag="ChecksumChecked"):
+    """The shell recomputed a room's checksums (an input of the endpoint and of its room slot)."""
+
     room: int
     generation: int
     ok: bool

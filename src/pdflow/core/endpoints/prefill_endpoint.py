@@ -1,9 +1,9 @@
 """PrefillEndpoint: one prefill rank hosting many SenderRooms.
 
-It routes every input to its room, keeps what arrives before the engine opens a room (metadata,
-and aborts, so a cancel is never lost), drops stale messages (another incarnation, another
-generation of the room id) with a counted reason, and removes a failed room only once its last
-write has drained.
+It drops messages of another incarnation and hands everything else to the room slots
+(prefill_slots.py): the table that decides which generation of a room id a message or call
+belongs to, parks what arrives before the engine opens a generation, keeps a cancel that came
+first, and removes a cleared room only once its last write has drained.
 """
 
 from __future__ import annotations
@@ -17,10 +17,16 @@ from pdflow.core.endpoints.endpoint_io import (
     PrefillEndpointConfig,
     Received,
     RoomCall,
-    RoomRemoved,
     TimerFired,
 )
+from pdflow.core.endpoints.prefill_slots import (
+    NONE,
+    PendingRecord,
+    PrefillRoomSlot,
+    abort_ack_of,
+)
 from pdflow.core.endpoints.room_host import RoomHost
+from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.errors import LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
@@ -55,15 +61,7 @@ from pdflow.core.rooms.prefill_complete import (
     OwnerRefused,
     PrefillCompleteTable,
 )
-from pdflow.core.rooms.sender_room import SenderRoom, SenderState
-
-
-class EarlyArrivals(msgspec.Struct):
-    """Messages for a (room, generation) the engine has not opened yet."""
-
-    expires_at: float
-    metadata: list[RoomMetadata] = msgspec.field(default_factory=list)
-    aborts: list[Abort] = msgspec.field(default_factory=list)
+from pdflow.core.rooms.sender_room import SenderRoom
 
 
 class SenderSummary(msgspec.Struct, frozen=True):
@@ -79,7 +77,10 @@ class SenderSummary(msgspec.Struct, frozen=True):
 class PrefillSnapshot(msgspec.Struct, frozen=True):
     me: str
     rooms: tuple[SenderSummary, ...]
-    early: int
+    draining: tuple[SenderSummary, ...]
+    """Rooms the engine cleared while their writes were in flight."""
+    pending: int
+    """Room ids holding parked metadata or a cancel for a generation not opened yet."""
     counters: dict[str, int]
 
 
@@ -90,9 +91,14 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def __init__(self, config: PrefillEndpointConfig) -> None:
         self.config = config
         super().__init__(config.me)
-        self.early: dict[tuple[int, int], EarlyArrivals] = {}
-        self.remove_when_drained: set[int] = set()
-        self.early_deadlines: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
+        # The room slots (prefill_slots.py): what is kept per room id besides open rooms.
+        self.draining: dict[tuple[int, int], SenderRoom] = {}
+        self.opened: dict[int, int] = {}
+        self.pending: dict[int, PendingRecord] = {}
+        self.parking_deadlines: DeadlineQueue[int] = DeadlineQueue()
+        self.bootstrap_timeout = config.timeouts.bootstrap_timeout
+        self._step_outputs: list[Output] = []
+        self._step_fired: list[Fired] = []
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.
         self.ready_table: PrefillCompleteTable | None = (
             PrefillCompleteTable(config.me, config.timeouts)
@@ -104,19 +110,22 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         outputs: list[Output] = []
         fired: list[Fired] = []
+        # The slots' actions add the effects of the rooms they drive to this step's lists.
+        self._step_outputs, self._step_fired = outputs, fired
         if isinstance(inp, OpenRoom):
             self._open(inp, now, outputs, fired)
         elif isinstance(inp, RoomCall):
             room = self._known_room(inp.room)
             self._room_input(room, inp.call, now, outputs, fired)
             if isinstance(inp.call, PrefillCompleted):
-                self._ready_table(MarkComplete(room.key, room.generation), now, outputs, fired)
+                done = MarkComplete(room.key, room.generation, room.generation)
+                self._ready_table(done, now, outputs, fired)
         elif isinstance(inp, ClearRoom):
             self._clear(inp, now, outputs, fired)
         elif isinstance(inp, Received):
             self._receive(inp.message, now, outputs, fired)
         elif isinstance(inp, TransferCompleted):
-            self._transfer_done(inp, now, outputs, fired)
+            self._slot(inp.room, inp.generation, inp, now)
         elif isinstance(inp, TimerFired):
             self._timers(now, outputs, fired)
         else:
@@ -127,7 +136,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         return Step(tuple(outputs), self.timer_at(), tuple(fired))
 
     def timer_at(self) -> float | None:
-        deadlines = [self.deadlines.next_deadline(), self.early_deadlines.next_deadline()]
+        deadlines = [self.deadlines.next_deadline(), self.parking_deadlines.next_deadline()]
         if self.ready_table is not None:
             deadlines.append(self.ready_table.timer_at())
         present = [d for d in deadlines if d is not None]
@@ -136,45 +145,18 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     # ---- inputs ----------------------------------------------------------------------------------
     def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
         self._refuse_duplicate(inp.room)
-        # Claim first: a claim the ready table refuses with InvalidInput must change nothing.
-        claim = self._ready_table(
-            ClaimRoom(inp.room, inp.generation, inp.generation), now, outputs, fired
-        )
-        room = SenderRoom(
-            inp.room, inp.generation, self.me, now,
-            policy=self.config.policy, timeouts=self.config.timeouts,
-        )  # fmt: skip
-        self.rooms[inp.room] = room
-        self._arm(room)
-        refused = [o for o in claim if isinstance(o, OwnerRefused)]
-        if refused:
-            self._room_input(room, AbortRequested(refused[0].reason), now, outputs, fired)
-        early = self.early.pop((inp.room, inp.generation), None)
-        self.early_deadlines.arm((inp.room, inp.generation), None)
-        for key in [k for k in self.early if k[0] == inp.room and k[1] < inp.generation]:
-            # The engine moved on to a later generation: older cancels have nothing to guard.
-            del self.early[key]
-            self.early_deadlines.arm(key, None)
-        if early is None:
-            return
-        for md in early.metadata:
-            self._room_input(room, MetadataArrived(md), now, outputs, fired)
-        for abort in early.aborts:
-            self._room_input(room, AbortArrived(abort), now, outputs, fired)
+        self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now)
 
-    def _clear(
-        self, inp: ClearRoom, now: float, outputs: list[Output], fired: list[Fired]
-    ) -> None:
+    def _clear(self, inp: ClearRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
         room = self._known_room(inp.room)
-        if room.state is SenderState.DRAINING:
-            self.remove_when_drained.add(inp.room)
-            return
-        if not room.poll.is_terminal:
-            raise LocalProtocolError(
-                f"room {inp.room} is {room.poll.name}; only a terminal room can be cleared",
-                hint="abort the room first (RoomCall with AbortRequested)",
-            )
-        self._remove(room, now, outputs, fired)
+        self._slot(inp.room, room.generation, ClearSlot(inp.room, room.generation), now)
+
+    def _slot(self, room: int, generation: int, inp: Input, now: float) -> None:
+        """Fire one input into the (room, generation) slot; it routes it on."""
+        outputs, fired = self._step_outputs, self._step_fired
+        produced, transition = PrefillRoomSlot(self, room, generation).step(inp, now)
+        outputs.extend(produced)
+        fired.append(transition)
 
     def _ready_table(
         self, inp: Input, now: float, outputs: list[Output], fired: list[Fired]
@@ -209,74 +191,24 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
                 self._drop(outputs, "policy_mismatch", "BootstrapRequest under the early policy")
                 return
             arrived = BootstrapArrived(message.room, message.generation, message.decode)
-            try:
-                self._ready_table(arrived, now, outputs, fired)
-            except RemoteProtocolError as exc:
-                self._drop(outputs, "protocol_error", str(exc))
-            return
-        room = self.rooms.get(message.room)
-        if room is None or room.generation != message.generation:
-            if room is not None and room.generation != message.generation:
-                if isinstance(message, Abort):
-                    outputs.append(self._ack(message))
-                    return
-                self._drop(outputs, "stale_generation", f"room {message.room}")
-                return
-            self._park(message, now, outputs, fired)
+            self._ready_table(arrived, now, outputs, fired)
             return
         wrapped: Input = (
             MetadataArrived(message) if isinstance(message, RoomMetadata) else AbortArrived(message)
         )
         try:
-            self._room_input(room, wrapped, now, outputs, fired)
+            self._slot(message.room, message.generation, wrapped, now)
         except RemoteProtocolError as exc:
             self._drop(outputs, "protocol_error", str(exc))
-
-    def _park(
-        self, message: RoomMetadata | Abort, now: float, outputs: list[Output], fired: list[Fired]
-    ) -> None:
-        key = (message.room, message.generation)
-        entry = self.early.get(key)
-        if entry is None:
-            entry = EarlyArrivals(expires_at=now + self.config.timeouts.bootstrap_timeout)
-            self.early[key] = entry
-            self.early_deadlines.arm(key, entry.expires_at)
-        if isinstance(message, Abort):
-            # Nothing of an unopened room can be writing: ACK now. The ACK promises the decode
-            # that this generation will never write, so the cancel is kept, with no expiry,
-            # until the engine opens this generation (which then fails at once) or a later
-            # one: a duplicate or late metadata must never revive it.
-            entry.aborts.append(message)
-            entry.metadata.clear()
-            self.early_deadlines.arm(key, None)
-            outputs.append(self._ack(message))
-            self._ready_table(FailRoom(message.room, "aborted by decode"), now, outputs, fired)
-        elif entry.aborts:
-            self._drop(outputs, "aborted_room", f"metadata for cancelled room {key}")
-        else:
-            entry.metadata.append(message)
-
-    def _transfer_done(
-        self, inp: TransferCompleted, now: float, outputs: list[Output], fired: list[Fired]
-    ) -> None:
-        room = self._known_room(inp.room)
-        if room.generation != inp.generation:
-            raise LocalProtocolError(
-                f"transfer completion for room {inp.room} generation {inp.generation}, "
-                f"but the room is generation {room.generation}"
-            )
-        self._room_input(room, inp, now, outputs, fired)
-        if inp.room in self.remove_when_drained and room.quiescent:
-            self.remove_when_drained.discard(inp.room)
-            self._remove(room, now, outputs, fired)
 
     def _timers(self, now: float, outputs: list[Output], fired: list[Fired]) -> None:
         ready_due = self.ready_table is not None and (self.ready_table.timer_at() or now + 1) <= now
         if ready_due:
             self._ready_table(Tick(), now, outputs, fired)
-        for key in self.early_deadlines.pop_due(now):
-            self.early.pop(key, None)
-            self.counters["early_arrivals_expired"] += 1
+        for room_id in self.parking_deadlines.pop_due(now):
+            record = self.pending.get(room_id)
+            if record is not None and record.parked_generation != NONE:
+                self._slot(room_id, record.parked_generation, Tick(), now)
         for room_id in self.deadlines.pop_due(now):
             room = self.rooms.get(room_id)
             if room is not None:
@@ -292,38 +224,60 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self._arm(room)
         failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed for o in produced)
         if failed:
-            self._ready_table(FailRoom(room.key, room.reason), now, outputs, fired)
+            fail = FailRoom(room.key, room.generation, room.reason)
+            self._ready_table(fail, now, outputs, fired)
 
-    def _remove(
-        self, room: SenderRoom, now: float, outputs: list[Output], fired: list[Fired]
-    ) -> None:
-        success = room.poll is KVPoll.Success
-        self._ready_table(CloseRoom(room.key, room.generation, success), now, outputs, fired)
-        del self.rooms[room.key]
+    # ---- what the room slots ask of their endpoint (SlotHost) ----------------------------------
+    def host_sender(self, room: int, generation: int, now: float) -> SenderRoom:
+        """Host a new sender; under prefill_complete it first claims the bootstrap room."""
+        outputs, fired = self._step_outputs, self._step_fired
+        claim = self._ready_table(ClaimRoom(room, generation, generation), now, outputs, fired)
+        sender = SenderRoom(
+            room, generation, self.me, now,
+            policy=self.config.policy, timeouts=self.config.timeouts,
+        )  # fmt: skip
+        self.rooms[room] = sender
+        self._arm(sender)
+        refused = [o for o in claim if isinstance(o, OwnerRefused)]
+        if refused:
+            self.room_input(sender, AbortRequested(refused[0].reason), now)
+        return sender
+
+    def room_input(self, room: SenderRoom, inp: Input, now: float) -> None:
+        self._room_input(room, inp, now, self._step_outputs, self._step_fired)
+
+    def fail_unopened(self, room: int, generation: int, reason: str, now: float) -> None:
+        fail = FailRoom(room, generation, reason)
+        self._ready_table(fail, now, self._step_outputs, self._step_fired)
+
+    def close_sender(self, room: SenderRoom, now: float) -> None:
+        """The engine is done with the sender: its deadline goes, the ready table closes it."""
         self.deadlines.arm(room.key, None)
-        self.counters[f"rooms_{room.poll.name.lower()}"] += 1
-        outputs.append(RoomRemoved(room.key, room.generation))
+        success = room.poll is KVPoll.Success
+        close = CloseRoom(room.key, room.generation, room.generation, success)
+        self._ready_table(close, now, self._step_outputs, self._step_fired)
 
-    def _ack(self, abort: Abort) -> SendMessage:
-        return SendMessage(
-            to=abort.decode,
-            message=AbortAck(
-                room=abort.room, generation=abort.generation, prefill=self.me, decode=abort.decode
-            ),
-        )
+    def count(self, counter: str) -> None:
+        self.counters[counter] += 1
+
+    def ack(self, abort: Abort) -> SendMessage:
+        return abort_ack_of(abort, self.me)
 
     # ---- read-only views -------------------------------------------------------------------------
     def clearable_rooms(self) -> tuple[int, ...]:
-        """Terminal rooms the engine may clear now (one cleared while draining is waited for)."""
-        return tuple(
-            r for r in self.open_rooms()
-            if self.rooms[r].poll.is_terminal and r not in self.remove_when_drained
-        )  # fmt: skip
+        """Terminal rooms the engine may clear now (one it cleared that still drains is no
+        longer open: the endpoint holds it out of the engine's view)."""
+        return tuple(r for r in self.open_rooms() if self.rooms[r].poll.is_terminal)
+
+    def is_draining(self, room_id: int, generation: int) -> bool:
+        """The engine cleared this generation while its writes were in flight; they still are."""
+        return (room_id, generation) in self.draining
 
     def summary(self, room_id: int) -> SenderSummary | None:
         room = self.rooms.get(room_id)
-        if room is None:
-            return None
+        return None if room is None else self._summary(room)
+
+    def _summary(self, room: SenderRoom) -> SenderSummary:
         return SenderSummary(
             room.key, room.generation, room.state.name, room.poll, len(room.outstanding),
             len(room.peers), room.reason,
@@ -331,13 +285,16 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
 
     def snapshot(self) -> PrefillSnapshot:
         summaries = tuple(s for s in (self.summary(r) for r in sorted(self.rooms)) if s is not None)
+        draining = tuple(self._summary(self.draining[key]) for key in sorted(self.draining))
         return PrefillSnapshot(
             self.label,
             summaries,
-            len(self.early),
+            draining,
+            len(self.pending),
             dict(sorted(self.counters.items())),
         )
 
     @property
     def outstanding_writes(self) -> int:
-        return sum(len(room.outstanding) for room in self.rooms.values())
+        hosted = [*self.rooms.values(), *self.draining.values()]
+        return sum(len(room.outstanding) for room in hosted)

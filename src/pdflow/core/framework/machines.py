@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 from pdflow.core.cluster.registry import REGISTRY_TABLE
+from pdflow.core.endpoints.decode_slots import DECODE_SLOT_TABLE
+from pdflow.core.endpoints.prefill_slots import PREFILL_SLOT_TABLE
 from pdflow.core.framework.table import Table
 from pdflow.core.resources.admission import ADMISSION_TABLE
 from pdflow.core.resources.page_ledger import PAGE_LEDGER_TABLE
@@ -21,4 +23,6 @@ MACHINES: dict[str, Table[Any]] = {
     PAGE_LEDGER_TABLE.machine: PAGE_LEDGER_TABLE,
     STAGING_RING_TABLE.machine: STAGING_RING_TABLE,
     PREFILL_COMPLETE_TABLE.machine: PREFILL_COMPLETE_TABLE,
+    PREFILL_SLOT_TABLE.machine: PREFILL_SLOT_TABLE,
+    DECODE_SLOT_TABLE.machine: DECODE_SLOT_TABLE,
 }

@@ -1,7 +1,9 @@
 """Table-driven machines: every transition is a row; anything else is a typed ProtocolError.
 
 A row is ``(source, on, guard) -> target`` plus the names of the outputs it may emit and the
-action that computes them. Rows of one cell (same source and input) are tried in order; only the
+action that computes them. Guards and actions are bound by reference (the machine's own
+``_guard_<name>`` / ``_act_<name>`` functions, typed by the row's input); the spec names them
+by ``<name>``. Rows of one cell (same source and input) are tried in order; only the
 last row of a cell may be unguarded. After every step the machine checks itself against the row
 it took: the state it reached, the outputs it emitted and the KVPoll monotonicity rule.
 """
@@ -11,7 +13,7 @@ from __future__ import annotations
 import enum
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
 from pdflow.core.framework.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
@@ -22,6 +24,12 @@ from pdflow.core.protocol.outputs import Output, StatusChanged, emit_name
 __all__ = ["STATUS_CHANGED", "ConformanceError", "Fired", "Row", "Table", "TableMachine", "row"]
 
 S = TypeVar("S", bound=enum.Enum)
+In = TypeVar("In", bound=Input)
+
+GuardFn = Callable[[Any, Any, float], bool]
+ActionFn = Callable[[Any, Any, float], list[Output]]
+GUARD_PREFIX = "_guard_"
+ACTION_PREFIX = "_act_"
 
 
 STATUS_CHANGED = "status_changed"
@@ -39,25 +47,49 @@ class Row(Generic[S]):
     guard: str | None = None
     emits: frozenset[str] = field(default_factory=frozenset)
     action: str = "nothing"
-    # Derived once, so the hot path formats no strings and hashes no enums.
+    # Bound by reference: rows built with functions carry them; rows built with names (the
+    # older tables) are looked up once per call by their derived attribute name.
+    guard_fn: GuardFn | None = field(default=None, compare=False, repr=False)
+    action_fn: ActionFn | None = field(default=None, compare=False, repr=False)
     guard_attr: str = field(init=False, compare=False, repr=False)
     action_attr: str = field(init=False, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "guard_attr", f"_guard_{self.guard}" if self.guard else "")
-        object.__setattr__(self, "action_attr", f"_act_{self.action}")
+        object.__setattr__(self, "guard_attr", f"{GUARD_PREFIX}{self.guard}" if self.guard else "")
+        object.__setattr__(self, "action_attr", f"{ACTION_PREFIX}{self.action}")
+
+
+def spec_name(fn: Callable[..., object], prefix: str) -> str:
+    """The spec's name of a guard or action: its function name without the prefix."""
+    name = fn.__name__
+    if not name.startswith(prefix):
+        raise ValueError(f"{fn.__qualname__} must be named {prefix}<name> to sit in a table row")
+    return name[len(prefix) :]
 
 
 def row(
     source: S,
-    on: type[Input],
+    on: type[In],
     target: S,
     *,
-    guard: str | None = None,
+    guard: Callable[[Any, In, float], bool] | str | None = None,
     emits: Iterable[str] = (),
-    action: str = "nothing",
+    action: Callable[[Any, In, float], list[Output]] | str = "nothing",
 ) -> Row[S]:
-    return Row(source, on.__name__, target, guard, frozenset(emits), action)
+    guard_fn: GuardFn | None = None
+    guard_name: str | None = None
+    if isinstance(guard, str):
+        guard_name = guard
+    elif guard is not None:
+        guard_fn, guard_name = guard, spec_name(guard, GUARD_PREFIX)
+    action_fn: ActionFn | None = None
+    if isinstance(action, str):
+        action_name = action
+    else:
+        action_fn, action_name = action, spec_name(action, ACTION_PREFIX)
+    return Row(
+        source, on.__name__, target, guard_name, frozenset(emits), action_name, guard_fn, action_fn
+    )
 
 
 class Table(Generic[S]):
@@ -70,6 +102,7 @@ class Table(Generic[S]):
         remote_inputs: Sequence[type[Input]],
         rows: Sequence[Row[S]],
         poll_of: Callable[[S], KVPoll] | None = None,
+        hints: dict[str, str] | None = None,
     ) -> None:
         self.machine = machine
         self.states = states
@@ -80,6 +113,8 @@ class Table(Generic[S]):
         self.remote_inputs = frozenset(cls.__name__ for cls in remote_inputs)
         self.rows = tuple(rows)
         self.poll_of = poll_of
+        self.hints = dict(hints or {})
+        """What to tell a local caller whose input has no transition, by input name."""
         cells: dict[tuple[str, str], list[Row[S]]] = {}
         for r in self.rows:
             if r.on not in self.inputs:
@@ -124,6 +159,7 @@ class Table(Generic[S]):
             self.remote_input_types,
             rows,
             self.poll_of,
+            self.hints,
         )
 
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
@@ -137,7 +173,7 @@ class Table(Generic[S]):
         hint = (
             "drop the message and count it"
             if on in self.remote_inputs
-            else "this call is not valid in this state; poll the room first"
+            else self.hints.get(on, "this call is not valid in this state; poll the room first")
         )
         return kind(
             "no transition for this input in this state",
@@ -167,10 +203,14 @@ class TableMachine(Generic[S]):
         return Step(tuple(outputs), self.timer_at(), (fired,))
 
     def _guard(self, chosen: Row[S], inp: Input, now: float) -> bool:
+        if chosen.guard_fn is not None:
+            return chosen.guard_fn(self, inp, now)
         check: Callable[[Input, float], bool] = getattr(self, chosen.guard_attr)
         return check(inp, now)
 
     def _act(self, chosen: Row[S], inp: Input, now: float) -> list[Output]:
+        if chosen.action_fn is not None:
+            return chosen.action_fn(self, inp, now)
         action: Callable[[Input, float], list[Output]] = getattr(self, chosen.action_attr)
         return action(inp, now)
 

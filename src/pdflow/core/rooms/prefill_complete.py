@@ -1,12 +1,15 @@
 """PrefillCompleteTable: the prefill side of the ``prefill_complete`` allocation policy.
 
 Under ``prefill_complete`` the decode reserves pages only after the prefill says it is ready
-(a ``WaitingForInput`` status). Per room this table keeps who owns the room (the local sender),
-which decode endpoint waits for the ready notice, and whether the room is ready or failed. It
+(a ``WaitingForInput`` status). Per (room, generation) this table keeps who owns the room (the
+local sender), which decode endpoint waits for the ready notice, and whether it is ready or
+failed. It
 makes four promises: at most one owner; at most one ready notice; at most one failure notice,
 and a failure always beats a late ready; a cancel that arrives before the sender exists is kept
 as a failed *tombstone*, so the sender that opens the room later fails at once. Rooms without an
-owner (an early bootstrap, a tombstone) expire after ``waiting_timeout + bootstrap_timeout``.
+owner (an early bootstrap, a tombstone) expire after ``waiting_timeout + bootstrap_timeout``,
+or as soon as a later generation of the room id arrives (they are superseded): so a failed
+generation never blocks the next one, and a room id holds at most a few entries.
 
 Each room is a table machine (``[machines.PrefillComplete]`` in
 spec/machines/prefill_complete.toml); the table routes inputs to them and forgets a room when
@@ -16,11 +19,11 @@ it returns to ``ABSENT``.
 from __future__ import annotations
 
 import enum
-from typing import cast
+from collections.abc import Callable
 
 import msgspec
 
-from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
+from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step, earliest
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
@@ -62,6 +65,7 @@ class MarkComplete(Input, frozen=True, tag="MarkComplete"):
     """The owner's prefill finished computing the room's KV."""
 
     room: int
+    generation: int
     owner_id: int
 
 
@@ -69,6 +73,7 @@ class FailRoom(Input, frozen=True, tag="FailRoom"):
     """Any failure or ABORT of the room, possibly before its sender exists."""
 
     room: int
+    generation: int
     reason: str = "failed on the prefill"
 
 
@@ -76,8 +81,17 @@ class CloseRoom(Input, frozen=True, tag="CloseRoom"):
     """The owner is done with the room: deleted on success, kept as a tombstone on failure."""
 
     room: int
+    generation: int
     owner_id: int
     success: bool
+
+
+class Superseded(Input, frozen=True, tag="Superseded"):
+    """A later generation of the room id arrived: an ownerless earlier one is forgotten."""
+
+    room: int
+    generation: int
+    by: int
 
 
 # ---- outputs -----------------------------------------------------------------------------------
@@ -93,7 +107,7 @@ class OwnerRefused(Output, frozen=True, tag="owner_refused"):
 class BootstrapRoomSnapshot(msgspec.Struct, frozen=True):
     room: int
     state: str
-    generation: int | None
+    generation: int
     owner: int | None
     endpoint: PeerId | None
     ready_notified: bool
@@ -107,97 +121,25 @@ class PrefillCompleteSnapshot(msgspec.Struct, frozen=True):
     rooms: tuple[BootstrapRoomSnapshot, ...]
 
 
-_B = BootstrapRoomState
-_NOTICE = "send.status"
-_REFUSED = "owner_refused"
-
-PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
-    machine="PrefillComplete",
-    states=BootstrapRoomState,
-    initial=BootstrapRoomState.ABSENT,
-    inputs=(ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Tick),
-    remote_inputs=(BootstrapArrived,),
-    rows=[
-        # -- ABSENT: no record of the room ------------------------------------------------------
-        row(_B.ABSENT, ClaimRoom, _B.OWNED, action="open"),
-        row(_B.ABSENT, BootstrapArrived, _B.UNOWNED, action="register_unowned"),
-        row(_B.ABSENT, MarkComplete, _B.ABSENT),  # not the owner of anything: ignored
-        row(_B.ABSENT, FailRoom, _B.TOMBSTONE, action="entomb"),  # cancel before the sender
-        row(_B.ABSENT, CloseRoom, _B.ABSENT),
-        # -- UNOWNED: a decode endpoint waits; no sender yet ------------------------------------
-        row(_B.UNOWNED, ClaimRoom, _B.OWNED, action="open"),
-        row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED, guard="same_endpoint"),
-        row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED,
-            emits=[_NOTICE], action="refuse_endpoint"),
-        row(_B.UNOWNED, MarkComplete, _B.UNOWNED),
-        row(_B.UNOWNED, FailRoom, _B.TOMBSTONE, emits=[_NOTICE], action="entomb"),
-        row(_B.UNOWNED, CloseRoom, _B.UNOWNED),
-        row(_B.UNOWNED, Tick, _B.ABSENT, guard="expired", action="forget"),
-        row(_B.UNOWNED, Tick, _B.UNOWNED),
-        # -- OWNED: the sender computes -----------------------------------------------------------
-        row(_B.OWNED, ClaimRoom, _B.OWNED, emits=[_REFUSED], action="refuse_owner"),
-        row(_B.OWNED, BootstrapArrived, _B.OWNED, guard="no_endpoint_yet", action="register"),
-        row(_B.OWNED, BootstrapArrived, _B.OWNED, guard="same_endpoint"),
-        row(_B.OWNED, BootstrapArrived, _B.OWNED, emits=[_NOTICE], action="refuse_endpoint"),
-        row(_B.OWNED, MarkComplete, _B.OWNED, guard="foreign_owner"),
-        row(_B.OWNED, MarkComplete, _B.READY, emits=[_NOTICE], action="complete"),
-        row(_B.OWNED, FailRoom, _B.FAILED, emits=[_NOTICE], action="fail"),
-        row(_B.OWNED, CloseRoom, _B.OWNED, guard="foreign_owner"),
-        row(_B.OWNED, CloseRoom, _B.ABSENT, guard="succeeded", action="forget"),
-        row(_B.OWNED, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action="entomb"),
-        row(_B.OWNED, Tick, _B.OWNED),
-        # -- READY: the prefill finished; the ready notice went out (or waits for the endpoint) --
-        row(_B.READY, ClaimRoom, _B.READY, emits=[_REFUSED], action="refuse_owner"),
-        row(_B.READY, BootstrapArrived, _B.READY,
-            guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
-        row(_B.READY, BootstrapArrived, _B.READY, guard="same_endpoint"),
-        row(_B.READY, BootstrapArrived, _B.READY, emits=[_NOTICE], action="refuse_endpoint"),
-        row(_B.READY, MarkComplete, _B.READY),  # never a second ready notice
-        row(_B.READY, FailRoom, _B.FAILED, emits=[_NOTICE], action="fail"),
-        row(_B.READY, CloseRoom, _B.READY, guard="foreign_owner"),
-        row(_B.READY, CloseRoom, _B.ABSENT, guard="succeeded", action="forget"),
-        row(_B.READY, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action="entomb"),
-        row(_B.READY, Tick, _B.READY),
-        # -- FAILED: failed while the owner still holds it --------------------------------------
-        row(_B.FAILED, ClaimRoom, _B.FAILED, emits=[_REFUSED], action="refuse_owner"),
-        row(_B.FAILED, BootstrapArrived, _B.FAILED,
-            guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
-        row(_B.FAILED, BootstrapArrived, _B.FAILED, guard="same_endpoint"),
-        row(_B.FAILED, BootstrapArrived, _B.FAILED, emits=[_NOTICE], action="refuse_endpoint"),
-        row(_B.FAILED, MarkComplete, _B.FAILED),  # failure beats a late ready
-        row(_B.FAILED, FailRoom, _B.FAILED),
-        row(_B.FAILED, CloseRoom, _B.FAILED, guard="foreign_owner"),
-        row(_B.FAILED, CloseRoom, _B.TOMBSTONE, action="bury"),
-        row(_B.FAILED, Tick, _B.FAILED),
-        # -- TOMBSTONE: failed and ownerless, kept until it expires -----------------------------
-        row(_B.TOMBSTONE, ClaimRoom, _B.TOMBSTONE, emits=[_REFUSED], action="refuse_owner"),
-        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE,
-            guard="no_endpoint_yet", emits=[_NOTICE], action="register_and_notify"),
-        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE, guard="same_endpoint"),
-        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE,
-            emits=[_NOTICE], action="refuse_endpoint"),
-        row(_B.TOMBSTONE, MarkComplete, _B.TOMBSTONE),
-        row(_B.TOMBSTONE, FailRoom, _B.TOMBSTONE),
-        row(_B.TOMBSTONE, CloseRoom, _B.TOMBSTONE),
-        row(_B.TOMBSTONE, Tick, _B.ABSENT, guard="expired", action="forget"),
-        row(_B.TOMBSTONE, Tick, _B.TOMBSTONE),
-    ],
-)  # fmt: skip
-
 _FAILED_STATES = (BootstrapRoomState.FAILED, BootstrapRoomState.TOMBSTONE)
+_OWNERLESS = (BootstrapRoomState.UNOWNED, BootstrapRoomState.TOMBSTONE)
 
 
 class BootstrapRoom(TableMachine[BootstrapRoomState]):
-    """One room of the table: ``{owner, endpoint, ready, notified, failed, expires_at}``."""
+    """One (room, generation) of the table: ``{owner, endpoint, notified, expires_at}``."""
 
-    table = PREFILL_COMPLETE_TABLE
+    table: Table[BootstrapRoomState]
 
-    def __init__(self, room: int, me: PeerId, ttl_s: float) -> None:
+    def __init__(
+        self, room: int, generation: int, me: PeerId, ttl_s: float, newest: Callable[[], int]
+    ) -> None:
         self.key = room
+        self.generation = generation
         self.me = me
         self.ttl_s = ttl_s
-        self.state = PREFILL_COMPLETE_TABLE.initial
-        self.room_generation: int | None = None
+        self.newest = newest
+        """The latest generation of this room id the table holds."""
+        self.state = BootstrapRoomState.ABSENT
         self.owner: int | None = None
         self.endpoint: PeerId | None = None
         self.ready_notified = False
@@ -209,7 +151,7 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         return BootstrapRoomSnapshot(
             room=self.key,
             state=self.state.name,
-            generation=self.room_generation,
+            generation=self.generation,
             owner=self.owner,
             endpoint=self.endpoint,
             ready_notified=self.ready_notified,
@@ -218,95 +160,66 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
             reason=self.reason,
         )
 
-    # ---- validation ----------------------------------------------------------------------------
-    def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, Tick):
-            return
-        keyed = cast(ClaimRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom, inp)
-        if keyed.room != self.key:
-            raise InvalidInput(f"input for room {keyed.room} routed to room {self.key}")
-        known = self.room_generation
-        if isinstance(inp, BootstrapArrived) and known is not None and inp.generation != known:
-            raise RemoteProtocolError(
-                f"bootstrap for room {inp.room} generation {inp.generation}, but the room is at "
-                f"generation {known}",
-                hint="a stale decode request; drop it",
-            )
-        if (
-            isinstance(inp, ClaimRoom)
-            and self.state is BootstrapRoomState.UNOWNED
-            and inp.generation != known
-        ):
-            raise InvalidInput(
-                f"room {inp.room}: opening generation {inp.generation} but the waiting decode "
-                f"endpoint asked for generation {known}; fail the request or reopen with {known}"
-            )
-
     # ---- guards --------------------------------------------------------------------------------
-    def _guard_same_endpoint(self, inp: Input, now: float) -> bool:
-        return cast(BootstrapArrived, inp).endpoint == self.endpoint
+    def _guard_same_endpoint(self, inp: BootstrapArrived, now: float) -> bool:
+        return inp.endpoint == self.endpoint
 
-    def _guard_no_endpoint_yet(self, inp: Input, now: float) -> bool:
+    def _guard_no_endpoint_yet(self, inp: BootstrapArrived, now: float) -> bool:
         return self.endpoint is None
 
-    def _guard_foreign_owner(self, inp: Input, now: float) -> bool:
-        return cast(MarkComplete | CloseRoom, inp).owner_id != self.owner
+    def _guard_foreign_owner(self, inp: MarkComplete | CloseRoom, now: float) -> bool:
+        return inp.owner_id != self.owner
 
-    def _guard_succeeded(self, inp: Input, now: float) -> bool:
-        return cast(CloseRoom, inp).success
+    def _guard_succeeded(self, inp: CloseRoom, now: float) -> bool:
+        return inp.success
 
-    def _guard_expired(self, inp: Input, now: float) -> bool:
+    def _guard_expired(self, inp: Tick, now: float) -> bool:
         return self.expires_at is not None and now >= self.expires_at
 
+    def _guard_superseded(self, inp: BootstrapArrived | FailRoom, now: float) -> bool:
+        return self.newest() > self.generation
+
     # ---- actions -------------------------------------------------------------------------------
-    def _act_open(self, inp: Input, now: float) -> list[Output]:
-        claim = cast(ClaimRoom, inp)
-        self.owner = claim.owner_id
-        self.room_generation = claim.generation
+    def _act_open(self, inp: ClaimRoom, now: float) -> list[Output]:
+        self.owner = inp.owner_id
         self.expires_at = None  # an owned room lives as long as its owner
         return []
 
-    def _act_refuse_owner(self, inp: Input, now: float) -> list[Output]:
-        claim = cast(ClaimRoom, inp)
-        return [OwnerRefused(claim.room, claim.owner_id, DUPLICATE_ROOM)]
+    def _act_refuse_owner(self, inp: ClaimRoom, now: float) -> list[Output]:
+        return [OwnerRefused(inp.room, inp.owner_id, DUPLICATE_ROOM)]
 
-    def _act_register(self, inp: Input, now: float) -> list[Output]:
-        bootstrap = cast(BootstrapArrived, inp)
-        self.endpoint = bootstrap.endpoint
-        self.room_generation = bootstrap.generation
+    def _act_register(self, inp: BootstrapArrived, now: float) -> list[Output]:
+        self.endpoint = inp.endpoint
         return []
 
-    def _act_register_unowned(self, inp: Input, now: float) -> list[Output]:
+    def _act_register_unowned(self, inp: BootstrapArrived, now: float) -> list[Output]:
         self.expires_at = now + self.ttl_s
         return self._act_register(inp, now)
 
-    def _act_register_and_notify(self, inp: Input, now: float) -> list[Output]:
+    def _act_register_and_notify(self, inp: BootstrapArrived, now: float) -> list[Output]:
         self._act_register(inp, now)
         if self.state is BootstrapRoomState.READY:
             return self._notify_ready()
         return self._notify_failure()
 
-    def _act_refuse_endpoint(self, inp: Input, now: float) -> list[Output]:
-        other = cast(BootstrapArrived, inp)
-        reason = (
-            f"room {other.room} is already bound to decode endpoint "
-            f"{cast(PeerId, self.endpoint).address}"
-        )
-        return [self._notice(other.endpoint, other.generation, KVPoll.Failed, reason)]
+    def _act_refuse_endpoint(self, inp: BootstrapArrived, now: float) -> list[Output]:
+        bound = self.endpoint.address if self.endpoint is not None else "another endpoint"
+        reason = f"room {inp.room} is already bound to decode endpoint {bound}"
+        return [self._notice(inp.endpoint, KVPoll.Failed, reason)]
 
-    def _act_complete(self, inp: Input, now: float) -> list[Output]:
+    def _act_complete(self, inp: MarkComplete, now: float) -> list[Output]:
         return self._notify_ready()
 
-    def _act_fail(self, inp: Input, now: float) -> list[Output]:
+    def _act_fail(self, inp: FailRoom | CloseRoom, now: float) -> list[Output]:
         self.reason = inp.reason if isinstance(inp, FailRoom) else "the owner closed it unfinished"
         return self._notify_failure()
 
-    def _act_bury(self, inp: Input, now: float) -> list[Output]:
+    def _act_bury(self, inp: FailRoom | CloseRoom, now: float) -> list[Output]:
         self.owner = None
         self.expires_at = now + self.ttl_s
         return []
 
-    def _act_entomb(self, inp: Input, now: float) -> list[Output]:
+    def _act_entomb(self, inp: FailRoom | CloseRoom, now: float) -> list[Output]:
         outputs = self._act_fail(inp, now)
         self._act_bury(inp, now)
         return outputs
@@ -316,29 +229,32 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         self.expires_at = None
         return []
 
+    def _act_notify_superseded(self, inp: Superseded, now: float) -> list[Output]:
+        self.reason = f"superseded by generation {inp.by} of the room id"
+        outputs = self._notify_failure()
+        self._act_forget(inp, now)
+        return outputs
+
+    def _act_nothing(self, inp: Input, now: float) -> list[Output]:
+        return []
+
     # ---- helpers -------------------------------------------------------------------------------
     def _notify_ready(self) -> list[Output]:
         if self.endpoint is None or self.ready_notified:
             return []
         self.ready_notified = True
-        return [self._notice(self.endpoint, self._generation(), KVPoll.WaitingForInput, "")]
+        return [self._notice(self.endpoint, KVPoll.WaitingForInput, "")]
 
     def _notify_failure(self) -> list[Output]:
         if self.endpoint is None or self.failure_notified:
             return []
         self.failure_notified = True
-        return [self._notice(self.endpoint, self._generation(), KVPoll.Failed, self.reason)]
+        return [self._notice(self.endpoint, KVPoll.Failed, self.reason)]
 
-    def _generation(self) -> int:
-        # A notice goes only to a registered endpoint, and registering records the generation.
-        return cast(int, self.room_generation)
-
-    def _notice(
-        self, endpoint: PeerId, generation: int, status: KVPoll, reason: str
-    ) -> SendMessage:
+    def _notice(self, endpoint: PeerId, status: KVPoll, reason: str) -> SendMessage:
         report = StatusReport(
             room=self.key,
-            generation=generation,
+            generation=self.generation,
             status=status,
             prefill=self.me,
             decode=endpoint,
@@ -347,26 +263,132 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         return SendMessage(to=endpoint, message=report)
 
 
+_B = BootstrapRoomState
+_R = BootstrapRoom
+_NOTICE = "send.status"
+_REFUSED = "owner_refused"
+
+PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
+    machine="PrefillComplete",
+    states=BootstrapRoomState,
+    initial=BootstrapRoomState.ABSENT,
+    inputs=(ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Superseded, Tick),
+    remote_inputs=(BootstrapArrived,),
+    rows=[
+        # -- ABSENT: no record of this generation --------------------------------------------------
+        row(_B.ABSENT, ClaimRoom, _B.OWNED, action=_R._act_open),
+        row(_B.ABSENT, BootstrapArrived, _B.ABSENT, guard=_R._guard_superseded),  # stale: dropped
+        row(_B.ABSENT, BootstrapArrived, _B.UNOWNED, action=_R._act_register_unowned),
+        row(_B.ABSENT, MarkComplete, _B.ABSENT),  # not the owner of anything: ignored
+        row(_B.ABSENT, FailRoom, _B.ABSENT, guard=_R._guard_superseded),  # a later one is known
+        row(_B.ABSENT, FailRoom, _B.TOMBSTONE, action=_R._act_entomb),  # cancel before the sender
+        row(_B.ABSENT, CloseRoom, _B.ABSENT),
+        # -- UNOWNED: a decode endpoint waits; no sender yet ------------------------------------
+        row(_B.UNOWNED, ClaimRoom, _B.OWNED, action=_R._act_open),
+        row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED, guard=_R._guard_same_endpoint),
+        row(_B.UNOWNED, BootstrapArrived, _B.UNOWNED,
+            emits=[_NOTICE], action=_R._act_refuse_endpoint),
+        row(_B.UNOWNED, MarkComplete, _B.UNOWNED),
+        row(_B.UNOWNED, FailRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
+        row(_B.UNOWNED, CloseRoom, _B.UNOWNED),
+        row(_B.UNOWNED, Superseded, _B.ABSENT, emits=[_NOTICE], action=_R._act_notify_superseded),
+        row(_B.UNOWNED, Tick, _B.ABSENT, guard=_R._guard_expired, action=_R._act_forget),
+        row(_B.UNOWNED, Tick, _B.UNOWNED),
+        # -- OWNED: the sender computes -----------------------------------------------------------
+        row(_B.OWNED, ClaimRoom, _B.OWNED, emits=[_REFUSED], action=_R._act_refuse_owner),
+        row(_B.OWNED, BootstrapArrived, _B.OWNED,
+            guard=_R._guard_no_endpoint_yet, action=_R._act_register),
+        row(_B.OWNED, BootstrapArrived, _B.OWNED, guard=_R._guard_same_endpoint),
+        row(_B.OWNED, BootstrapArrived, _B.OWNED,
+            emits=[_NOTICE], action=_R._act_refuse_endpoint),
+        row(_B.OWNED, MarkComplete, _B.OWNED, guard=_R._guard_foreign_owner),
+        row(_B.OWNED, MarkComplete, _B.READY, emits=[_NOTICE], action=_R._act_complete),
+        row(_B.OWNED, FailRoom, _B.FAILED, emits=[_NOTICE], action=_R._act_fail),
+        row(_B.OWNED, CloseRoom, _B.OWNED, guard=_R._guard_foreign_owner),
+        row(_B.OWNED, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
+        row(_B.OWNED, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
+        row(_B.OWNED, Tick, _B.OWNED),
+        # -- READY: the prefill finished; the ready notice went out (or waits for the endpoint) --
+        row(_B.READY, ClaimRoom, _B.READY, emits=[_REFUSED], action=_R._act_refuse_owner),
+        row(_B.READY, BootstrapArrived, _B.READY,
+            guard=_R._guard_no_endpoint_yet, emits=[_NOTICE], action=_R._act_register_and_notify),
+        row(_B.READY, BootstrapArrived, _B.READY, guard=_R._guard_same_endpoint),
+        row(_B.READY, BootstrapArrived, _B.READY,
+            emits=[_NOTICE], action=_R._act_refuse_endpoint),
+        row(_B.READY, MarkComplete, _B.READY),  # never a second ready notice
+        row(_B.READY, FailRoom, _B.FAILED, emits=[_NOTICE], action=_R._act_fail),
+        row(_B.READY, CloseRoom, _B.READY, guard=_R._guard_foreign_owner),
+        row(_B.READY, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
+        row(_B.READY, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
+        row(_B.READY, Tick, _B.READY),
+        # -- FAILED: failed while the owner still holds it --------------------------------------
+        row(_B.FAILED, ClaimRoom, _B.FAILED, emits=[_REFUSED], action=_R._act_refuse_owner),
+        row(_B.FAILED, BootstrapArrived, _B.FAILED,
+            guard=_R._guard_no_endpoint_yet, emits=[_NOTICE], action=_R._act_register_and_notify),
+        row(_B.FAILED, BootstrapArrived, _B.FAILED, guard=_R._guard_same_endpoint),
+        row(_B.FAILED, BootstrapArrived, _B.FAILED,
+            emits=[_NOTICE], action=_R._act_refuse_endpoint),
+        row(_B.FAILED, MarkComplete, _B.FAILED),  # failure beats a late ready
+        row(_B.FAILED, FailRoom, _B.FAILED),
+        row(_B.FAILED, CloseRoom, _B.FAILED, guard=_R._guard_foreign_owner),
+        row(_B.FAILED, CloseRoom, _B.TOMBSTONE, action=_R._act_bury),
+        row(_B.FAILED, Tick, _B.FAILED),
+        # -- TOMBSTONE: failed and ownerless, kept until it expires or is superseded -------------
+        row(_B.TOMBSTONE, ClaimRoom, _B.TOMBSTONE, emits=[_REFUSED], action=_R._act_refuse_owner),
+        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE,
+            guard=_R._guard_no_endpoint_yet, emits=[_NOTICE], action=_R._act_register_and_notify),
+        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE, guard=_R._guard_same_endpoint),
+        row(_B.TOMBSTONE, BootstrapArrived, _B.TOMBSTONE,
+            emits=[_NOTICE], action=_R._act_refuse_endpoint),
+        row(_B.TOMBSTONE, MarkComplete, _B.TOMBSTONE),
+        row(_B.TOMBSTONE, FailRoom, _B.TOMBSTONE),
+        row(_B.TOMBSTONE, CloseRoom, _B.TOMBSTONE),
+        row(_B.TOMBSTONE, Superseded, _B.ABSENT, action=_R._act_forget),
+        row(_B.TOMBSTONE, Tick, _B.ABSENT, guard=_R._guard_expired, action=_R._act_forget),
+        row(_B.TOMBSTONE, Tick, _B.TOMBSTONE),
+    ],
+)  # fmt: skip
+BootstrapRoom.table = PREFILL_COMPLETE_TABLE
+
+Keyed = ClaimRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom
+
+
 class PrefillCompleteTable:
-    """Every ``prefill_complete`` room of one prefill rank. Drive it with :meth:`handle`."""
+    """Every ``prefill_complete`` room of one prefill rank, by (room, generation).
+
+    Bounded per room id: when a later generation of a room id arrives, every ownerless earlier
+    one (a waiting endpoint, a tombstone) is superseded, and an input for an earlier generation
+    than the latest creates nothing. Drive it with :meth:`handle`.
+    """
 
     def __init__(self, me: PeerId, timeouts: Timeouts = Timeouts()) -> None:  # noqa: B008
         self.me = me
         self.ttl_s = timeouts.waiting_timeout + timeouts.bootstrap_timeout
-        self._rooms: dict[int, BootstrapRoom] = {}
+        self._rooms: dict[int, dict[int, BootstrapRoom]] = {}
 
-    def state_of(self, room: int) -> BootstrapRoomState:
-        held = self._rooms.get(room)
+    def state_of(self, room: int, generation: int) -> BootstrapRoomState:
+        held = self._rooms.get(room, {}).get(generation)
         return held.state if held is not None else BootstrapRoomState.ABSENT
 
-    def is_failed(self, room: int) -> bool:
-        return self.state_of(room) in _FAILED_STATES
+    def is_failed(self, room: int, generation: int) -> bool:
+        return self.state_of(room, generation) in _FAILED_STATES
+
+    def newest(self, room: int) -> int:
+        return max(self._rooms.get(room, {}), default=0)
+
+    def held(self) -> int:
+        """(room, generation) entries held: at most a few per room id."""
+        return sum(len(gens) for gens in self._rooms.values())
 
     def timer_at(self) -> float | None:
-        return earliest(*(r.expires_at for r in self._rooms.values()))
+        return earliest(*(r.expires_at for gens in self._rooms.values() for r in gens.values()))
 
     def snapshot(self) -> PrefillCompleteSnapshot:
-        rooms = tuple(self._rooms[key].snapshot() for key in sorted(self._rooms))
+        rooms = tuple(
+            self._rooms[key][gen].snapshot()
+            for key in sorted(self._rooms)
+            for gen in sorted(self._rooms[key])
+        )
         return PrefillCompleteSnapshot(self.ttl_s, rooms)
 
     def handle(self, inp: Input, now: float) -> Step:
@@ -374,14 +396,41 @@ class PrefillCompleteTable:
             return self._sweep(inp, now)
         if not isinstance(inp, (ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom)):
             raise InvalidInput(f"PrefillCompleteTable does not take {type(inp).__name__}")
-        machine = self._rooms.get(inp.room) or BootstrapRoom(inp.room, self.me, self.ttl_s)
-        outputs, fired = machine.fire(inp, now)
+        machine = self._machine(inp)
+        outputs, one = machine.fire(inp, now)
+        fired = [one]
         self._keep_or_forget(machine)
-        return Step(tuple(outputs), self.timer_at(), (fired,))
+        outputs.extend(self._supersede_earlier(inp.room, now, fired))
+        return Step(tuple(outputs), self.timer_at(), tuple(fired))
+
+    def _machine(self, inp: Keyed) -> BootstrapRoom:
+        held = self._rooms.get(inp.room, {}).get(inp.generation)
+        if held is not None:
+            return held
+        room = inp.room
+        return BootstrapRoom(room, inp.generation, self.me, self.ttl_s, lambda: self.newest(room))
+
+    def _supersede_earlier(self, room: int, now: float, fired: list[Fired]) -> list[Output]:
+        outputs: list[Output] = []
+        latest = self.newest(room)
+        earlier = self._rooms.get(room, {})
+        for generation in sorted(g for g in earlier if g < latest):
+            machine = earlier[generation]
+            if machine.state in _OWNERLESS:
+                produced, one = machine.fire(Superseded(room, generation, latest), now)
+                outputs.extend(produced)
+                fired.append(one)
+                self._keep_or_forget(machine)
+        return outputs
 
     def _sweep(self, tick: Tick, now: float) -> Step:
         fired: list[Fired] = []
-        due = [r for r in self._rooms.values() if r.expires_at is not None and now >= r.expires_at]
+        due = [
+            r
+            for gens in self._rooms.values()
+            for r in gens.values()
+            if r.expires_at is not None and now >= r.expires_at
+        ]
         for machine in due:
             _, one = machine.fire(tick, now)
             fired.append(one)
@@ -389,7 +438,10 @@ class PrefillCompleteTable:
         return Step((), self.timer_at(), tuple(fired))
 
     def _keep_or_forget(self, machine: BootstrapRoom) -> None:
+        gens = self._rooms.setdefault(machine.key, {})
         if machine.state is BootstrapRoomState.ABSENT:
-            self._rooms.pop(machine.key, None)
+            gens.pop(machine.generation, None)
+            if not gens:
+                del self._rooms[machine.key]
         else:
-            self._rooms[machine.key] = machine
+            gens[machine.generation] = machine

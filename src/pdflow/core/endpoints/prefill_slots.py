@@ -1,0 +1,347 @@
+"""The prefill endpoint's room slots: which generation of a room id a message or call belongs to.
+
+One slot per (room id, generation), from first sight to forgotten. Its state is not stored per
+generation but read off one small record per room id (the highest generation the engine
+opened, the highest generation cancelled before it opened, at most one parked generation) and
+off the rooms the endpoint hosts, so what a rank keeps per room id is bounded however many
+generations fail or how many stray messages arrive. Every rule is a row of
+``[machines.PrefillRoomSlot]`` (spec/machines/room_slots.toml):
+
+- ABSENT: newer than every generation opened or cancelled, nothing parked for it.
+- PARKED: metadata waits for the engine to open this generation (expires).
+- CANCELLED: an ABORT came first and was ACKed; opening it fails at once, forever.
+- OPEN: the engine's room (a SenderRoom).
+- DRAINING: the engine cleared it while writes were in flight; removed when they drain.
+- REMOVED: at or below the opened high-water mark and not hosted: finished (or skipped); its
+  messages are stale and it can never open again, so a late ABORT is ACKed and kept nowhere.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from pdflow.core.endpoints.endpoint_io import Dropped, RoomRemoved
+from pdflow.core.endpoints.slot_inputs import CLEAR_HINT, ClearSlot, OpenSlot
+from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.framework.step import Fired
+from pdflow.core.framework.table import Table, TableMachine, row
+from pdflow.core.protocol.inputs import (
+    AbortArrived,
+    AbortRequested,
+    Input,
+    MetadataArrived,
+    Tick,
+    TransferCompleted,
+)
+from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import Output, SendMessage
+from pdflow.core.rooms.sender_room import SenderRoom, SenderState
+
+NONE = -(2**63)
+"""Below every generation (an int64 on the wire): "no generation yet"."""
+MAX_PARKED_PEERS = 64
+"""Decode peers whose metadata one parked generation keeps (more than any topology needs)."""
+MAX_UNOPENED_ROOM_IDS = 65_536
+"""Room ids a rank keeps parked or cancelled state for before the engine opened them; past it
+metadata is dropped and an ABORT is not ACKed (safe: no ACK, no promise)."""
+
+
+class SlotState(enum.Enum):
+    ABSENT = "ABSENT"
+    PARKED = "PARKED"
+    CANCELLED = "CANCELLED"
+    OPEN = "OPEN"
+    DRAINING = "DRAINING"
+    REMOVED = "REMOVED"
+
+
+@dataclass(slots=True)
+class PendingRecord:
+    """What a room id holds for generations the engine has not opened yet: O(1) per room id."""
+
+    cancelled: int = NONE
+    """Highest generation ACK-cancelled before the engine opened it."""
+    parked_generation: int = NONE
+    parked: dict[PeerId, RoomMetadata] = field(default_factory=dict)
+    parked_until: float | None = None
+
+
+class SlotHost(Protocol):
+    """What the slot needs from its prefill endpoint."""
+
+    rooms: dict[int, SenderRoom]
+    draining: dict[tuple[int, int], SenderRoom]
+    opened: dict[int, int]
+    """Per room id, the highest generation the engine opened: the only thing kept forever."""
+    pending: dict[int, PendingRecord]
+    parking_deadlines: DeadlineQueue[int]
+    bootstrap_timeout: float
+
+    def host_sender(self, room: int, generation: int, now: float) -> SenderRoom: ...
+
+    def room_input(self, room: SenderRoom, inp: Input, now: float) -> None: ...
+
+    def fail_unopened(self, room: int, generation: int, reason: str, now: float) -> None: ...
+
+    def close_sender(self, room: SenderRoom, now: float) -> None: ...
+
+    def count(self, counter: str) -> None: ...
+
+    def ack(self, abort: Abort) -> SendMessage: ...
+
+
+class PrefillRoomSlot(TableMachine[SlotState]):
+    """One (room id, generation) slot, rebuilt from its room id's record for each input."""
+
+    table: Table[SlotState]
+
+    def __init__(self, host: SlotHost, room: int, generation: int) -> None:
+        self.host = host
+        self.key = room
+        self.generation = generation
+        self.record = host.pending.get(room) or PendingRecord()
+        self.state = self._classify()
+
+    def _classify(self) -> SlotState:
+        hosted = self.host.rooms.get(self.key)
+        record = self.record
+        if hosted is not None and hosted.generation == self.generation:
+            return SlotState.OPEN
+        if (self.key, self.generation) in self.host.draining:
+            return SlotState.DRAINING
+        if self.generation <= self.host.opened.get(self.key, NONE):
+            return SlotState.REMOVED
+        if self.generation <= record.cancelled:
+            return SlotState.CANCELLED
+        if self.generation == record.parked_generation:
+            return SlotState.PARKED
+        return SlotState.ABSENT
+
+    def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        """Fire the input, then keep the room id's record only while it holds something."""
+        outputs, fired = self.fire(inp, now)
+        record = self.record
+        opened = self.host.opened.get(self.key, NONE)
+        if record.parked_generation != NONE or record.cancelled > opened:
+            self.host.pending[self.key] = record
+        else:
+            self.host.pending.pop(self.key, None)
+        parked_until = record.parked_until if record.parked_generation != NONE else None
+        self.host.parking_deadlines.arm(self.key, parked_until)
+        return outputs, fired
+
+    def _hosted(self) -> SenderRoom:
+        room = self.host.rooms.get(self.key)
+        if room is not None and room.generation == self.generation:
+            return room
+        return self.host.draining[(self.key, self.generation)]
+
+    # ---- guards --------------------------------------------------------------------------------
+    def _guard_older_than_parked(self, inp: MetadataArrived, now: float) -> bool:
+        return self.record.parked_generation > self.generation
+
+    def _guard_unopened_full(self, inp: MetadataArrived | AbortArrived, now: float) -> bool:
+        fresh = self.key not in self.host.pending
+        return fresh and len(self.host.pending) >= MAX_UNOPENED_ROOM_IDS
+
+    def _guard_parking_full(self, inp: MetadataArrived, now: float) -> bool:
+        parked = self.record.parked
+        return inp.metadata.decode not in parked and len(parked) >= MAX_PARKED_PEERS
+
+    def _guard_parking_expired(self, inp: Tick, now: float) -> bool:
+        until = self.record.parked_until
+        return until is not None and now >= until
+
+    def _guard_writes_in_flight(self, inp: ClearSlot, now: float) -> bool:
+        room = self._hosted()
+        return room.state is SenderState.DRAINING
+
+    def _guard_room_terminal(self, inp: ClearSlot, now: float) -> bool:
+        return self._hosted().poll.is_terminal
+
+    def _guard_drains_last_write(self, inp: TransferCompleted, now: float) -> bool:
+        room = self._hosted()
+        return set(room.outstanding) == {inp.seq}
+
+    # ---- actions -------------------------------------------------------------------------------
+    def _act_open(self, inp: OpenSlot, now: float) -> list[Output]:
+        record = self.record
+        parked = record.parked if record.parked_generation == self.generation else {}
+        if NONE < record.parked_generation <= self.generation:
+            self._forget_parked()
+        self.host.opened[self.key] = self.generation
+        room = self.host.host_sender(self.key, self.generation, now)
+        for metadata in parked.values():
+            self.host.room_input(room, MetadataArrived(metadata), now)
+        return []
+
+    def _act_open_cancelled(self, inp: OpenSlot, now: float) -> list[Output]:
+        self._act_open(inp, now)
+        room = self.host.rooms[self.key]
+        if not room.poll.is_terminal:
+            reason = "cancelled by the decode before the room opened"
+            self.host.room_input(room, AbortRequested(reason), now)
+        return []
+
+    def _act_park(self, inp: MetadataArrived, now: float) -> list[Output]:
+        record = self.record
+        if record.parked_generation != self.generation:
+            if record.parked_generation != NONE:
+                self.host.count("parked_superseded")
+            record.parked = {}
+            record.parked_generation = self.generation
+            record.parked_until = now + self.host.bootstrap_timeout
+        record.parked[inp.metadata.decode] = inp.metadata
+        return []
+
+    def _act_cancel(self, inp: AbortArrived, now: float) -> list[Output]:
+        # Nothing of an unopened generation can be writing: ACK now. The ACK promises that this
+        # generation never writes, so it stays cancelled (no expiry) until it or a later one opens.
+        record = self.record
+        record.cancelled = max(record.cancelled, self.generation)  # O(1): one floor per room id
+        if NONE < record.parked_generation <= self.generation:
+            self._forget_parked()
+        self.host.fail_unopened(self.key, self.generation, "aborted by decode", now)
+        return [self.host.ack(inp.abort)]
+
+    def _act_ack(self, inp: AbortArrived, now: float) -> list[Output]:
+        return [self.host.ack(inp.abort)]
+
+    def _act_forget_parked(self, inp: Tick, now: float) -> list[Output]:
+        self._forget_parked()
+        self.host.count("early_arrivals_expired")
+        return []
+
+    def _act_deliver_metadata(self, inp: MetadataArrived, now: float) -> list[Output]:
+        self.host.room_input(self._hosted(), inp, now)
+        return []
+
+    def _act_deliver_abort(self, inp: AbortArrived, now: float) -> list[Output]:
+        self.host.room_input(self._hosted(), inp, now)
+        return []
+
+    def _act_deliver_write(self, inp: TransferCompleted, now: float) -> list[Output]:
+        self.host.room_input(self._hosted(), inp, now)
+        return []
+
+    def _act_start_draining(self, inp: ClearSlot, now: float) -> list[Output]:
+        room = self.host.rooms.pop(self.key)
+        self.host.draining[(self.key, self.generation)] = room
+        self.host.close_sender(room, now)
+        return []
+
+    def _act_remove(self, inp: ClearSlot, now: float) -> list[Output]:
+        room = self.host.rooms.pop(self.key)
+        self.host.close_sender(room, now)
+        return [self._removed(room)]
+
+    def _act_drain_and_remove(self, inp: TransferCompleted, now: float) -> list[Output]:
+        room = self.host.draining[(self.key, self.generation)]
+        self.host.room_input(room, inp, now)
+        del self.host.draining[(self.key, self.generation)]
+        return [self._removed(room)]
+
+    def _act_drop_stale(self, inp: MetadataArrived, now: float) -> list[Output]:
+        return [self._drop("stale_generation", "metadata for an earlier generation")]
+
+    def _act_drop_superseded(self, inp: MetadataArrived, now: float) -> list[Output]:
+        return [self._drop("superseded_generation", "a later generation is already parked")]
+
+    def _act_drop_cancelled(self, inp: MetadataArrived, now: float) -> list[Output]:
+        return [self._drop("aborted_room", "metadata for a cancelled generation")]
+
+    def _act_drop_parking_full(self, inp: MetadataArrived, now: float) -> list[Output]:
+        return [self._drop("parking_full", f"more than {MAX_PARKED_PEERS} decode peers")]
+
+    def _act_drop_unopened_full(
+        self, inp: MetadataArrived | AbortArrived, now: float
+    ) -> list[Output]:
+        kind = type(inp).__name__
+        return [self._drop("unopened_full", f"{kind}: {MAX_UNOPENED_ROOM_IDS} room ids pending")]
+
+    # ---- helpers -------------------------------------------------------------------------------
+    def _forget_parked(self) -> None:
+        record = self.record
+        record.parked_generation = NONE
+        record.parked = {}
+        record.parked_until = None
+
+    def _drop(self, kind: str, why: str) -> Dropped:
+        self.host.count(f"dropped_{kind}")
+        return Dropped(kind, f"room {self.key}/{self.generation}: {why}")
+
+    def _removed(self, room: SenderRoom) -> RoomRemoved:
+        self.host.count(f"rooms_{room.poll.name.lower()}")
+        return RoomRemoved(room.key, room.generation)
+
+
+_P = SlotState
+_ACK = "send.abort_ack"
+_DROPPED = "dropped"
+_REMOVED = "room_removed"
+_S = PrefillRoomSlot
+
+PREFILL_SLOT_TABLE: Table[SlotState] = Table(
+    machine="PrefillRoomSlot",
+    states=SlotState,
+    initial=SlotState.ABSENT,
+    inputs=(OpenSlot, MetadataArrived, AbortArrived, ClearSlot, TransferCompleted, Tick),
+    remote_inputs=(MetadataArrived, AbortArrived),
+    hints={
+        "OpenSlot": "a room id opens each generation once, and only a later one than it opened",
+        "ClearSlot": CLEAR_HINT,
+        "TransferCompleted": "report each StartTransfer of a hosted room exactly once",
+    },
+    rows=[
+        # -- ABSENT: a generation newer than any opened or cancelled ------------------------------
+        row(_P.ABSENT, OpenSlot, _P.OPEN, action=_S._act_open),
+        row(_P.ABSENT, MetadataArrived, _P.ABSENT,
+            guard=_S._guard_older_than_parked, emits=[_DROPPED], action=_S._act_drop_superseded),
+        row(_P.ABSENT, MetadataArrived, _P.ABSENT,
+            guard=_S._guard_unopened_full, emits=[_DROPPED], action=_S._act_drop_unopened_full),
+        row(_P.ABSENT, MetadataArrived, _P.PARKED, action=_S._act_park),
+        row(_P.ABSENT, AbortArrived, _P.ABSENT,
+            guard=_S._guard_unopened_full, emits=[_DROPPED], action=_S._act_drop_unopened_full),
+        row(_P.ABSENT, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_cancel),
+        # -- PARKED: metadata waits for the engine to open this generation -----------------------
+        row(_P.PARKED, OpenSlot, _P.OPEN, action=_S._act_open),
+        row(_P.PARKED, MetadataArrived, _P.PARKED,
+            guard=_S._guard_parking_full, emits=[_DROPPED], action=_S._act_drop_parking_full),
+        row(_P.PARKED, MetadataArrived, _P.PARKED, action=_S._act_park),
+        row(_P.PARKED, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_cancel),
+        row(_P.PARKED, Tick, _P.ABSENT,
+            guard=_S._guard_parking_expired, action=_S._act_forget_parked),
+        row(_P.PARKED, Tick, _P.PARKED),
+        # -- CANCELLED: ACKed before it opened; it fails at once if it ever opens ----------------
+        row(_P.CANCELLED, OpenSlot, _P.OPEN, action=_S._act_open_cancelled),
+        row(_P.CANCELLED, MetadataArrived, _P.CANCELLED,
+            emits=[_DROPPED], action=_S._act_drop_cancelled),
+        row(_P.CANCELLED, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_ack),
+        # -- OPEN: the engine's room -----------------------------------------------------------
+        row(_P.OPEN, MetadataArrived, _P.OPEN, action=_S._act_deliver_metadata),
+        row(_P.OPEN, AbortArrived, _P.OPEN, action=_S._act_deliver_abort),
+        row(_P.OPEN, ClearSlot, _P.DRAINING,
+            guard=_S._guard_writes_in_flight, action=_S._act_start_draining),
+        row(_P.OPEN, ClearSlot, _P.REMOVED,
+            guard=_S._guard_room_terminal, emits=[_REMOVED], action=_S._act_remove),
+        row(_P.OPEN, TransferCompleted, _P.OPEN, action=_S._act_deliver_write),
+        # -- DRAINING: cleared by the engine, writes still in flight ---------------------------
+        row(_P.DRAINING, MetadataArrived, _P.DRAINING, action=_S._act_deliver_metadata),
+        row(_P.DRAINING, AbortArrived, _P.DRAINING, action=_S._act_deliver_abort),
+        row(_P.DRAINING, TransferCompleted, _P.REMOVED,
+            guard=_S._guard_drains_last_write, emits=[_REMOVED], action=_S._act_drain_and_remove),
+        row(_P.DRAINING, TransferCompleted, _P.DRAINING, action=_S._act_deliver_write),
+        # -- REMOVED: finished or skipped; never opens again, so nothing is kept for it ----------
+        row(_P.REMOVED, MetadataArrived, _P.REMOVED, emits=[_DROPPED], action=_S._act_drop_stale),
+        row(_P.REMOVED, AbortArrived, _P.REMOVED, emits=[_ACK], action=_S._act_ack),
+    ],
+)  # fmt: skip
+PrefillRoomSlot.table = PREFILL_SLOT_TABLE
+
+
+def abort_ack_of(abort: Abort, me: PeerId) -> SendMessage:
+    """The ACK of an abort, sent by this prefill rank."""
+    ack = AbortAck(room=abort.room, generation=abort.generation, prefill=me, decode=abort.decode)
+    return SendMessage(to=abort.decode, message=ack)

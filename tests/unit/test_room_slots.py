@@ -1,0 +1,201 @@
+"""Room slots: which generation of a room id each message belongs to (issue 11, bugs A, B, C).
+
+Each bug test drives real endpoints (both sides where it matters) through the story an
+independent user reported, and fails under its mutant in pdflow.sim.mutants.
+"""
+
+from __future__ import annotations
+
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
+    ClearRoom,
+    DecodeEndpointConfig,
+    Dropped,
+    OpenReceiver,
+    OpenRoom,
+    PrefillEndpointConfig,
+    PrefillInfo,
+    Received,
+    RegisteredPrefillRank,
+    RoomCall,
+    TimerFired,
+    TopologyKnown,
+)
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import (
+    AbortRequested,
+    InitTransfer,
+    PrefillCompleted,
+    SendChunk,
+    TransferCompleted,
+)
+from pdflow.core.protocol.messages import (
+    Abort,
+    AbortAck,
+    BootstrapRequest,
+    PeerId,
+    RoomMetadata,
+    StatusReport,
+)
+from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
+from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+
+PC = AllocationPolicy.PREFILL_COMPLETE
+PREFILL = PeerId("127.0.0.1:7000", "p1", 0)
+DECODE = PeerId("127.0.0.1:8000", "d1", 0)
+BOOT = "127.0.0.1:8998"
+TIMEOUTS = Timeouts(bootstrap_timeout=300.0, waiting_timeout=300.0)
+
+
+def prefill(policy: AllocationPolicy = AllocationPolicy.EARLY) -> PrefillEndpoint:
+    return PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, policy=policy, timeouts=TIMEOUTS))
+
+
+def decode(policy: AllocationPolicy) -> DecodeEndpoint:
+    decode = DecodeEndpoint(
+        DecodeEndpointConfig(me=DECODE, num_pages=32, policy=policy, timeouts=TIMEOUTS)
+    )
+    return decode
+
+
+def topology(policy: AllocationPolicy) -> TopologyKnown:
+    return TopologyKnown(
+        PrefillInfo(
+            bootstrap=BOOT, tp_size=1, cp_size=1, pp_size=1, dp_size=1, page_size=16,
+            kv_cache_dtype="auto", policy=policy,
+            ranks=(RegisteredPrefillRank(0, 0, 0, 0, PREFILL),),
+        )
+    )  # fmt: skip
+
+
+def metadata(room: int, generation: int, pages: tuple[int, ...] = (4, 5)) -> RoomMetadata:
+    return RoomMetadata(
+        room=room, generation=generation, decode=DECODE, prefill=PREFILL, session_id="s",
+        dst_pages=pages, aux_index=0, required_dst_info_num=1,
+    )  # fmt: skip
+
+
+def abort(room: int, generation: int) -> Abort:
+    return Abort(room=room, generation=generation, decode=DECODE, prefill=PREFILL, reason="x")
+
+
+def messages(step: Step, kind: type) -> list:
+    return [o.message for o in step.outputs if isinstance(o, SendMessage)
+            and isinstance(o.message, kind)]  # fmt: skip
+
+
+def dropped(step: Step) -> list[str]:
+    return [o.kind for o in step.outputs if isinstance(o, Dropped)]
+
+
+def polls(step: Step) -> list[KVPoll]:
+    return [o.poll for o in step.outputs if isinstance(o, StatusChanged)]
+
+
+def deliver(step: Step, to: PrefillEndpoint | DecodeEndpoint, now: float) -> list[Step]:
+    sent = [o.message for o in step.outputs if isinstance(o, SendMessage)]
+    return [to.handle(Received(m), now) for m in sent]
+
+
+def draining_prefill(room: int = 3) -> tuple[PrefillEndpoint, int]:
+    """Generation 1 of ``room`` failed with a write in flight, and the engine cleared it."""
+    p = prefill()
+    p.handle(OpenRoom(room, 1), 0.0)
+    p.handle(Received(metadata(room, 1)), 0.0)
+    p.handle(RoomCall(room, InitTransfer(2)), 0.0)
+    step = p.handle(RoomCall(room, SendChunk((10, 11), is_last=True)), 0.0)
+    (write,) = [o for o in step.outputs if isinstance(o, StartTransfer)]
+    assert polls(p.handle(RoomCall(room, AbortRequested("engine gave up")), 1.0)) == [KVPoll.Failed]
+    p.handle(ClearRoom(room), 1.0)
+    assert room not in p.rooms and (room, 1) in p.draining
+    return p, write.seq
+
+
+# ---- A: a failed room id refuses its next generation (prefill_complete) -----------------------
+def test_failed_room_id_accepts_next_generation_under_prefill_complete() -> None:
+    """Bug A: generation 1 of room 9 fails and both sides clear. Generation 2's BOOTSTRAP must
+    be taken (not dropped as "the room is at generation 1") and OpenRoom(9, 2) must not fail
+    with "Duplicate or cancelled bootstrap room"; the decode gets its ready signal at once."""
+    p, d = prefill(PC), decode(PC)
+    d.handle(TopologyKnown(topology(PC).info), 0.0)
+    p.handle(OpenRoom(9, 1), 0.0)
+    deliver(d.handle(OpenReceiver(9, 1, BOOT), 0.0), p, 0.0)
+    for step in deliver(p.handle(RoomCall(9, AbortRequested("out of memory")), 1.0), d, 1.0):
+        deliver(step, p, 1.0)  # the decode's answering ABORT, ACKed
+    p.handle(ClearRoom(9), 2.0)
+    d.handle(ClearRoom(9), 2.0)
+    (bootstrap,) = messages(d.handle(OpenReceiver(9, 2, BOOT), 3.0), BootstrapRequest)
+    assert dropped(p.handle(Received(bootstrap), 3.0)) == []
+    opened = p.handle(OpenRoom(9, 2), 3.0)
+    assert KVPoll.Failed not in polls(opened)
+    (ready,) = messages(p.handle(RoomCall(9, PrefillCompleted()), 4.0), StatusReport)
+    assert (ready.generation, ready.status) == (2, KVPoll.WaitingForInput)
+    d.handle(Received(ready), 4.0)
+    assert d.rooms[9].poll is KVPoll.WaitingForInput
+
+
+def test_late_abort_of_a_cleared_room_does_not_block_its_next_generation() -> None:
+    """Bug A, second half: a late ABORT for a cleared room left a generation-less tombstone in
+    the ready table, so the next generation failed at once. It is ACKed and kept nowhere."""
+    p = prefill(PC)
+    p.handle(OpenRoom(9, 1), 0.0)
+    p.handle(RoomCall(9, AbortRequested("x")), 1.0)
+    p.handle(ClearRoom(9), 1.0)
+    assert messages(p.handle(Received(abort(9, 1)), 2.0), AbortAck)
+    assert p.snapshot().pending == 0
+    opened = p.handle(OpenRoom(9, 2), 3.0)
+    assert KVPoll.Failed not in polls(opened)
+    assert p.rooms[9].poll is KVPoll.Bootstrapping
+
+
+# ---- B: a newer generation taken for a stale one ----------------------------------------------
+def test_newer_generation_metadata_is_kept_while_the_older_one_drains() -> None:
+    """Bug B: generation 1 still drains on the prefill (the engine cleared it). Generation 2's
+    metadata was dropped as stale_generation, so the decode held its pages for 300 s. It is
+    parked and serves generation 2 when the engine opens it, while generation 1 still drains."""
+    p, seq = draining_prefill()
+    assert dropped(p.handle(Received(metadata(3, 2, pages=(6, 7))), 2.0)) == []
+    opened = p.handle(OpenRoom(3, 2), 3.0)
+    assert polls(opened) == [KVPoll.WaitingForInput]
+    drained = p.handle(TransferCompleted(3, 1, seq, ok=True), 4.0)
+    assert p.rooms[3].generation == 2 and (3, 1) not in p.draining
+    assert [o.generation for o in drained.outputs if hasattr(o, "generation")] == [1]
+
+
+def test_abort_for_a_newer_generation_is_final_while_the_older_one_is_open() -> None:
+    """Bug B, the use-after-free: with generation 1 open, an ABORT for generation 2 was ACKed
+    but not kept; a duplicated metadata frame then revived generation 2, which wrote into the
+    pages the decode freed on that ACK. The cancel is kept: generation 2 opens Failed and the
+    late metadata is dropped, so no write is ever started."""
+    p = prefill()
+    p.handle(OpenRoom(3, 1), 0.0)
+    p.handle(Received(metadata(3, 2)), 0.5)
+    assert messages(p.handle(Received(abort(3, 2)), 1.0), AbortAck)
+    assert dropped(p.handle(Received(metadata(3, 2)), 2.0)) == ["aborted_room"]
+    p.handle(RoomCall(3, AbortRequested("done")), 3.0)
+    p.handle(ClearRoom(3), 3.0)
+    assert polls(p.handle(OpenRoom(3, 2), 4.0)) == [KVPoll.Failed]
+    p.handle(Received(metadata(3, 2)), 5.0)
+    p.handle(RoomCall(3, InitTransfer(2)), 5.0)
+    step = p.handle(RoomCall(3, SendChunk((10, 11), is_last=True)), 5.0)
+    assert not [o for o in step.outputs if isinstance(o, StartTransfer)]
+
+
+# ---- C: state that grows with the failure count -----------------------------------------------
+def test_prefill_failures_cleared_promptly_leave_nothing_after_the_answering_abort() -> None:
+    """Bug C: every prefill-side failure the engine cleared promptly left a permanent
+    early-arrival entry when the decode's answering ABORT arrived (6,000 failures, 6,000
+    entries). Now nothing is pending, whatever the count."""
+    p = prefill()
+    for generation in range(1, 201):
+        p.handle(OpenRoom(5, generation), float(generation))
+        p.handle(RoomCall(5, AbortRequested("prefill failed")), float(generation))
+        p.handle(ClearRoom(5), float(generation))
+        assert messages(p.handle(Received(abort(5, generation)), float(generation)), AbortAck)
+    assert p.snapshot().pending == 0 and not p.rooms and not p.draining
+    assert p.opened == {5: 200}
+    assert p.timer_at() is None
+    p.handle(TimerFired(), 10_000.0)
+    assert p.snapshot().pending == 0
