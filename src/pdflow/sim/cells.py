@@ -208,6 +208,9 @@ def room_cell_coverage() -> Counter[Transition]:
     for seq in sorted(sender.outstanding):
         _record(reached, sender.fire(completed(seq), 2.0)[1])
     _record(reached, sender.fire(AbortRequested("engine gave up"), 2.0)[1])
+    # A verification that fails (worlds draw corrupt writes only for some seeds).
+    verifying = receiver_in(ReceiverState.VERIFYING)
+    _record(reached, verifying.fire(ChecksumResult(False, "checksum mismatch"), 2.0)[1])
     # A decode that requires checksums, and a writer that sent none.
     receiver = new_receiver(require=True)
     for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
