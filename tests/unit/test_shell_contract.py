@@ -184,7 +184,8 @@ def test_a_checksum_answer_for_a_cleared_room_is_dropped_not_refused() -> None:
     d.handle(ClearRoom(1), 2.0)
     before = d.snapshot()
     step = d.handle(ChecksumChecked(1, 1, True), 3.0)
-    assert step.outputs == (Dropped("unknown_room", "checksum result for room 1"),)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["unknown_room"]
+    assert len(step.outputs) == 1
     assert d.snapshot().rooms == before.rooms and d.snapshot().ledger == before.ledger
 
 
