@@ -18,6 +18,12 @@ def _control_rows() -> dict[str, object]:
     }
 
 
+def _scale_rows() -> dict[str, object]:
+    rows = [{"concurrency": c, "rooms_per_second": 400.0 - c / 100, "p99_ms": 900.0}
+            for c in (1000, 4000, 16000)]  # fmt: skip
+    return {"results": rows}
+
+
 def _data_rows() -> dict[str, object]:
     rows = [
         {
@@ -67,6 +73,7 @@ def test_every_suite_figure_is_written_and_decodes(tmp_path: Path) -> None:
     report = BenchReport(quick=True, started="now", machine={})
     report.suites = [
         SuiteResult("control", "ok", data=_control_rows()),
+        SuiteResult("scale", "ok", data=_scale_rows()),
         SuiteResult("data", "ok", data=_data_rows()),
         SuiteResult("hetero", "ok", data=hetero),
         SuiteResult("core", "ok", data=core),

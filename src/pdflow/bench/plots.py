@@ -17,6 +17,7 @@ from pdflow.bench.runner import (
     DATA_RATIO_TARGET,
     HETERO_RATIO_TARGET,
     MIB,
+    SCALE_FLATNESS_TARGET,
     SGLANG_P99_MS,
     SGLANG_ROOMS_PER_S,
     BenchReport,
@@ -25,6 +26,7 @@ from pdflow.bench.runner import (
 
 FILE_NAMES = {
     "control": "control_plane.png",
+    "scale": "room_scale.png",
     "data": "data_plane.png",
     "hetero": "hetero_tp.png",
     "core": "core.png",
@@ -126,6 +128,24 @@ def _control(plt: Any, data: dict[str, Any]) -> Any:
     figure.suptitle(
         "Control plane vs SGLang 0.5.23 (its anchor at 256 rooms, measured on this machine class)"
     )
+    return figure
+
+
+def _scale(plt: Any, data: dict[str, Any]) -> Any:
+    rows = sorted(data["results"], key=lambda r: r["concurrency"])
+    concurrency = [r["concurrency"] for r in rows]
+    fastest = max(r["rooms_per_second"] for r in rows)
+    figure, axis = plt.subplots(1, 1, figsize=(7, 4.8))
+    ratios = [r["rooms_per_second"] / fastest for r in rows]
+    axis.plot(concurrency, ratios, "o-", label="rooms/s ÷ the fastest load's")
+    _note_points(axis, concurrency, ratios, [f"{r['rooms_per_second']:.0f}/s" for r in rows])
+    _target_line(axis, SCALE_FLATNESS_TARGET, f"target ≥ {SCALE_FLATNESS_TARGET:g}")
+    _log2_axis(axis, concurrency, "concurrent rooms (4 KiB each)")
+    axis.set_ylim(0, 1.3)
+    axis.set_ylabel("ratio (higher is better)")
+    axis.grid(True, alpha=0.3)
+    axis.legend(loc="lower left")
+    figure.suptitle("Per-room cost against the number of concurrent rooms (flat within 20%)")
     return figure
 
 
@@ -243,6 +263,7 @@ def _core(plt: Any, data: dict[str, Any]) -> Any:
 
 _FIGURES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "control": _control,
+    "scale": _scale,
     "data": _data,
     "hetero": _hetero,
     "core": _core,

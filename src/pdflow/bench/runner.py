@@ -36,7 +36,7 @@ from typing import Any
 Progress = Callable[[str], None]
 
 MIB = 1 << 20
-SUITES = ("control", "data", "hetero", "core")
+SUITES = ("control", "scale", "data", "hetero", "core")
 
 # Anchors and targets, from the performance-targets reference.
 SGLANG_ROOMS_PER_S = 393.0  # 256 concurrent 4 KiB rooms, median of 3
@@ -46,13 +46,16 @@ CONTROL_LOADS = (16, 64, 256, 512)
 CONTROL_QUICK_LOADS = (16, 64)
 CONTROL_KEYS = ("rooms_per_s", "handshake_p50_ms", "handshake_p99_ms")
 CONTROL_RATIO_TARGET = 2.0
+SCALE_LOADS = (1000, 4000, 16000)
+SCALE_QUICK_LOADS = (100, 400)
+SCALE_FLATNESS_TARGET = 0.8  # slowest load's rooms/s over the fastest's: flat within 20%
 DATA_SIZE = 64 * MIB
 DATA_SIZES_MIB = (1, 4, 16, 64, 256)
 DATA_QUICK_SIZES_MIB = (1, 4, 16)
 END_TO_END_KEYS = ("bytes", "pdflow_gbps", "raw_mooncake_gbps", "pdflow_vs_raw")
 DATA_RATIO_TARGET = 0.9
 HETERO_RATIO_TARGET = 10.0
-CORE_STEPS_TARGET = 50_000.0
+CORE_STEPS_TARGET = 100_000.0
 CORE_BYTES_PER_ROOM_TARGET = 2048.0
 
 
@@ -206,6 +209,29 @@ def control_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list
     return {"results": rows}, checks
 
 
+def scale_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Check]]:
+    """The control-plane batch at thousands of concurrent rooms: per-room cost must not grow."""
+    module = load_benchmark("control_plane")
+    rows = []
+    for concurrency in SCALE_QUICK_LOADS if quick else SCALE_LOADS:
+        measured = _call_run(module, progress, rooms=concurrency, trace=False)
+        rows.append({"concurrency": concurrency, "rooms_per_second": measured["rooms_per_s"],
+                     "p99_ms": measured["handshake_p99_ms"], "run": measured})  # fmt: skip
+    rates = [row["rooms_per_second"] for row in rows]
+    loads = f"{rows[0]['concurrency']:,} to {rows[-1]['concurrency']:,} concurrent rooms"
+    checks = [
+        Check(
+            "scale",
+            f"slowest / fastest rooms/s, {loads}",
+            min(rates) / max(rates),
+            "x",
+            SCALE_FLATNESS_TARGET,
+            baseline="the same batch at the other loads, same run",
+        )
+    ]
+    return {"results": rows}, checks
+
+
 def data_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Check]]:
     sizes = tuple(size * MIB for size in (DATA_QUICK_SIZES_MIB if quick else DATA_SIZES_MIB))
     repeats = 3 if quick else 5
@@ -328,6 +354,7 @@ def core_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Ch
 
 SUITE_RUNNERS: dict[str, Callable[[bool, Progress], tuple[dict[str, Any], list[Check]]]] = {
     "control": control_suite,
+    "scale": scale_suite,
     "data": data_suite,
     "hetero": hetero_suite,
     "core": core_suite,

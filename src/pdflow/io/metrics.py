@@ -11,8 +11,6 @@ import msgspec
 import structlog
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-from pdflow.core.resources.page_ledger import QuarantinedRoom
-
 log = structlog.get_logger("pdflow.metrics")
 
 _LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5,
@@ -99,10 +97,10 @@ class NodeMetrics:
     def send_refused(self, reason: str) -> None:
         self.refused_sends.labels(reason).inc()
 
-    def quarantine(self, report: tuple[QuarantinedRoom, ...]) -> None:
-        """Set the quarantine gauges from the ledger's report (summed over ranks by the caller)."""
-        self.quarantined_pages.set(sum(len(room.pages) for room in report))
-        self.quarantine_oldest_age.set(max((room.age_s for room in report), default=0.0))
+    def quarantine(self, pages: int, oldest_age_s: float) -> None:
+        """Set the quarantine gauges (pages summed over the node's ranks by the caller)."""
+        self.quarantined_pages.set(pages)
+        self.quarantine_oldest_age.set(oldest_age_s)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample's current value (0.0 when never touched), for tests and status lines."""

@@ -199,6 +199,7 @@ class EndpointHost:
         self.events = events
         self._lock = anyio.Lock()
         self._timer_at: float | None = None
+        self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
         self.clocks: dict[int, RoomClock] = {}
         self._dispatch = dispatcher(self)
@@ -230,19 +231,27 @@ class EndpointHost:
 
     def _rearm(self, timer_at: float | None) -> None:
         self._timer_at = timer_at
-        self._rearmed.set()
+        # Wake the timer task only when it must fire sooner than it is set to: a deadline that
+        # moved later (or went away) is seen when the task wakes, so most steps wake nothing.
+        sleeping = self._sleeping_until
+        if timer_at is not None and (sleeping is None or timer_at < sleeping):
+            self._rearmed.set()
 
     async def run_timer(self) -> None:
         """Fire TimerFired at each ``timer_at`` (clamped to now), re-armed by every step."""
         while True:
             self._rearmed = anyio.Event()
-            deadline = self._timer_at
+            deadline = self._sleeping_until = self._timer_at
             if deadline is None:
                 await self._rearmed.wait()
                 continue
             with anyio.move_on_after(max(deadline - anyio.current_time(), 0.0)):
                 await self._rearmed.wait()
                 continue
+            current = self._timer_at
+            if current is None or current > anyio.current_time():
+                continue  # moved later or gone while we slept: sleep until the new one
+            self._sleeping_until = None
             if await self.feed(TimerFired()) is None:
                 await anyio.sleep(_TIMER_RETRY_S)
 

@@ -543,6 +543,15 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         """Failed rooms whose pages wait for writers to be cleared, and since when."""
         return self.ledger.report(now)
 
+    @property
+    def quarantined_pages(self) -> int:
+        """Pages held by failed rooms until their writers are cleared (O(1))."""
+        return self.ledger.quarantined_pages
+
+    def oldest_fenced_at(self) -> float | None:
+        """When the longest-quarantined room was fenced (None: no page is quarantined)."""
+        return self.ledger.oldest_fenced_at()
+
     def known_bootstraps(self) -> tuple[str, ...]:
         """Prefill instances whose topology this rank holds (the ones to heartbeat)."""
         return tuple(sorted(self.topologies))

@@ -16,6 +16,7 @@ earlier use of a room id can only ever reach that earlier instance, never the ne
 from __future__ import annotations
 
 import enum
+import heapq
 from typing import cast
 
 import msgspec
@@ -323,12 +324,21 @@ class RoomPages(TableMachine[RoomPagesState]):
 
 
 class PageLedger:
-    """Every destination page of one decode rank. Drive it with :meth:`handle`."""
+    """Every destination page of one decode rank. Drive it with :meth:`handle`.
+
+    Per-room work never depends on how many rooms the ledger holds: a release touches only its
+    own instance, and the fenced rooms are indexed apart (with their page count and a heap of
+    fence times) so quarantine accounting never walks the reserved ones.
+    """
 
     def __init__(self, num_pages: int) -> None:
         self._pool = PagePool(num_pages)
         self._health = WriterHealth()
         self._rooms: dict[tuple[int, int], RoomPages] = {}
+        self._fenced: dict[tuple[int, int], RoomPages] = {}
+        self._quarantined_pages = 0
+        # (fenced_at, room, generation); entries of rooms no longer fenced are skipped lazily.
+        self._fence_times: list[tuple[float, int, int]] = []
 
     # ---- queries -------------------------------------------------------------------------------
     @property
@@ -340,6 +350,22 @@ class PageLedger:
         """Pages admission may hand out: neither reserved nor quarantined."""
         return self._pool.size - len(self._pool.owner)
 
+    @property
+    def quarantined_pages(self) -> int:
+        """Pages held by fenced rooms (O(1))."""
+        return self._quarantined_pages
+
+    def oldest_fenced_at(self) -> float | None:
+        """When the longest-quarantined room was fenced; None when none is (O(log n) amortized)."""
+        heap = self._fence_times
+        while heap:
+            fenced_at, room, generation = heap[0]
+            held = self._fenced.get((room, generation))
+            if held is not None and held.fenced_at == fenced_at:
+                return fenced_at
+            heapq.heappop(heap)
+        return None
+
     def is_free(self, page: int) -> bool:
         return 0 <= page < self._pool.size and page not in self._pool.owner
 
@@ -349,7 +375,7 @@ class PageLedger:
 
     def snapshot(self) -> LedgerSnapshot:
         rooms = tuple(self._rooms[key].snapshot() for key in sorted(self._rooms))
-        quarantined = sum(len(r.pages) for r in rooms if r.state == RoomPagesState.FENCED.name)
+        quarantined = self._quarantined_pages
         held = len(self._pool.owner)
         return LedgerSnapshot(
             pool_size=self._pool.size,
@@ -363,7 +389,7 @@ class PageLedger:
 
     def report(self, now: float) -> tuple[QuarantinedRoom, ...]:
         """Fenced rooms, oldest first: what an operator should chase (a writer that never ACKs)."""
-        fenced = [r for r in self._rooms.values() if r.state is RoomPagesState.FENCED]
+        fenced = list(self._fenced.values())
         fenced.sort(key=lambda r: (cast(float, r.fenced_at), r.key, r.generation))
         return tuple(
             QuarantinedRoom(
@@ -382,25 +408,49 @@ class PageLedger:
             return self._writer_news(inp, now)
         key = (inp.room, inp.generation)
         machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
+        was_fenced, pages = machine.state is RoomPagesState.FENCED, len(machine.pages)
         outputs, fired = machine.fire(inp, now)
         if not machine.holds_pages():
             self._rooms.pop(key, None)
         else:
             self._rooms[key] = machine
+        self._index_fence(key, machine, was_fenced, pages)
         return Step(tuple(outputs), None, (fired,))
+
+    def _index_fence(self, key: tuple[int, int], machine: RoomPages, was_fenced: bool,
+                     pages: int) -> None:  # fmt: skip
+        """Keep the fenced index and its page count in step with one instance's transition."""
+        fenced = machine.state is RoomPagesState.FENCED
+        if fenced == was_fenced:
+            return
+        if was_fenced:
+            del self._fenced[key]
+            self._quarantined_pages -= pages
+            return
+        self._fenced[key] = machine
+        self._quarantined_pages += len(machine.pages)
+        heapq.heappush(self._fence_times, (cast(float, machine.fenced_at), key[0], key[1]))
+        if len(self._fence_times) > 2 * len(self._fenced) + 64:
+            # Stale entries of rooms freed long ago: rebuild (amortized O(1) per fence).
+            self._fence_times = [(cast(float, r.fenced_at), k[0], k[1])
+                                 for k, r in self._fenced.items()]  # fmt: skip
+            heapq.heapify(self._fence_times)
 
     def _writer_news(self, inp: WriterDead | SessionClosed, now: float) -> Step:
         facts = self._health.dead if isinstance(inp, WriterDead) else self._health.closed
         facts.add(inp.writer)
         outputs: list[Output] = []
         fired: list[Fired] = []
-        for key in sorted(self._rooms):
-            machine = self._rooms[key]
-            if machine.state is not RoomPagesState.FENCED or inp.writer not in machine.writers:
+        # Only fenced rooms can be waiting on a writer: the reserved ones are never visited.
+        for key in sorted(self._fenced):
+            machine = self._fenced[key]
+            if inp.writer not in machine.writers:
                 continue
+            pages = len(machine.pages)
             out, one = machine.fire(inp, now)
             outputs += out
             fired.append(one)
             if not machine.holds_pages():
                 del self._rooms[key]
+            self._index_fence(key, machine, True, pages)
         return Step(tuple(outputs), None, tuple(fired))

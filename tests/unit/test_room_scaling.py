@@ -1,0 +1,117 @@
+"""Per-room costs do not grow with the number of rooms: counted, never timed.
+
+A release, a fence, writer news and the quarantine gauges must touch only the rooms they are
+about. Each test fills a ledger (or deadline queue) with thousands of bystanders and counts
+how many of them the operation visits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.protocol.messages import PeerId
+from pdflow.core.resources.page_ledger import (
+    AckArrived,
+    Fence,
+    PageLedger,
+    ReleaseAfterSuccess,
+    Reserve,
+    WriterDead,
+)
+
+A = PeerId("10.0.0.1:7000", "a1")
+B = PeerId("10.0.0.2:7000", "b1")
+BYSTANDERS = 2000
+
+
+class VisitCountingDict(dict[Any, Any]):
+    """A dict that counts the entries every full walk over it visits."""
+
+    visited = 0
+
+    def __iter__(self) -> Any:
+        VisitCountingDict.visited += len(self)
+        return super().__iter__()
+
+    def values(self) -> Any:
+        VisitCountingDict.visited += len(self)
+        return super().values()
+
+    def items(self) -> Any:
+        VisitCountingDict.visited += len(self)
+        return super().items()
+
+    def keys(self) -> Any:
+        VisitCountingDict.visited += len(self)
+        return super().keys()
+
+
+def _crowded_ledger(fenced: int) -> PageLedger:
+    """BYSTANDERS reserved rooms (one page each), then ``fenced`` rooms quarantined on A."""
+    ledger = PageLedger(BYSTANDERS + fenced + 1)
+    for room in range(BYSTANDERS + fenced):
+        ledger.handle(Reserve(room, 0, (room,)), 0.0)
+    for room in range(BYSTANDERS, BYSTANDERS + fenced):
+        ledger.handle(Fence(room, 0, (A,)), float(room))
+    for name in ("_rooms", "_fenced"):
+        if hasattr(ledger, name):
+            setattr(ledger, name, VisitCountingDict(getattr(ledger, name)))
+    VisitCountingDict.visited = 0
+    return ledger
+
+
+def test_a_release_and_the_quarantine_gauges_visit_no_other_room() -> None:
+    ledger = _crowded_ledger(fenced=3)
+    ledger.handle(ReleaseAfterSuccess(7, 0), 10_000.0)
+    ledger.handle(AckArrived(BYSTANDERS, 0, A), 10_000.0)  # frees the oldest fenced room
+    pages, oldest = ledger.quarantined_pages, ledger.oldest_fenced_at()
+    assert VisitCountingDict.visited == 0
+    # The O(1) figures agree with the full report.
+    report = ledger.report(10_000.0)
+    assert pages == sum(len(q.pages) for q in report) == 2
+    assert oldest == float(BYSTANDERS + 1) == 10_000.0 - report[0].age_s
+    assert ledger.snapshot().quarantined == 2
+
+
+def test_writer_news_visits_only_the_fenced_rooms() -> None:
+    ledger = _crowded_ledger(fenced=3)
+    ledger.handle(WriterDead(B), 10_000.0)  # B writes into nothing fenced
+    assert VisitCountingDict.visited <= 3
+    assert ledger.quarantined_pages == 3
+
+
+def test_the_oldest_fence_follows_releases_in_any_order() -> None:
+    ledger = PageLedger(8)
+    for room, at in ((1, 5.0), (2, 1.0), (3, 3.0)):
+        ledger.handle(Reserve(room, 0, (room,)), 0.0)
+        ledger.handle(Fence(room, 0, (A,)), at)
+    assert ledger.oldest_fenced_at() == 1.0
+    ledger.handle(AckArrived(2, 0, A), 6.0)
+    assert ledger.oldest_fenced_at() == 3.0
+    ledger.handle(AckArrived(3, 0, A), 6.0)
+    ledger.handle(AckArrived(1, 0, A), 6.0)
+    assert ledger.oldest_fenced_at() is None
+    assert ledger.quarantined_pages == 0
+
+
+def test_the_fence_time_heap_stays_bounded_over_many_fenced_rooms() -> None:
+    ledger = PageLedger(4)
+    for room in range(5000):
+        ledger.handle(Reserve(room, 0, (0,)), float(room))
+        ledger.handle(Fence(room, 0, (A,)), float(room))
+        ledger.handle(AckArrived(room, 0, A), float(room))
+        assert len(ledger._fence_times) <= 2 * (len(ledger._fenced) + 1) + 64
+
+
+def test_the_deadline_heap_stays_within_a_constant_factor_of_the_armed_keys() -> None:
+    queue: DeadlineQueue[int] = DeadlineQueue()
+    for room in range(10_000):
+        queue.arm(room, 1000.0 + room)  # opened: a waiting deadline far ahead
+        queue.arm(room, 2000.0 + room)  # re-armed once (a transfer deadline)
+        if room >= 10:
+            queue.arm(room - 10, None)  # closed long before its deadline
+        assert queue.heap_size <= 2 * (len(queue) + 1) + 64
+    assert len(queue) == 10
+    assert queue.next_deadline() == 2000.0 + 9_990
+    assert queue.pop_due(1e9) == list(range(9_990, 10_000))
