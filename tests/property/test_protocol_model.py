@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import os
 
+import pytest
 from hypothesis import HealthCheck, settings
 
+from pdflow.sim.invariants import INVARIANTS
 from pdflow.sim.machine import WorldMachine
+
+pytestmark = pytest.mark.invariant(*INVARIANTS)
 
 EXAMPLES = int(os.environ.get("PDFLOW_EXAMPLES", "150"))
 

@@ -118,6 +118,7 @@ def transferring_prefill(
     return p, write
 
 
+@pytest.mark.invariant("drain_before_ack", "fence_before_abort")
 def test_abort_mid_transfer_keeps_pages_until_the_drain_ack() -> None:
     """sglang#35049 / #32564 / #24527: a decode abort mid-transfer must not free pages a late
     write may still hit (silent cross-request KV corruption)."""
@@ -138,6 +139,7 @@ def test_abort_mid_transfer_keeps_pages_until_the_drain_ack() -> None:
     assert d.ledger.is_free(0) and d.ledger.is_free(1)
 
 
+@pytest.mark.invariant("pages_return")
 def test_ack_that_never_comes_keeps_pages_quarantined_and_reported() -> None:
     """sglang#38961: when the drain ACK never arrives the pages stay quarantined, reported with
     their age and the writer they wait on, and no timer ever releases them."""
@@ -152,6 +154,7 @@ def test_ack_that_never_comes_keeps_pages_quarantined_and_reported() -> None:
     assert held.age_s == pytest.approx(9_999.0)
 
 
+@pytest.mark.invariant("pages_return")
 def test_abort_of_a_transfer_leaks_nothing_on_either_side() -> None:
     """sglang#9266 / #8177: after an abort both sides return every page and forget the room."""
     d, metadata = published_decode()
@@ -166,6 +169,7 @@ def test_abort_of_a_transfer_leaks_nothing_on_either_side() -> None:
     assert not d.rooms and d.ledger.allocatable == d.ledger.pool_size
 
 
+@pytest.mark.invariant("no_resurrection")
 def test_prefill_restart_serves_new_rooms_and_drops_old_incarnation_messages() -> None:
     """sglang#16903: a restarted prefill (new incarnation) serves new rooms without restarting
     the decode; messages of the old incarnation are dropped and its writers are cleared."""
@@ -213,6 +217,7 @@ def StatusReport_success(prefill_peer: PeerId, *, room: int, gen: int):
     )
 
 
+@pytest.mark.invariant("no_resurrection")
 def test_room_reuse_late_messages_of_an_earlier_use_never_touch_the_new_one() -> None:
     """Room ids are reused with a new generation: a late ACK or status of generation 1 has no
     effect on generation 2 of the same room id."""
@@ -232,6 +237,7 @@ def test_room_reuse_late_messages_of_an_earlier_use_never_touch_the_new_one() ->
     assert d.rooms[1].generation == 2 and d.rooms[1].poll is KVPoll.Transferring
 
 
+@pytest.mark.invariant("abort_is_final")
 def test_abort_for_an_unknown_room_is_acked_at_once() -> None:
     """An ABORT for a room the prefill never opened is ACKed at once: nothing can be writing."""
     p = prefill()
@@ -241,6 +247,7 @@ def test_abort_for_an_unknown_room_is_acked_at_once() -> None:
     assert not p.rooms
 
 
+@pytest.mark.invariant("abort_is_final")
 def test_cancel_before_the_sender_exists_is_not_lost() -> None:
     """A cancel that arrives before the engine opens the room fails the room on open."""
     p = prefill()
@@ -250,6 +257,7 @@ def test_cancel_before_the_sender_exists_is_not_lost() -> None:
     assert p.rooms[9].poll is KVPoll.Failed
 
 
+@pytest.mark.invariant("duplicate_claim_fails")
 def test_duplicate_room_claim_fails_and_changes_nothing() -> None:
     """Opening a room id already open fails the new claim; the existing room is untouched."""
     p = prefill()
@@ -266,6 +274,7 @@ def test_duplicate_room_claim_fails_and_changes_nothing() -> None:
     assert d.snapshot() == before_d
 
 
+@pytest.mark.invariant("no_status_after_clear", "no_resurrection")
 def test_late_status_after_clear_has_no_effect() -> None:
     """A status that arrives after the engine cleared the room is dropped and creates nothing."""
     d, _ = published_decode()
@@ -276,6 +285,7 @@ def test_late_status_after_clear_has_no_effect() -> None:
     assert not d.rooms and not polls(step)
 
 
+@pytest.mark.invariant("generation_isolation")
 def test_a_later_claim_under_prefill_complete_supersedes_an_earlier_bootstrap() -> None:
     """Under prefill_complete, a decode's bootstrap request for an earlier generation of a room
     id (one the prefill never opened) no longer holds the id: opening the next generation
@@ -290,6 +300,7 @@ def test_a_later_claim_under_prefill_complete_supersedes_an_earlier_bootstrap() 
     assert p.rooms[4].generation == 2 and p.rooms[4].poll is KVPoll.Bootstrapping
 
 
+@pytest.mark.invariant("lost_instance_fails_rooms")
 def test_late_topology_answer_does_not_hide_the_old_writers() -> None:
     """Found by the model checker: a second, late topology answer naming a restarted prefill
     (new incarnation) overwrote the cached topology. The heartbeat then compared against the
@@ -309,6 +320,7 @@ def test_late_topology_answer_does_not_hide_the_old_writers() -> None:
     assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(0, 1)]
 
 
+@pytest.mark.invariant("abort_is_final")
 def test_a_cancel_before_open_outlives_every_timer_and_duplicate() -> None:
     """Found by the model checker (seed 2377): a decode aborts a room the prefill has not opened,
     the prefill ACKs (so the decode frees the pages), and a duplicate of the room's metadata

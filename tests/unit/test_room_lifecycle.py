@@ -136,6 +136,7 @@ def test_receiver_waiting_timeout_for_ready_then_abort() -> None:
     assert receiver.poll is KVPoll.Failed and sent(step, type(abort().abort))
 
 
+@pytest.mark.invariant("single_room_status_clock")
 def test_ready_resets_the_waiting_clock() -> None:
     receiver = new_receiver(PC)
     receiver.handle(resolved(), 0.0)
@@ -147,6 +148,7 @@ def test_ready_resets_the_waiting_clock() -> None:
     assert receiver.poll is KVPoll.Failed
 
 
+@pytest.mark.invariant("single_room_status_clock")
 def test_transfer_budget_is_a_separate_clock_started_at_publish() -> None:
     receiver = new_receiver()
     receiver.handle(resolved(), 0.0)
@@ -165,6 +167,7 @@ def test_transfer_budget_is_a_separate_clock_started_at_publish() -> None:
 
 
 # ---- failure ordering, duplicates, several peers -----------------------------------------------
+@pytest.mark.invariant("failed_absorbing")
 def test_failure_beats_a_late_ready() -> None:
     receiver = new_receiver(PC)
     receiver.handle(resolved(), 0.0)
@@ -173,6 +176,7 @@ def test_failure_beats_a_late_ready() -> None:
     assert receiver.poll is KVPoll.Failed and step.outputs == ()
 
 
+@pytest.mark.invariant("success_needs_all_peers")
 def test_success_needs_the_last_distinct_peer_and_duplicates_do_not_count() -> None:
     receiver = new_receiver()
     receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
@@ -184,6 +188,7 @@ def test_success_needs_the_last_distinct_peer_and_duplicates_do_not_count() -> N
     assert receiver.poll is KVPoll.Success
 
 
+@pytest.mark.invariant("success_needs_all_peers")
 def test_sender_waits_for_every_required_decode_peer() -> None:
     sender = new_sender()
     sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.0)
@@ -201,6 +206,7 @@ def test_sender_waits_for_every_required_decode_peer() -> None:
     assert sender.poll is KVPoll.Success
 
 
+@pytest.mark.invariant("terminal_sticky", "failed_absorbing")
 def test_terminal_states_are_sticky() -> None:
     receiver = new_receiver()
     receiver.handle(resolved(), 0.0)
@@ -213,6 +219,7 @@ def test_terminal_states_are_sticky() -> None:
     assert receiver.poll is KVPoll.Success
 
 
+@pytest.mark.invariant("checksums_fail_closed")
 def test_checksum_mismatch_fails_closed() -> None:
     receiver = new_receiver(verify=True)
     receiver.handle(resolved(), 0.0)
@@ -223,6 +230,7 @@ def test_checksum_mismatch_fails_closed() -> None:
     assert receiver.poll is KVPoll.Failed and "page 101 differs" in receiver.reason
 
 
+@pytest.mark.invariant("checksums_fail_closed")
 def test_finding3_missing_checksum_fails_closed() -> None:
     """Issue 12, finding 3: with the decode's checksum on and a writer sending none, the room
     used to end Success unverified (the writer was left out of the verification)."""
@@ -250,6 +258,7 @@ def test_staged_room_without_required_checksums_still_verifies_what_it_got() -> 
 
 
 # ---- abort with drain --------------------------------------------------------------------------
+@pytest.mark.invariant("drain_before_ack")
 def test_abort_drains_before_ack_and_acks_every_peer_once() -> None:
     sender = new_sender()
     sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.0)
@@ -268,6 +277,7 @@ def test_abort_drains_before_ack_and_acks_every_peer_once() -> None:
     assert len(sent(sender.handle(abort(DECODE_B), 4.0), AbortAck)) == 1, "quiescent: ACK now"
 
 
+@pytest.mark.invariant("chunks_partition")
 def test_bad_chunks_are_refused_without_change() -> None:
     sender = new_sender()
     sender.handle(MetadataArrived(metadata()), 0.0)

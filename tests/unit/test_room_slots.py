@@ -6,6 +6,8 @@ independent user reported, and fails under its mutant in pdflow.sim.mutants.
 
 from __future__ import annotations
 
+import pytest
+
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
@@ -114,6 +116,7 @@ def draining_prefill(room: int = 3) -> tuple[PrefillEndpoint, int]:
 
 
 # ---- A: a failed room id refuses its next generation (prefill_complete) -----------------------
+@pytest.mark.invariant("generation_isolation")
 def test_failed_room_id_accepts_next_generation_under_prefill_complete() -> None:
     """Bug A: generation 1 of room 9 fails and both sides clear. Generation 2's BOOTSTRAP must
     be taken (not dropped as "the room is at generation 1") and OpenRoom(9, 2) must not fail
@@ -136,6 +139,7 @@ def test_failed_room_id_accepts_next_generation_under_prefill_complete() -> None
     assert d.rooms[9].poll is KVPoll.WaitingForInput
 
 
+@pytest.mark.invariant("generation_isolation", "bounded_room_state")
 def test_late_abort_of_a_cleared_room_does_not_block_its_next_generation() -> None:
     """Bug A, second half: a late ABORT for a cleared room left a generation-less tombstone in
     the ready table, so the next generation failed at once. It is ACKed and kept nowhere."""
@@ -151,6 +155,7 @@ def test_late_abort_of_a_cleared_room_does_not_block_its_next_generation() -> No
 
 
 # ---- B: a newer generation taken for a stale one ----------------------------------------------
+@pytest.mark.invariant("newer_generation_not_stale")
 def test_newer_generation_metadata_is_kept_while_the_older_one_drains() -> None:
     """Bug B: generation 1 still drains on the prefill (the engine cleared it). Generation 2's
     metadata was dropped as stale_generation, so the decode held its pages for 300 s. It is
@@ -164,6 +169,7 @@ def test_newer_generation_metadata_is_kept_while_the_older_one_drains() -> None:
     assert [o.generation for o in drained.outputs if hasattr(o, "generation")] == [1]
 
 
+@pytest.mark.invariant("abort_is_final", "newer_generation_not_stale")
 def test_abort_for_a_newer_generation_is_final_while_the_older_one_is_open() -> None:
     """Bug B, the use-after-free: with generation 1 open, an ABORT for generation 2 was ACKed
     but not kept; a duplicated metadata frame then revived generation 2, which wrote into the
@@ -184,6 +190,7 @@ def test_abort_for_a_newer_generation_is_final_while_the_older_one_is_open() -> 
 
 
 # ---- C: state that grows with the failure count -----------------------------------------------
+@pytest.mark.invariant("bounded_room_state")
 def test_prefill_failures_cleared_promptly_leave_nothing_after_the_answering_abort() -> None:
     """Bug C: every prefill-side failure the engine cleared promptly left a permanent
     early-arrival entry when the decode's answering ABORT arrived (6,000 failures, 6,000

@@ -63,6 +63,7 @@ def test_every_enabled_action_changes_something() -> None:
     assert choices(world, "advance")
 
 
+@pytest.mark.invariant("no_use_after_free")
 def test_monitor_reports_a_write_into_freed_memory() -> None:
     world = World(draw_plan(4))
     apply(world, "new_request", 0)

@@ -69,6 +69,7 @@ def fail_and_clear(p: PrefillEndpoint, generations: Iterator[int], now: float) -
         p.handle(abort(room, generation), now)
 
 
+@pytest.mark.invariant("bounded_room_state")
 @pytest.mark.parametrize("policy", list(AllocationPolicy), ids=lambda p: p.value)
 def test_failures_and_stray_aborts_leave_memory_flat(policy: AllocationPolicy) -> None:
     config = PrefillEndpointConfig(me=PREFILL, policy=policy, timeouts=Timeouts(30.0, 30.0))
@@ -99,6 +100,7 @@ def test_failures_and_stray_aborts_leave_memory_flat(policy: AllocationPolicy) -
         assert p.ready_table.held() <= ROOM_IDS
 
 
+@pytest.mark.invariant("bounded_room_state", "abort_is_final")
 def test_forged_aborts_for_fresh_room_ids_stop_at_the_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -23,13 +23,16 @@ from pdflow.core.endpoints.endpoint_io import (
     OpenReceiver,
     OpenRoom,
     Received,
+    RoomCall,
 )
 from pdflow.core.endpoints.prefill_slots import NONE
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired
+from pdflow.core.protocol.inputs import SendChunk
 from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
-from pdflow.core.protocol.outputs import StatusChanged
+from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
+from pdflow.core.resources.page_ledger import RoomPagesState
 from pdflow.sim.transport import source_content
 
 if TYPE_CHECKING:
@@ -43,22 +46,33 @@ INVARIANTS = (
     "kvpoll_monotone",
     "failed_absorbing",
     "terminal_sticky",
+    "one_terminal_outcome",
     "no_resurrection",
     "no_status_after_clear",
-    "one_terminal_outcome",
+    "duplicate_claim_fails",
+    "success_needs_all_peers",
     "sides_agree",
     "success_bytes_exact",
+    "checksums_fail_closed",
+    "chunks_partition",
+    "drain_before_ack",
+    "abort_is_final",
+    "fence_before_abort",
     "no_use_after_free",
+    "single_room_status_clock",
+    "lost_instance_fails_rooms",
     "admission_consistent",
     "admission_no_deadlock",
-    "no_early_timeout",
-    "lost_instance_fails_rooms",
-    "checksums_fail_closed",
     "registry_ordered",
     "newer_generation_not_stale",
     "generation_isolation",
     "bounded_room_state",
+    "no_core_error",
+    "rooms_settle",
+    "pages_return",
 )
+"""The ids of spec/protocol.toml's [[invariants]], each checked here (or by the World, through
+:meth:`Monitor.fail`); `pdflow spec check` fails when the two lists differ."""
 
 
 class InvariantViolation(AssertionError):
@@ -79,12 +93,19 @@ class Monitor:
         """(prefill process, room id) -> the highest generation the engine opened there."""
         self.cancelled: dict[tuple[str, int], int] = {}
         """(prefill process, room id) -> the highest generation an ABORT was delivered for."""
+        self.chunks: dict[tuple[str, int, int], tuple[int, int]] = {}
+        """(prefill process, room, generation) -> (pages sent in chunks, chunks marked last)."""
+        self.acked_unopened: set[tuple[str, int, int]] = set()
+        """Room instances a prefill ACKed an ABORT for while it hosted no room of them."""
         self.checks = 0
         self._reported_uaf = 0
 
     # ---- recording -------------------------------------------------------------------------------
-    def fail(self, message: str) -> None:
-        self.violations.append(f"t={self.world.clock.now:g}: {message}")
+    def fail(self, invariant: str, message: str) -> None:
+        """Record a violation of the spec invariant with this id."""
+        if invariant not in INVARIANTS:
+            raise ValueError(f"{invariant!r} is not an invariant of spec/protocol.toml")
+        self.violations.append(f"t={self.world.clock.now:g}: [{invariant}] {message}")
 
     def record_fired(self, fired: tuple[Fired, ...]) -> None:
         for f in fired:
@@ -111,38 +132,50 @@ class Monitor:
             self.changed_at[(name, inp.room, inp.generation)] = self.world.clock.now
         created = set(process.endpoint.rooms) - allowed
         if created:
-            self.fail(f"{name}: {type(inp).__name__} created rooms {sorted(created)}")
+            self.fail(
+                "no_resurrection", f"{name}: {type(inp).__name__} created rooms {sorted(created)}"
+            )
         for output in step.outputs:
             if isinstance(output, StatusChanged):
                 self._status(process, output)
         if process.endpoint.role == "prefill":
             self._check_generations(process, inp, step)  # type: ignore[arg-type]
+            self._check_sender(process, inp, step)  # type: ignore[arg-type]
         self._check_writes()
         if process.endpoint.role == "decode":
             self._check_admission(process)  # type: ignore[arg-type]
             self._check_lost_writers(process, step)  # type: ignore[arg-type]
+            self._check_fence_before_abort(process, step)  # type: ignore[arg-type]
         self.checks += len(INVARIANTS)
 
     def _status(self, process: PrefillProcess | DecodeProcess, change: StatusChanged) -> None:
         key = (process.name, change.room, change.generation)
         if key in self.removed:
             self.fail(
+                "no_status_after_clear",
                 f"{process.name}: room {change.room}/{change.generation} changed status "
-                f"to {change.poll.name} after it was cleared"
+                f"to {change.poll.name} after it was cleared",
             )
             return
         previous = self.polls.get(key)
         if previous is None:
             self.fail(
+                "no_resurrection",
                 f"{process.name}: status for room {change.room}/{change.generation}, "
-                "which was never opened"
+                "which was never opened",
             )
             return
         self._check_timeout(process, change, key)
         if not poll_may_follow(previous, change.poll):
+            broken = (
+                "failed_absorbing" if previous is KVPoll.Failed
+                else "terminal_sticky" if previous is KVPoll.Success
+                else "kvpoll_monotone"
+            )  # fmt: skip
             self.fail(
+                broken,
                 f"{process.name}: room {change.room}/{change.generation} went "
-                f"{previous.name} -> {change.poll.name}"
+                f"{previous.name} -> {change.poll.name}",
             )
         self.polls[key] = change.poll
         self.changed_at[key] = self.world.clock.now
@@ -151,8 +184,9 @@ class Monitor:
         earlier = self.outcomes.get(key)
         if earlier is not None and earlier is not change.poll:
             self.fail(
+                "one_terminal_outcome",
                 f"{process.name}: room {change.room}/{change.generation} had two "
-                f"terminal outcomes, {earlier.name} then {change.poll.name}"
+                f"terminal outcomes, {earlier.name} then {change.poll.name}",
             )
         self.outcomes[key] = change.poll
         if process.endpoint.role == "prefill":
@@ -180,8 +214,9 @@ class Monitor:
         waited = self.world.clock.now - self.changed_at[key]
         if waited < budget:
             self.fail(
+                "single_room_status_clock",
                 f"{process.name}: room {change.room}/{change.generation} timed out after "
-                f"{waited:g}s in {self.polls[key].name}, budget {budget:g}s"
+                f"{waited:g}s in {self.polls[key].name}, budget {budget:g}s",
             )
 
     def _check_generations(
@@ -201,9 +236,10 @@ class Monitor:
             opened = self.opened.get(key)
             if stale and (opened is None or message.generation > opened):
                 self.fail(
+                    "newer_generation_not_stale",
                     f"{name}: {type(message).__name__} for room {message.room}/"
                     f"{message.generation} dropped as stale, but the highest generation opened "
-                    f"there is {opened}"
+                    f"there is {opened}",
                 )
         if isinstance(inp, OpenRoom) and inp.room in process.endpoint.rooms:
             key = (name, inp.room)
@@ -212,17 +248,75 @@ class Monitor:
                          for o in step.outputs)  # fmt: skip
             if failed and self.cancelled.get(key, inp.generation - 1) < inp.generation:
                 self.fail(
+                    "generation_isolation",
                     f"{name}: room {inp.room}/{inp.generation} failed as it opened, but no "
-                    "ABORT for that generation (or a later one) ever reached this rank"
+                    "ABORT for that generation (or a later one) ever reached this rank",
                 )
         endpoint = process.endpoint
         for room, record in endpoint.pending.items():
             parked = record.parked_generation != NONE
             if not parked and record.cancelled <= endpoint.opened.get(room, NONE):
                 self.fail(
+                    "bounded_room_state",
                     f"{name}: room {room} keeps a cancel for generation {record.cancelled}, "
-                    "which it opened already (state that grows with failures)"
+                    "which it opened already (state that grows with failures)",
                 )
+
+    def _check_sender(self, process: PrefillProcess, inp: AnyEndpointInput, step: Step) -> None:
+        """chunks_partition, drain_before_ack and abort_is_final, from what the sender did."""
+        name, endpoint = process.name, process.endpoint
+        if isinstance(inp, RoomCall) and isinstance(inp.call, SendChunk):
+            generation = endpoint.generation_of(inp.room)
+            if generation is not None:
+                key = (name, inp.room, generation)
+                pages, lasts = self.chunks.get(key, (0, 0))
+                self.chunks[key] = (pages + len(inp.call.src_pages), lasts + inp.call.is_last)
+        for output in step.outputs:
+            if isinstance(output, StatusChanged) and output.poll is KVPoll.Success:
+                room = endpoint.rooms.get(output.room)
+                key = (name, output.room, output.generation)
+                sent = self.chunks.get(key, (0, 0))
+                if room is not None and sent != (room.num_pages, 1):
+                    self.fail(
+                        "chunks_partition",
+                        f"{name}: room {output.room}/{output.generation} succeeded after chunks "
+                        f"of {sent[0]} pages ({sent[1]} marked last), num_pages={room.num_pages}",
+                    )
+            elif isinstance(output, StartTransfer):
+                if (name, output.room, output.generation) in self.acked_unopened:
+                    self.fail(
+                        "abort_is_final",
+                        f"{name}: room {output.room}/{output.generation} writes after it ACKed "
+                        "an ABORT for it before it opened",
+                    )
+            elif isinstance(output, SendMessage) and isinstance(output.message, AbortAck):
+                ack = output.message
+                pending = [w.wid for w in self.world.transport.writes.values()
+                           if w.writer == process.me
+                           and (w.room, w.generation) == (ack.room, ack.generation)]  # fmt: skip
+                if pending:
+                    self.fail(
+                        "drain_before_ack",
+                        f"{name}: ACKed room {ack.room}/{ack.generation} with writes {pending} "
+                        "still outstanding",
+                    )
+                hosted = endpoint.generation_of(ack.room) == ack.generation or (
+                    endpoint.is_draining(ack.room, ack.generation)
+                )
+                if not hosted and (endpoint.opened.get(ack.room, NONE) < ack.generation):
+                    self.acked_unopened.add((name, ack.room, ack.generation))
+
+    def _check_fence_before_abort(self, process: DecodeProcess, step: Step) -> None:
+        ledger = process.endpoint.ledger
+        for output in step.outputs:
+            if isinstance(output, SendMessage) and isinstance(output.message, Abort):
+                abort = output.message
+                if ledger.state_of(abort.room, abort.generation) is RoomPagesState.RESERVED:
+                    self.fail(
+                        "fence_before_abort",
+                        f"{process.name}: ABORT for room {abort.room}/{abort.generation} sent "
+                        "while its published pages are not fenced",
+                    )
 
     def _check_lost_writers(self, process: DecodeProcess, step: Step) -> None:
         """Once a writer is declared dead, no room still counts on it."""
@@ -235,8 +329,9 @@ class Monitor:
                 and dead & {t.peer for t in room.targets}
             ):
                 self.fail(
+                    "lost_instance_fails_rooms",
                     f"{process.name}: room {room_id}/{room.generation} still "
-                    f"{room.poll.name} after its prefill instance was declared lost"
+                    f"{room.poll.name} after its prefill instance was declared lost",
                 )
 
     def room_removed(self, process: PrefillProcess | DecodeProcess, room: int, gen: int) -> None:
@@ -245,7 +340,7 @@ class Monitor:
     def _check_writes(self) -> None:
         found = self.world.transport.violations
         for uaf in found[self._reported_uaf :]:
-            self.fail(f"use-after-free: {uaf.describe()}")
+            self.fail("no_use_after_free", f"use-after-free: {uaf.describe()}")
         self._reported_uaf = len(found)
 
     def _check_admission(self, process: DecodeProcess) -> None:
@@ -253,16 +348,18 @@ class Monitor:
         allocatable = process.endpoint.ledger.allocatable
         if allocatable < admission.free_pages:
             self.fail(
+                "admission_consistent",
                 f"{process.name}: admission counts {admission.free_pages} free pages but "
-                f"the ledger can hand out only {allocatable}"
+                f"the ledger can hand out only {allocatable}",
             )
         if admission.queue and not admission.admitted:
             head = next(iter(admission.queue.values()))
             decision = admission.decide(head)
             if not decision.admit:
                 self.fail(
+                    "admission_no_deadlock",
                     f"{process.name}: admission deadlock: nothing admitted, yet the head "
-                    f"is refused ({decision.reason})"
+                    f"is refused ({decision.reason})",
                 )
 
     def decode_succeeded(self, process: DecodeProcess, room_id: int) -> None:
@@ -273,20 +370,23 @@ class Monitor:
         unverified = [p.address for p, checksum in room.succeeded.items() if checksum is None]
         if process.endpoint.config.verify_checksums and unverified:
             self.fail(
+                "checksums_fail_closed",
                 f"{process.name}: room {room_id}/{gen} succeeded unverified: checksums are "
-                f"required but {unverified} sent none"
+                f"required but {unverified} sent none",
             )
         if len(room.succeeded) < len(writers):
             self.fail(
+                "success_needs_all_peers",
                 f"{process.name}: room {room_id}/{gen} succeeded with "
-                f"{len(room.succeeded)} of {len(writers)} writers"
+                f"{len(room.succeeded)} of {len(writers)} writers",
             )
         for peer in room.succeeded:
             outcome = self.prefill_outcomes.get((peer, room_id, gen))
             if outcome is not KVPoll.Success:
                 self.fail(
+                    "sides_agree",
                     f"{process.name}: room {room_id}/{gen} succeeded but its writer "
-                    f"{peer.address} is {outcome.name if outcome else 'without outcome'}"
+                    f"{peer.address} is {outcome.name if outcome else 'without outcome'}",
                 )
             segment = writers.index(peer.rank)
             for index in range(job.request.num_pages):
@@ -294,8 +394,9 @@ class Monitor:
                 landed = self.world.transport.read_segment(process.rank, page, segment)
                 if landed != source_content(room_id, gen, peer.rank, index):
                     self.fail(
+                        "success_bytes_exact",
                         f"{process.name}: room {room_id}/{gen} succeeded but page {page} "
-                        f"holds wrong bytes from {peer.address} (page {index})"
+                        f"holds wrong bytes from {peer.address} (page {index})",
                     )
                     return
 
@@ -323,19 +424,22 @@ def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) ->
 
 
 def check_quiescent(world: World) -> list[str]:
-    """Liveness, once the world has settled: what is still held, open or outstanding."""
+    """Liveness (rooms_settle, pages_return), once the world has settled: what is still held,
+    open or outstanding; each problem starts with the invariant's id."""
     problems: list[str] = []
     for process in world.processes():
         rooms = process.endpoint.rooms
         for room_id in sorted(rooms):
             room = rooms[room_id]
             problems.append(
-                f"{process.name}: room {room_id}/{room.generation} still open in "
+                f"[rooms_settle] {process.name}: room {room_id}/{room.generation} still open in "
                 f"{room.state.name} after settling"
             )
     for p in world.prefill:
         if p.endpoint.outstanding_writes:
-            problems.append(f"{p.name}: {p.endpoint.outstanding_writes} writes still outstanding")
+            problems.append(
+                f"[rooms_settle] {p.name}: {p.endpoint.outstanding_writes} writes still outstanding"
+            )
     for d in world.decode:
         ledger = d.endpoint.ledger
         report = {(q.room, q.generation): q for q in ledger.report(world.clock.now)}
@@ -343,12 +447,12 @@ def check_quiescent(world: World) -> list[str]:
             key = (held.room, held.generation)
             if key not in report:
                 problems.append(
-                    f"{d.name}: room {key[0]}/{key[1]} still holds pages "
+                    f"[pages_return] {d.name}: room {key[0]}/{key[1]} still holds pages "
                     f"{held.pages} in {held.state}"
                 )
             elif not explained_quarantine(world, d.rank, *key):
                 problems.append(
-                    f"{d.name}: room {key[0]}/{key[1]} pages {held.pages} stay "
+                    f"[pages_return] {d.name}: room {key[0]}/{key[1]} pages {held.pages} stay "
                     f"quarantined waiting on {report[key].waiting_on}, no message lost"
                 )
         quarantined = {key for key in report if explained_quarantine(world, d.rank, *key)}
@@ -358,8 +462,10 @@ def check_quiescent(world: World) -> list[str]:
             if tuple(int(x) for x in rid.split("/")) not in quarantined
         ]
         if stuck:
-            problems.append(f"{d.name}: admitted requests never finished: {stuck}")
+            problems.append(f"[pages_return] {d.name}: admitted requests never finished: {stuck}")
     for (name, room_id, gen), poll in world.monitor.polls.items():
         if not poll.is_terminal and world.is_live(name):
-            problems.append(f"{name}: room {room_id}/{gen} never reached a terminal outcome")
+            problems.append(
+                f"[rooms_settle] {name}: room {room_id}/{gen} never reached a terminal outcome"
+            )
     return problems

@@ -58,7 +58,7 @@ def run_seed(
                 f"liveness: {problem}" for problem in check_quiescent(world)
             )
     except Exception as exc:  # a core that raises is a finding too: keep its trace
-        world.monitor.fail(f"{type(exc).__name__}: {exc}")
+        world.monitor.fail("no_core_error", f"{type(exc).__name__}: {exc}")
     result = RunResult(
         seed=seed,
         actions=world.actions,

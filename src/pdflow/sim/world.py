@@ -299,8 +299,9 @@ class World:
             answers.append(info)
             if info.incarnation != self.prefill_incarnation:
                 self.monitor.fail(
+                    "registry_ordered",
                     f"the registry names incarnation {info.incarnation} for prefill rank {c}, "
-                    f"superseded by {self.prefill_incarnation}"
+                    f"superseded by {self.prefill_incarnation}",
                 )
             port = info.rank_port
             peer = PeerId(f"{info.rank_ip}:{port}", info.incarnation or "", port - PREFILL_PORT)
@@ -445,8 +446,9 @@ class World:
         free = process.endpoint.free_pages()
         if len(free) < count:
             self.monitor.fail(
+                "admission_consistent",
                 f"{process.name}: admission granted {count} pages for room {job.request.rid} but "
-                f"the ledger has only {len(free)} free"
+                f"the ledger has only {len(free)} free",
             )
             return
         job.pages = tuple(sorted(self.rng.sample(free, count)))
@@ -639,9 +641,15 @@ class World:
         except ProtocolError:
             after = msgspec.json.encode(process.endpoint.snapshot())
             if after != before:
-                self.monitor.fail(f"{process.name}: a refused {type(inp).__name__} changed state")
+                self.monitor.fail(
+                    "duplicate_claim_fails",
+                    f"{process.name}: a refused {type(inp).__name__} changed state",
+                )
             return
-        self.monitor.fail(f"{process.name}: {type(inp).__name__} was accepted, not refused")
+        self.monitor.fail(
+            "duplicate_claim_fails",
+            f"{process.name}: {type(inp).__name__} was accepted, not refused",
+        )
 
     def is_live(self, name: str) -> bool:
         return any(p.name == name for p in self.processes())

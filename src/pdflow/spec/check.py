@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
@@ -74,10 +75,37 @@ def _compare_machine(name: str, table: Table[Any], spec: SpecMachine) -> list[Sp
     return diffs
 
 
-def check_spec(spec: Spec, machines: dict[str, Table[Any]] | None = None) -> list[SpecDifference]:
-    """Every difference between the spec and the code; empty when they agree."""
+def _compare_invariants(spec: Spec, checkers: Sequence[str] | None) -> list[SpecDifference]:
+    if checkers is None:
+        from pdflow.sim.invariants import INVARIANTS
+
+        checkers = INVARIANTS
+    ids = [inv.id for inv in spec.invariants]
+    diffs = [
+        SpecDifference("invariants", f"id {dup}", "listed twice", "-")
+        for dup in sorted({i for i in ids if ids.count(i) > 1})
+    ]
+    for missing in sorted(set(ids) - set(checkers)):
+        diffs.append(SpecDifference("invariants", f"id {missing}", "present", "(no checker)"))
+    for unnamed in sorted(set(checkers) - set(ids)):
+        diffs.append(
+            SpecDifference("invariants", f"checker {unnamed}", "(no such invariant)", "present")
+        )
+    return diffs
+
+
+def check_spec(
+    spec: Spec,
+    machines: dict[str, Table[Any]] | None = None,
+    checkers: Sequence[str] | None = None,
+) -> list[SpecDifference]:
+    """Every difference between the spec and the code; empty when they agree.
+
+    ``checkers`` are the invariant ids the model checker checks (default: those of
+    :mod:`pdflow.sim.invariants`); every spec invariant needs one, and every one a spec id."""
     tables = MACHINES if machines is None else machines
     diffs: list[SpecDifference] = []
+    diffs.extend(_compare_invariants(spec, checkers))
     differ_kvpoll = {p.name: int(p) for p in KVPoll}
     if spec.kvpoll != differ_kvpoll:
         diffs.append(SpecDifference("KVPoll", "values", str(spec.kvpoll), str(differ_kvpoll)))

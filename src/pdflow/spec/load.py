@@ -45,7 +45,7 @@ class SpecTimer(msgspec.Struct, frozen=True):
 
 
 class SpecInvariant(msgspec.Struct, frozen=True):
-    name: str
+    id: str
     text: str
 
 

@@ -56,7 +56,7 @@ def render_markdown(spec: Spec) -> str:
             f"| {timer.starts} | {timer.expires} |"
         )
     out += ["", "## Invariants", ""]
-    out += [f"- **{inv.name}**: {inv.text}" for inv in spec.invariants]
+    out += [f"- **{inv.id}**: {inv.text}" for inv in spec.invariants]
     out += ["", "## Bootstrap registry answers", "", f"Ready when {spec.registry.ready_when}.", ""]
     out += [f"- **{a.status}**: {a.when}" for a in spec.registry.answers]
     for name, machine in spec.machines.items():
