@@ -69,12 +69,14 @@ async def _measure(rooms: int, trace: bool, progress: Callable[[str], None]) -> 
             started = time.perf_counter()
             await rank.open(room, 0, p_node.bootstrap)
             await rank.wait(room)
+            await rank.admit(room, input_len=GEOMETRY["page_size"], max_new=0)
             await rank.publish_pages(room, [room % pages])
             status = await rank.wait(room, terminal=True)
             if status.poll is not KVPoll.Success:
                 raise RuntimeError(f"room {room} failed: {status.reason}")
             latencies.append(time.perf_counter() - started)
             await rank.clear(room)
+            rank.finish_request(room, 0)
 
         async def batch(first: int, count: int, p: PrefillRank, d: DecodeRank) -> float:
             started = time.perf_counter()

@@ -78,6 +78,7 @@ async def _measure(size: int, repeats: int, progress: Callable[[str], None]) -> 
             await p_rank.open_room(room, 0)
             await d_rank.open(room, 0, p_node.bootstrap)
             await d_rank.wait(room)
+            await d_rank.admit(room, input_len=pages * dst_kv.layout.page_size, max_new=0)
             await d_rank.publish_pages(room, all_pages)
             await p_rank.wait(room)
             await p_rank.init_transfer(room, pages)
@@ -88,6 +89,7 @@ async def _measure(size: int, repeats: int, progress: Callable[[str], None]) -> 
             if status.poll is not KVPoll.Success:
                 raise RuntimeError(f"pdflow room failed: {status.reason}")
             await d_rank.clear(room)
+            d_rank.finish_request(room, 0)
             await p_rank.wait(room, terminal=True)
             await p_rank.clear(room)
             return seconds

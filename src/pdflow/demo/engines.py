@@ -157,6 +157,9 @@ class DecodeEngine:
         if status.poll is KVPoll.Failed:
             await rank.clear(room)
             return RoomOutcome(KVPoll.Failed, status.reason)
+        # Admission first: a request in transfer cannot be retracted, so it waits until the
+        # pages left cover the largest growth of any admitted request (sglang#30033).
+        await rank.admit(room, input_len=prompt_len, max_new=max_new)
         pages = await self._allocate(self.cache.geometry.pages_for(prompt_len))
         await rank.publish_pages(room, pages)
         handshake_s = time.perf_counter() - opened
@@ -173,6 +176,7 @@ class DecodeEngine:
         ttft_s = time.perf_counter() - opened
         if token is None:
             await rank.clear(room)
+            rank.finish_request(room, generation)
             return RoomOutcome(KVPoll.Failed, "the prefill reported no first token")
         extra: list[int] = []
 
@@ -191,6 +195,7 @@ class DecodeEngine:
         finally:
             self.cache.allocator.free(extra)  # never published: the engine's own to free
             await rank.clear(room)
+            rank.finish_request(room, generation)
         return RoomOutcome(KVPoll.Success, first_token=token, tokens=[token, *tokens],
                            handshake_s=handshake_s, ttft_s=ttft_s)  # fmt: skip
 

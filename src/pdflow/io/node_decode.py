@@ -44,6 +44,11 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 from pdflow.core.protocol.outputs import VerifyChecksums
+from pdflow.core.resources.admission import (
+    CLIP_MAX_NEW_TOKENS,
+    NUM_RESERVED_DECODE_TOKENS,
+    AdmissionBudget,
+)
 from pdflow.core.resources.page_ledger import (
     PagesFreed,
     PagesQuarantined,
@@ -51,6 +56,7 @@ from pdflow.core.resources.page_ledger import (
     SessionClosed,
 )
 from pdflow.dataplane.executor import Executor
+from pdflow.io.admission_gate import AdmissionGate
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
@@ -86,6 +92,11 @@ from pdflow.transport.base import Transport, TransportError
 log = structlog.get_logger("pdflow.decode")
 
 
+def request_id(room: int, generation: int) -> str:
+    """The admission queue's name for one room instance's request."""
+    return f"{room}/{generation}"
+
+
 class DecodeRank:
     """The engine's handle on one decode rank. Calls the core refuses raise
     ``LocalProtocolError`` / ``InvalidInput`` and change nothing."""
@@ -118,6 +129,27 @@ class DecodeRank:
         clock = self._host.clocks.get(room)
         if clock is not None:
             clock.published_at = anyio.current_time()
+
+    async def admit(self, room: int, *, input_len: int, max_new: int, prefix_len: int = 0) -> int:
+        """Wait until the open room's request may take pages; return how many to publish.
+
+        Admitted in FIFO order only while the pages left cover the largest growth any single
+        admitted request may still need (core/resources/admission.py), so requests waiting for
+        or in transfer, which cannot be retracted, never deadlock the pool. The request keeps
+        its pages counted until :meth:`finish_request`, or until pdflow releases the pages of
+        its failed room. Raises ``AdmissionRefused`` when it can never fit this pool.
+        """
+        generation = self._host.endpoint.generation_of(room)
+        if generation is None:
+            raise LookupError(f"room {room} is not open on rank {self.rank}; open it first")
+        return await self._node.admission[self.rank].admit(
+            request_id(room, generation), input_len, max_new, prefix_len
+        )
+
+    def finish_request(self, room: int, generation: int) -> None:
+        """The engine is done with a successful room's request (decoding finished): its pages
+        return to the pool admission sees."""
+        self._node.admission[self.rank].finish(request_id(room, generation))
 
     async def abort(self, room: int, reason: str = "aborted by the engine") -> None:
         await self._host.call(RoomCall(room, AbortRequested(reason)))
@@ -168,6 +200,11 @@ class DecodeRankEffects(RankEffects):
 
     async def forget_room(self, removed: RoomRemoved) -> None:
         key = (self.host.rank, removed.room)
+        gate = self.node.admission[self.host.rank]
+        rid = request_id(removed.room, removed.generation)
+        gate.withdraw(rid)
+        if key not in self.node.room_pages:
+            gate.finish(rid)  # admitted, but failed before its pages were published
         self.node.room_pages.pop(key, None)
         self.node.room_staging.pop(key, None)
         await super().forget_room(removed)
@@ -188,6 +225,13 @@ class DecodeRankEffects(RankEffects):
         self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
 
     async def release_pages(self, freed: PagesFreed) -> None:
+        status = self.host.events.status(self.host.rank, freed.room)
+        if status is None or status.generation != freed.generation or (
+            status.poll is not KVPoll.Success
+        ):
+            # A failed room's pages: no request will decode on them, admission gets them back.
+            # A successful room's stay with the engine until finish_request.
+            self.node.admission[self.host.rank].finish(request_id(freed.room, freed.generation))
         self.host.events.publish(
             PagesReleased(self.host.rank, freed.room, freed.generation, freed.pages)
         )
@@ -215,6 +259,8 @@ class DecodeNode(NodeLifecycle):
         codec: WireCodec | None = None,
         rng: random.Random | None = None,
         staging_bytes: int = 0,
+        admission_reserve_tokens: int = NUM_RESERVED_DECODE_TOKENS,
+        admission_clip_max_new: int = CLIP_MAX_NEW_TOKENS,
     ) -> None:
         if not ranks:
             raise ValueError("a decode node needs at least one rank")
@@ -242,6 +288,9 @@ class DecodeNode(NodeLifecycle):
         self.staging_bytes = staging_bytes
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self.room_staging: dict[tuple[int, int], int] = {}
+        # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
+        self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
+        self.admission: dict[int, AdmissionGate] = {}
 
     async def _start(self) -> None:
         for rank_kv in self.rank_kv:
@@ -285,6 +334,11 @@ class DecodeNode(NodeLifecycle):
         host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
                             self.runtime.metrics, self.runtime.events)  # fmt: skip
         self._hosts.append(host)
+        reserve, clip = self._admission_tokens
+        self.admission[rank_kv.tp_rank] = AdmissionGate(AdmissionBudget(
+            pool_pages=layout.num_pages, page_size=layout.page_size, reserve_tokens=reserve,
+            clip_max_new=clip,
+        ))  # fmt: skip
         self._channels[rank_kv.tp_rank] = channel
         self.ranks.append(DecodeRank(self, host, rank_kv))
 
