@@ -1,0 +1,129 @@
+"""Hypothesis strategies for hostile control frames, shared by the codec and node fuzzers.
+
+``PDFLOW_FUZZ_EXAMPLES`` sets how many frames (and HTTP requests) each fuzzer sends; the CI
+budget is 5,000. Runs are derandomized: the same budget replays the same inputs."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+from collections.abc import Iterator
+
+import msgspec
+import structlog
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+
+from pdflow.core.dataplane.layout import KvDtype, packed_layout
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import (
+    PROTOCOL_VERSION,
+    Abort,
+    AbortAck,
+    BootstrapRequest,
+    PeerId,
+    RoomMetadata,
+    StatusReport,
+)
+from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
+from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
+
+FUZZ_EXAMPLES = int(os.environ.get("PDFLOW_FUZZ_EXAMPLES", "5000"))
+
+
+def fuzz_settings(examples: int = FUZZ_EXAMPLES) -> settings:
+    return settings(max_examples=examples, deadline=None, derandomize=True, database=None,
+                    suppress_health_check=list(HealthCheck))  # fmt: skip
+
+
+@contextlib.contextmanager
+def errors_only() -> Iterator[None]:
+    """Fuzzed input makes a counted warning per frame or request: keep them out of the run."""
+    saved = structlog.get_config()
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    try:
+        yield
+    finally:
+        structlog.configure(**saved)
+
+
+VERSION = str(PROTOCOL_VERSION).encode()
+_PEERS = st.builds(PeerId, st.sampled_from(["127.0.0.1:1", "127.0.0.1:notaport", "ipc:///x", ""]),
+                   st.text(max_size=8), st.integers(-2, 2**40))  # fmt: skip
+_ROOM = st.integers(-(2**63), 2**64 - 1)
+_LAYOUT = packed_layout(base_addr=4096, num_layers=1, num_pages=8, page_size=1, num_heads=1,
+                        head_dim=1, dtype=KvDtype.FP16)  # fmt: skip
+
+MESSAGES: st.SearchStrategy[ControlMessage] = st.one_of(
+    st.builds(RoomMetadata, _ROOM, st.integers(0, 3), _PEERS, _PEERS, st.text(max_size=8),
+              st.lists(st.integers(-1, 2**33), max_size=16).map(tuple),
+              st.none() | st.integers(-1, 9), st.integers(-1, 4)),
+    st.builds(BootstrapRequest, _ROOM, st.integers(0, 3), _PEERS, _PEERS),
+    st.builds(StatusReport, _ROOM, st.integers(0, 3), st.sampled_from(KVPoll), _PEERS, _PEERS,
+              st.text(max_size=8), st.none() | st.integers(0, 2**64 - 1)),
+    st.builds(Abort, _ROOM, st.integers(0, 3), _PEERS, _PEERS, st.text(max_size=8)),
+    st.builds(AbortAck, _ROOM, st.integers(0, 3), _PEERS, _PEERS),
+    st.builds(KvArgs, _PEERS, _PEERS, st.text(max_size=8), st.just(_LAYOUT), st.integers(1, 4),
+              st.integers(0, 3), st.integers(1, 8)),
+    st.builds(KvArgsAccepted, _PEERS, _PEERS, st.text(max_size=8)),
+)  # fmt: skip
+
+_PLAIN = MsgpackCodec()
+
+# MessagePack values of any shape, nested a little; depth bombs come separately.
+_VALUES = st.recursive(
+    st.none() | st.booleans() | st.integers(-(2**63), 2**64 - 1) | st.floats()
+    | st.text(max_size=12) | st.binary(max_size=12),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner,
+                                                                  max_size=4),
+    max_leaves=12,
+)  # fmt: skip
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> list[bytes]:
+    """A valid frame list with bytes flipped, cut, inserted, or frames dropped or added."""
+    frames = _PLAIN.encode(draw(MESSAGES), draw(st.none() | st.text(max_size=12)))
+    for _ in range(draw(st.integers(1, 4))):
+        index = draw(st.integers(0, len(frames) - 1))
+        frame = bytearray(frames[index])
+        edit = draw(st.sampled_from(["flip", "cut", "insert", "drop_frame", "add_frame"]))
+        at = draw(st.integers(0, len(frame)))
+        if edit == "flip" and frame:
+            frame[min(at, len(frame) - 1)] ^= draw(st.integers(1, 255))
+        elif edit == "cut":
+            del frame[at:]
+        elif edit == "insert":
+            frame[at:at] = draw(st.binary(min_size=1, max_size=8))
+        if edit == "drop_frame" and len(frames) > 1:
+            del frames[index]
+            continue
+        if edit == "add_frame":
+            frames.insert(index, draw(st.binary(max_size=16)))
+            continue
+        frames[index] = bytes(frame)
+    return frames
+
+
+def _bomb(prefix: bytes, layers: int, opener: bytes) -> bytes:
+    return prefix + opener * layers + b"\xc0"
+
+
+DEPTH_BOMBS = st.builds(
+    lambda prefix, layers, opener: [MAGIC, VERSION, _bomb(prefix, layers, opener), b""],
+    st.sampled_from([b"", b"\x81\xa8abcdefgh", b"\x82\xa4type\xa5abort\xa4room",
+                     b"\x81\xa4type", b"\xde\x00\x01\xa1x"]),
+    st.integers(1, 5000),
+    st.sampled_from([b"\x91", b"\x81\xa1k", b"\xdc\x00\x01"]),
+)  # fmt: skip
+
+FRAME_LISTS: st.SearchStrategy[list[bytes]] = st.one_of(
+    _mutated(),
+    DEPTH_BOMBS,
+    st.lists(st.binary(max_size=64), max_size=6),
+    st.builds(lambda value, msg_id: [MAGIC, VERSION, msgspec.msgpack.encode(value), msg_id],
+              _VALUES, st.binary(max_size=8)),
+    st.builds(lambda message: _PLAIN.encode(message, None), MESSAGES),
+)  # fmt: skip
+"""Anything a peer could put on the wire: mutated and valid messages, depth bombs, noise."""
