@@ -75,6 +75,13 @@ class NodeMetrics:
         self.quarantined_pages = Gauge("pdflow_quarantined_pages",
                                        "Decode pages held until their writers are cleared",
                                        registry=r)  # fmt: skip
+        self.admission_queued = Gauge(
+            "pdflow_admission_queued", "Decode requests waiting for admission", registry=r
+        )
+        self.admission_admitted = Gauge(
+            "pdflow_admission_admitted",
+            "Decode requests admitted and not yet finished (their pages are counted)", registry=r,
+        )  # fmt: skip
         self.quarantine_oldest_age = Gauge(
             "pdflow_quarantine_oldest_age_seconds", "Age of the oldest quarantined room", registry=r
         )

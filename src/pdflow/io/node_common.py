@@ -38,6 +38,7 @@ from pdflow.io.control import ControlChannel
 from pdflow.io.frame_auth import authenticated
 from pdflow.io.limits import SocketPool
 from pdflow.io.metrics import NodeMetrics, RoomReport
+from pdflow.io.metrics_http import MetricsServer, open_metrics_listener
 from pdflow.io.settings import Settings
 from pdflow.trace.format import message_id
 from pdflow.trace.recorder import TraceRecorder
@@ -355,9 +356,29 @@ class NodeLifecycle:
     _stack: AsyncExitStack
     _tasks: TaskGroup
 
+    metrics_address: str | None = None
+    """``host:port`` serving ``GET /metrics`` (settings.metrics_port), None when not served."""
+
     @property
     def metrics_text(self) -> str:
         return self.runtime.metrics.text()
+
+    async def _serve_metrics(self) -> None:
+        """Serve ``GET /metrics`` from the node's loop when ``metrics_port`` is set."""
+        settings = self.runtime.settings
+        if settings.metrics_port is None:
+            return
+        listener, self.metrics_address = await open_metrics_listener(
+            settings.host, settings.metrics_port
+        )
+        server = MetricsServer(self.runtime.metrics.text, settings.bootstrap_token)
+
+        async def serve() -> None:
+            async with listener:  # closed when the node's tasks are cancelled at shutdown
+                await listener.serve(server.handle)
+
+        self._tasks.start_soon(serve)
+        log.info("metrics_listening", node=self.runtime.node_id, address=self.metrics_address)
 
     def subscribe(self) -> ObjectReceiveStream[NodeEvent]:
         return self.runtime.events.subscribe()

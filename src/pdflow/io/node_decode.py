@@ -118,8 +118,18 @@ class DecodeRank:
                    prefill_dp_rank: int | None = None) -> None:  # fmt: skip
         """Start receiving ``room`` from the prefill instance registered at ``bootstrap``."""
         self._node.runtime.events.forget_room(self.rank, room)
-        await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
+        # The clock first: with the topology known the room is WaitingForInput within the call,
+        # and that moment starts its allocation wait.
+        previous = self._host.clocks.get(room)
         self._host.clocks[room] = RoomClock(anyio.current_time())
+        try:
+            await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
+        except BaseException:
+            if previous is None:
+                self._host.clocks.pop(room, None)
+            else:
+                self._host.clocks[room] = previous
+            raise
 
     async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,
                             decode_prefix_len: int = 0) -> None:  # fmt: skip
@@ -306,6 +316,11 @@ class DecodeNode(NodeLifecycle):
         if (self.settings.checksum or self.staging_bytes) and self._executor is None:
             self._executor = default_executor()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
+        metrics = self.runtime.metrics
+        gates = self.admission.values()
+        metrics.admission_queued.set_function(lambda: sum(g.queued for g in gates))
+        metrics.admission_admitted.set_function(lambda: sum(g.admitted for g in gates))
+        await self._serve_metrics()
         for host in self._hosts:
             channel = self._channels[host.rank]
             self._tasks.start_soon(host.run_timer)

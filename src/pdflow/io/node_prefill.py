@@ -248,6 +248,7 @@ class PrefillNode(NodeLifecycle):
             self._executor = default_executor()
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         self._queues.start(self._tasks)
+        await self._serve_metrics()
         for host, channel in zip(self._hosts, self.runtime.channels, strict=True):
             self._tasks.start_soon(host.run_timer)
             self._tasks.start_soon(channel.receive_forever, self._deliverer(host, channel))

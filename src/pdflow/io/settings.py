@@ -47,6 +47,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     control_max_peers: int = 1024
     control_max_early_pages: int = 1 << 20
     control_mac_window: float = 30.0
+    metrics_port: int | None = None
+    """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
 
     def __repr__(self) -> str:
         # The token is a secret: settings get logged, the token must not be.
@@ -116,6 +118,10 @@ def _port(value: Any) -> str | None:
     return None if ok else f"{value!r} must be a TCP port in [0, {_MAX_PORT}] (0: any free port)"
 
 
+def _optional_port(value: Any) -> str | None:
+    return None if value is None else _port(value)
+
+
 def _non_empty_text(value: Any) -> str | None:
     return None if isinstance(value, str) and value else f"{value!r} must be a non-empty string"
 
@@ -173,6 +179,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_peers": _Field(_parse_int, _positive_int),
     "control_max_early_pages": _Field(_parse_int, _positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
+    "metrics_port": _Field(_parse_int, _optional_port),
 }
 
 # The variable pdflow reads for a field, where it is not simply PDFLOW_<FIELD NAME>.
