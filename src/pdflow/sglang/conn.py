@@ -1,0 +1,486 @@
+"""SGLang's transfer-backend contract (``disaggregation/base/conn.py``) on pdflow's nodes.
+
+One SGLang scheduler process hosts one KV manager per role; here that manager runs one pdflow
+node (a :class:`~pdflow.io.node_prefill.PrefillNode` or
+:class:`~pdflow.io.node_decode.DecodeNode` with this process's one rank) on a
+:class:`~pdflow.sglang.loop.LoopThread`. Senders and receivers turn the scheduler's calls into
+queued node calls (they return at once) and answer ``poll()`` from the :class:`RoomBook` that
+the node's events keep current. What the protocol decides (timeouts, heartbeats, fencing,
+drains) pdflow decides; the adapter only translates.
+
+Two guarantees SGLang's own backends do not give, and how they are kept:
+
+* The prefill reports ``Failed`` only once pdflow removed the room, which it does only after
+  every write already started has completed (the adapter clears a failed room at once, and the
+  node forgets it when drained). Until then ``poll()`` repeats the last non-failed status.
+* The decode releases a failed room's pages only after pdflow's ``PagesReleased``:
+  :meth:`PdflowKVManager.is_abort_release_safe` is true only then, and the plugin's hook on
+  ``DecodeTransferQueue._defer_release`` gives pdflow rooms no release-anyway deadline (see
+  :mod:`pdflow.sglang.plugin`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any
+
+import structlog
+from sglang.srt.disaggregation.base.conn import (
+    BaseKVBootstrapServer,
+    BaseKVManager,
+    BaseKVReceiver,
+    BaseKVSender,
+    KVTransferDestination,
+    KVTransferMetric,
+)
+from sglang.srt.disaggregation.common.conn import KVTransferError
+from sglang.srt.disaggregation.utils import DisaggregationMode
+from sglang.srt.environ import envs
+from sglang.srt.runtime_context import get_disagg, get_parallel, get_serving
+from sglang.srt.utils.network import get_local_ip_auto
+
+from pdflow.core.cluster.registry import PrefillServerInfo
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError
+from pdflow.io.bootstrap_server import serve
+from pdflow.io.node_decode import DecodeNode, DecodeRank
+from pdflow.io.node_prefill import PrefillNode, PrefillRank
+from pdflow.io.settings import Settings, load_settings
+from pdflow.sglang.layout import UnsupportedByPdflow, rank_kv_from_kv_args
+from pdflow.sglang.loop import LoopThread
+from pdflow.sglang.rooms import RoomBook
+from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
+
+log = structlog.get_logger("pdflow.sglang")
+
+# One SGLang instance (its launcher and every scheduler process it spawns) is one pdflow
+# incarnation: the plugin sets these in the launcher, the children inherit them, so all ranks
+# and the bootstrap server report the same life and a restart is a new one.
+INCARNATION_ENV = "PDFLOW_SGLANG_INCARNATION"
+STARTED_AT_ENV = "PDFLOW_SGLANG_STARTED_AT"
+GENERATION = 0  # SGLang room ids are random per request; a room id is never reused.
+
+
+def instance_identity() -> tuple[str, float]:
+    """This SGLang instance's incarnation and start time (set once, inherited by children)."""
+    if not os.environ.get(INCARNATION_ENV):
+        os.environ[INCARNATION_ENV] = secrets.token_hex(8)
+        os.environ[STARTED_AT_ENV] = repr(time.time())
+    return os.environ[INCARNATION_ENV], float(os.environ.get(STARTED_AT_ENV) or time.time())
+
+
+def _routable(host: str) -> str:
+    return {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+
+
+def _bootstrap_of_this_instance() -> str:
+    """Where this prefill's ranks register: SGLang's own rule (dist_init_addr when multi-node)."""
+    dist_init_addr = get_parallel().dist_init_addr
+    host = dist_init_addr.rsplit(":", 1)[0] if dist_init_addr else get_serving().host
+    return f"{_routable(host)}:{get_disagg().disaggregation_bootstrap_port}"
+
+
+# ---- manager -----------------------------------------------------------------------------------
+class PdflowKVManager(BaseKVManager):
+    """One pdflow node for this scheduler process (prefill or decode), on its own loop thread."""
+
+    enable_deferred_decode_kv_release = True
+    supports_deferred_decode_kv_release = True
+    supports_host_destination = False
+    supports_role_switch = False
+    is_dummy_cp_rank = False
+    enable_all_cp_ranks_for_transfer = False
+    attn_cp_size = 1
+    attn_cp_rank = 0
+
+    def __init__(self, args: Any, disaggregation_mode: DisaggregationMode, server_args: Any,
+                 is_mla_backend: bool | None = False) -> None:  # fmt: skip
+        self.kv_args = args
+        self.disaggregation_mode = disaggregation_mode
+        self.server_args = server_args
+        self.is_mla_backend = bool(is_mla_backend)
+        parallel = get_parallel()
+        if (disaggregation_mode == DisaggregationMode.DECODE
+                and not envs.SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE.get()):
+            raise UnsupportedByPdflow(
+                "pdflow's SGLang backend needs SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE "
+                "on (the default): without it SGLang frees a failed room's pages while the "
+                "prefill may still write them"
+            )
+        for name, size in (("attention data parallelism", parallel.attn_dp_size),
+                           ("pipeline parallelism", parallel.pp_size),
+                           ("context parallelism", parallel.attn_cp_size)):  # fmt: skip
+            if size and int(size) > 1:
+                raise UnsupportedByPdflow(
+                    f"pdflow's SGLang backend does not support {name} (size {size}) yet: its "
+                    "nodes register one TP group. Use --disaggregation-transfer-backend mooncake."
+                )
+        self.rank_kv = rank_kv_from_kv_args(args, tp_size=int(parallel.attn_tp_size),
+                                            is_mla=self.is_mla_backend)  # fmt: skip
+        self.local_ip = get_local_ip_auto()
+        self.settings: Settings = load_settings(host=self.local_ip)
+        self.book = RoomBook()
+        # Decode: prefill topologies by bootstrap address, as SGLang's decode queue reads them.
+        self.prefill_info_table: dict[str, PrefillServerInfo] = {}
+        self._topology_pending: set[str] = set()
+        self.transfer_infos: dict[int, Any] = {}
+        self.loop = LoopThread(f"pdflow-{disaggregation_mode.value}-{args.engine_rank}")
+        self.transport = MooncakeTransport.open(MooncakeConfig(
+            host=self.local_ip, protocol=self.settings.transport_protocol,
+            device_name=getattr(args, "ib_device", None) or "",
+        ))  # fmt: skip
+        self.node: PrefillNode | DecodeNode = self._build_node()
+        self._node_cm = self.loop.portal.wrap_async_context_manager(self.node)
+        self._node_cm.__enter__()
+        events = self.loop.portal.call(self.node.subscribe)
+        self.loop.portal.start_task_soon(self._pump, events)
+        log.info("pdflow_sglang_manager_ready", mode=disaggregation_mode.value,
+                 rank=self.rank_kv.tp_rank, node=self.node.runtime.node_id)  # fmt: skip
+
+    def _build_node(self) -> PrefillNode | DecodeNode:
+        incarnation, started_at = instance_identity()
+        if self.disaggregation_mode == DisaggregationMode.PREFILL:
+            return PrefillNode(
+                ranks=[self.rank_kv], transport=self.transport,
+                bootstrap=_bootstrap_of_this_instance(), settings=self.settings,
+                serve_bootstrap=False, incarnation=incarnation, started_at=started_at,
+            )  # fmt: skip
+        # A decode rank is its own peer: its incarnation only has to be new per process.
+        return DecodeNode(ranks=[self.rank_kv], transport=self.transport, settings=self.settings,
+                          is_mla=self.is_mla_backend)  # fmt: skip
+
+    async def _pump(self, events: Any) -> None:
+        prefill = self.prefill_rank if isinstance(self.node, PrefillNode) else None
+        async with events:
+            async for event in events:
+                if (prefill is not None and getattr(event, "poll", None) is KVPoll.Success):
+                    nbytes, seconds = prefill.transfer_stats(event.room)
+                    self.book.record_transfer(event.room, nbytes, seconds)
+                self.book.apply(event)
+
+    @property
+    def prefill_rank(self) -> PrefillRank:
+        assert isinstance(self.node, PrefillNode)
+        return self.node.ranks[0]
+
+    @property
+    def decode_rank(self) -> DecodeRank:
+        assert isinstance(self.node, DecodeNode)
+        return self.node.ranks[0]
+
+    def run(self, room: int, call: Callable[[], Awaitable[None]]) -> None:
+        """Queue a node call for ``room``; a refusal fails the room with the core's reason."""
+
+        def refused(exc: BaseException) -> None:
+            reason = f"pdflow refused {getattr(call, '__name__', 'a call')}: {exc}"
+            log.warning("pdflow_call_refused", room=room, error=reason)
+            self.book.refuse(room, reason)
+
+        self.loop.submit(call, refused)
+
+    # ---- SGLang's manager contract -------------------------------------------------------------
+    def register_to_bootstrap(self) -> None:
+        """The prefill node registers its rank when it starts (in ``__init__``)."""
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """Decode, non-blocking: True once the prefill's topology is known; else starts a fetch."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        if bootstrap_addr not in self._topology_pending:
+            self._topology_pending.add(bootstrap_addr)
+            self.loop.portal.start_task_soon(self._fetch_topology, bootstrap_addr)
+        return False
+
+    async def _fetch_topology(self, bootstrap_addr: str) -> None:
+        try:
+            async with BootstrapClient(bootstrap_addr, rng=random.Random(),
+                                       token=self.settings.bootstrap_token) as client:  # fmt: skip
+                info = await client.get_topology(deadline_s=5.0)
+            self.prefill_info_table[bootstrap_addr] = info
+        except (BootstrapError, OSError) as exc:
+            log.info("prefill_topology_unavailable", bootstrap=bootstrap_addr, error=str(exc))
+        finally:
+            self._topology_pending.discard(bootstrap_addr)
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
+        """True only once pdflow released the room's pages: every writer drained or was fenced.
+        ``required_acks`` (SGLang's ACK count) is not needed: pdflow tracks the writers."""
+        return self.book.facts(bootstrap_room).released
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self.book.forget(bootstrap_room)
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        # SGLang's checksum travels in the aux row, which pdflow does not move yet; pdflow's
+        # own end-to-end checksum (PDFLOW_CHECKSUM=1) verifies the KV bytes instead.
+        return False
+
+    def register_buffer_to_engine(self) -> None:
+        raise UnsupportedByPdflow("pdflow's SGLang backend cannot re-register KV memory "
+                                  "(release/resume_memory_occupation) yet")  # fmt: skip
+
+    deregister_buffer_to_engine = register_buffer_to_engine
+
+    def close(self) -> None:
+        """Stop the node (deregisters its buffers) and the loop."""
+        try:
+            self._node_cm.__exit__(None, None, None)
+        finally:
+            self.loop.close()
+
+
+def _terminal_reason(mgr: PdflowKVManager, room: int, what: str) -> str:
+    facts = mgr.book.facts(room)
+    return facts.local_error or facts.reason or f"pdflow reported the {what} of room {room} failed"
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+class PdflowKVSender(BaseKVSender):
+    """One request on one prefill rank: chunks in, ``poll()`` out."""
+
+    def __init__(self, mgr: PdflowKVManager, bootstrap_addr: str, bootstrap_room: int,
+                 req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room)
+        self.num_pages = 0
+        self.pages_sent = 0
+        self.aux_index: int | None = None
+        self.init_time: float | None = None
+        self._last_live = KVPoll.Bootstrapping
+        self._cleared = False
+        self._aborted = False
+        self.conclude_state: int | None = None
+        rank, room = mgr.prefill_rank, self.bootstrap_room
+        mgr.book.start(room)
+
+        async def open_room() -> None:
+            await rank.open_room(room, GENERATION)
+
+        mgr.run(room, open_room)
+
+    def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+        self.num_pages, self.aux_index, self.init_time = int(num_kv_indices), aux_index, time.time()
+
+        async def init_transfer() -> None:
+            await rank.init_transfer(room, self.num_pages)
+
+        self.kv_mgr.run(room, init_transfer)
+
+    def send(self, kv_indices: Sequence[int], state_indices: list[Any] | None = None,
+             num_kv_tokens: int | None = None, **_: Any) -> None:  # fmt: skip
+        if state_indices and any(s is not None for s in state_indices):
+            self.kv_mgr.book.refuse(self.bootstrap_room, "pdflow does not move model state yet")
+            return
+        pages = [int(page) for page in kv_indices]
+        self.pages_sent += len(pages)
+        is_last = self.pages_sent >= self.num_pages
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+
+        async def send_chunk() -> None:
+            await rank.send_chunk(room, pages, is_last)
+
+        self.kv_mgr.run(room, send_chunk)
+
+    def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
+        # A zero-page last chunk still ends the room (a fully cached prompt).
+        return num_pages > 0 or last_chunk
+
+    def pop_decode_prefix_len(self) -> int:
+        return 0
+
+    def get_max_transfer_tokens(self) -> int | None:
+        return None
+
+    def poll(self) -> int:
+        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        failed = bool(facts.local_error) or facts.poll is KVPoll.Failed
+        if not failed:
+            if facts.poll is not None:
+                self._last_live = facts.poll
+            return int(self._last_live)
+        # Failed, but writes may still be landing: clear now, report once pdflow forgot the room
+        # (it does only when every started write completed).
+        if facts.local_error and facts.poll is not KVPoll.Failed and not self._aborted:
+            self.abort()
+        self._clear_in_pdflow()
+        if not facts.closed:
+            return int(self._last_live)
+        self.conclude_state = KVPoll.Failed
+        return int(KVPoll.Failed)
+
+    def failure_exception(self) -> None:
+        raise KVTransferError(self.bootstrap_room,
+                              _terminal_reason(self.kv_mgr, self.bootstrap_room, "transfer"))
+
+    def get_transfer_metric(self) -> KVTransferMetric:
+        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        return KVTransferMetric(transfer_latency_s=facts.transfer_s,
+                                transfer_total_bytes=facts.bytes_moved)  # fmt: skip
+
+    def abort(self) -> None:
+        self._aborted = True
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+
+        async def abort() -> None:
+            if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
+                await rank.abort(room, "aborted by SGLang")
+
+        self.kv_mgr.run(room, abort)
+
+    def clear(self) -> None:
+        self._clear_in_pdflow()
+
+    def _clear_in_pdflow(self) -> None:
+        if self._cleared:
+            return
+        self._cleared = True
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+
+        async def clear() -> None:
+            if rank.poll(room) is None:
+                book.close(room)  # pdflow never opened it (refused): nothing can be in flight
+            else:
+                await rank.clear(room)
+
+        book = self.kv_mgr.book
+        self.kv_mgr.run(room, clear)
+
+
+# ---- decode ------------------------------------------------------------------------------------
+class PdflowKVReceiver(BaseKVReceiver):
+    """One request on one decode rank: open, publish its pages, ``poll()`` until it lands."""
+
+    require_staging = False
+
+    def __init__(self, mgr: PdflowKVManager, bootstrap_addr: str,
+                 bootstrap_room: int | None = None) -> None:  # fmt: skip
+        self.kv_mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.bootstrap_room = int(bootstrap_room or 0)
+        self.bootstrap_infos: list[str] | None = None
+        self.abort_notified = False
+        self.conclude_state: int | None = None
+        self.init_time: float | None = None
+        self._opened = False
+        self._cleared = False
+        mgr.book.start(self.bootstrap_room)
+
+    @property
+    def supports_host_destination(self) -> bool:
+        return False
+
+    def init(self, prefill_dp_rank: int) -> None:
+        rank, room, addr = self.kv_mgr.decode_rank, self.bootstrap_room, self.bootstrap_addr
+        self.bootstrap_infos = [addr]  # one prefill instance: what a release waits on
+        self._opened = True
+
+        async def open_room() -> None:
+            await rank.open(room, GENERATION, addr, prefill_dp_rank)
+
+        self.kv_mgr.run(room, open_room)
+
+    def send_metadata(self, kv_indices: Sequence[int], aux_index: int | None = None,
+                      state_indices: list[Any] | None = None,
+                      decode_prefix_len: int | None = None,
+                      destination: Any = KVTransferDestination.DEVICE) -> None:  # fmt: skip
+        room = self.bootstrap_room
+        problem = ""
+        if destination != KVTransferDestination.DEVICE:
+            problem = "pdflow does not receive into host destinations yet"
+        elif state_indices and any(s is not None for s in state_indices):
+            problem = "pdflow does not move model state yet"
+        elif decode_prefix_len:
+            problem = "pdflow does not reuse a decode-side prefix yet"
+        if problem:
+            self.kv_mgr.book.refuse(room, problem)
+            return
+        pages = [int(page) for page in kv_indices]
+        self.init_time = time.time()
+        rank = self.kv_mgr.decode_rank
+
+        async def publish_pages() -> None:
+            await rank.publish_pages(room, pages, aux_index=aux_index)
+
+        self.kv_mgr.run(room, publish_pages)
+
+    def poll(self) -> int:
+        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        if facts.local_error:
+            self.conclude_state = KVPoll.Failed
+            return int(KVPoll.Failed)
+        if facts.poll is None:
+            return int(KVPoll.Bootstrapping)
+        if facts.poll.is_terminal:
+            self.conclude_state = facts.poll
+        return int(facts.poll)
+
+    def failure_exception(self) -> None:
+        raise KVTransferError(self.bootstrap_room,
+                              _terminal_reason(self.kv_mgr, self.bootstrap_room, "receive"))
+
+    def abort(self) -> None:
+        self.conclude_state = KVPoll.Failed
+        if not self.kv_mgr.book.facts(self.bootstrap_room).local_error:
+            self.kv_mgr.book.refuse(self.bootstrap_room, "aborted by SGLang")
+        self.ensure_abort_notified()
+
+    def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
+        """Tell pdflow once; pdflow keeps the pages quarantined until every writer drained."""
+        if self.abort_notified:
+            return
+        self.abort_notified = True
+        if not self._opened:
+            return
+        rank, room = self.kv_mgr.decode_rank, self.bootstrap_room
+
+        async def abort() -> None:
+            if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
+                await rank.abort(room, "aborted by SGLang")
+
+        self.kv_mgr.run(room, abort)
+
+    def is_abort_release_safe(self) -> bool:
+        return self.kv_mgr.book.facts(self.bootstrap_room).released
+
+    def clear(self) -> None:
+        if self._cleared or not self._opened:
+            return
+        self._cleared = True
+        rank, room = self.kv_mgr.decode_rank, self.bootstrap_room
+
+        async def clear() -> None:
+            if rank.poll(room) is not None:
+                await rank.clear(room)
+
+        self.kv_mgr.run(room, clear)
+
+
+# ---- bootstrap server --------------------------------------------------------------------------
+class PdflowKVBootstrapServer(BaseKVBootstrapServer):
+    """pdflow's registry (SGLang's routes: /route, /register_dp_rank, /query_dp_ranks,
+    /health) in its own loop thread, serving this instance's incarnation on /health."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, int(port)
+        incarnation, _ = instance_identity()
+        settings = load_settings()
+        self.loop = LoopThread("pdflow-bootstrap")
+        self._server_cm = self.loop.portal.wrap_async_context_manager(serve(
+            host or "0.0.0.0", self.port, token=settings.bootstrap_token,
+            incarnation=incarnation, dp_rank_ttl=settings.dp_rank_ttl,
+            max_body=settings.bootstrap_max_body,
+        ))  # fmt: skip
+        self.running = self._server_cm.__enter__()
+        log.info("pdflow_sglang_bootstrap_ready", address=self.running.address)
+
+    def close(self) -> None:
+        try:
+            self._server_cm.__exit__(None, None, None)
+        finally:
+            self.loop.close()

@@ -1,0 +1,86 @@
+"""pdflow's event loop in a thread beside SGLang's scheduler.
+
+SGLang's scheduler is a synchronous loop: every call it makes into a transfer backend must
+return at once. pdflow's nodes are async (anyio on asyncio). :class:`LoopThread` runs one event
+loop in a daemon thread (anyio's blocking portal) and offers two ways in:
+
+* :meth:`LoopThread.submit` queues a coroutine call and returns immediately. Calls run one at a
+  time in submission order, so a room's ``open``, ``init_transfer`` and chunks reach the core in
+  the order the scheduler made them; a call that raises is reported to its ``on_error``.
+* :meth:`LoopThread.call` blocks until a coroutine finishes: only for start-up and shutdown,
+  never from the scheduler's per-request path.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import AbstractContextManager
+from typing import Any, TypeVar
+
+import anyio
+import anyio.from_thread
+import structlog
+from anyio.from_thread import BlockingPortal
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+
+log = structlog.get_logger("pdflow.sglang.loop")
+
+T = TypeVar("T")
+ErrorHandler = Callable[[BaseException], None]
+Command = tuple[Callable[[], Awaitable[None]], ErrorHandler]
+
+
+class LoopThread:
+    """One asyncio event loop in its own thread, with an ordered command queue."""
+
+    def __init__(self, name: str) -> None:
+        self.name = name
+        self._portal_cm: AbstractContextManager[BlockingPortal] = (
+            anyio.from_thread.start_blocking_portal(backend="asyncio")
+        )
+        self._portal = self._portal_cm.__enter__()
+        self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
+        send, receive = self._portal.call(_command_stream)
+        self._commands: MemoryObjectSendStream[Command] = send
+        self._portal.start_task_soon(self._run_commands, receive)
+        self._closed = threading.Event()
+
+    @property
+    def portal(self) -> BlockingPortal:
+        return self._portal
+
+    def call(self, fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``fn(*args)`` on the loop and wait for its result (start-up and shutdown only)."""
+        return self._portal.call(fn, *args)
+
+    def submit(self, fn: Callable[[], Awaitable[None]], on_error: ErrorHandler) -> None:
+        """Queue ``fn()``; returns at once. Commands run in order, one at a time."""
+        if self._closed.is_set():
+            on_error(RuntimeError(f"{self.name}: the pdflow loop is shut down"))
+            return
+        self._loop.call_soon_threadsafe(self._commands.send_nowait, (fn, on_error))
+
+    async def _run_commands(self, receive: MemoryObjectReceiveStream[Command]) -> None:
+        async with receive:
+            async for fn, on_error in receive:
+                try:
+                    await fn()
+                except Exception as exc:
+                    on_error(exc)
+
+    def close(self) -> None:
+        if self._closed.is_set():
+            return
+        self._closed.set()
+        try:
+            self._portal.call(self._commands.aclose)
+        finally:
+            self._portal_cm.__exit__(None, None, None)
+
+
+async def _command_stream() -> tuple[MemoryObjectSendStream[Command],
+                                     MemoryObjectReceiveStream[Command]]:  # fmt: skip
+    return anyio.create_memory_object_stream[Command](math.inf)

@@ -1,0 +1,91 @@
+"""What the adapter knows of each room, shared between pdflow's loop thread and the scheduler.
+
+pdflow's node events (status, pages released, room closed) arrive on the loop thread; SGLang's
+``poll()`` runs on the scheduler thread and must not wait. :class:`RoomBook` is the hand-over:
+the loop writes each room's latest facts, the scheduler reads them under one lock. No SGLang
+import here.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, RoomClosed, RoomStatus
+
+
+@dataclass
+class RoomFacts:
+    """One room as pdflow reported it (the latest of each kind of event)."""
+
+    poll: KVPoll | None = None
+    reason: str = ""
+    closed: bool = False
+    """The endpoint forgot the room: on the prefill, after ``clear`` once every write drained."""
+    released: bool = False
+    """Decode: pdflow released the room's pages (``PagesReleased``): no write can land there."""
+    held: bool = False
+    """Decode: pdflow quarantined the room's pages (``PagesHeld``) until its writers drain."""
+    local_error: str = ""
+    """A call the adapter made for this room was refused (the reason SGLang gets)."""
+    bytes_moved: int | None = None
+    transfer_s: float | None = None
+
+
+class RoomBook:
+    """Thread-safe room facts, fed by node events, read by the scheduler."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._rooms: dict[int, RoomFacts] = {}
+
+    def facts(self, room: int) -> RoomFacts:
+        """A copy of what is known of ``room`` (empty facts for an unknown room)."""
+        with self._lock:
+            known = self._rooms.get(room)
+            return RoomFacts() if known is None else RoomFacts(**vars(known))
+
+    def start(self, room: int) -> None:
+        """Forget an earlier use of the room id before it is opened again."""
+        with self._lock:
+            self._rooms[room] = RoomFacts()
+
+    def forget(self, room: int) -> None:
+        with self._lock:
+            self._rooms.pop(room, None)
+
+    def refuse(self, room: int, reason: str) -> None:
+        with self._lock:
+            facts = self._rooms.setdefault(room, RoomFacts())
+            if not facts.local_error:
+                facts.local_error = reason
+
+    def close(self, room: int) -> None:
+        with self._lock:
+            self._rooms.setdefault(room, RoomFacts()).closed = True
+
+    def record_transfer(self, room: int, nbytes: int | None, seconds: float | None) -> None:
+        with self._lock:
+            facts = self._rooms.setdefault(room, RoomFacts())
+            facts.bytes_moved, facts.transfer_s = nbytes, seconds
+
+    def apply(self, event: NodeEvent) -> None:
+        """Record one node event (called on the loop thread)."""
+        room = getattr(event, "room", None)
+        if room is None:
+            return
+        with self._lock:
+            facts = self._rooms.get(room)
+            if facts is None:
+                # An event for a room this process never opened, or already forgot.
+                return
+            if isinstance(event, RoomStatus):
+                facts.poll = event.poll
+                facts.reason = event.reason or facts.reason
+            elif isinstance(event, PagesReleased):
+                facts.released = True
+            elif isinstance(event, PagesHeld):
+                facts.held = True
+            elif isinstance(event, RoomClosed):
+                facts.closed = True

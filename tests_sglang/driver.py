@@ -1,0 +1,533 @@
+"""A stand-in SGLang scheduler: drives a transfer backend exactly as SGLang 0.5.23's queues do.
+
+It builds the backend's classes through SGLang's own ``get_kv_class`` (after ``load_plugins``,
+as every SGLang process does), with SGLang's ``KVArgs``, ``MetadataBuffers`` and
+``poll_and_all_reduce`` (gloo group of one), over Mooncake TCP on loopback, and calls them in
+the queues' order:
+
+* prefill (``PrefillBootstrapQueue`` then the inflight queue): sender per request ->
+  ``poll()`` each tick until WaitingForInput -> ``init(num_pages, aux_index)`` ->
+  ``send(page_chunk)`` per chunk (``should_send_kv_chunk`` first; the last chunk is the one that
+  reaches ``num_pages``) -> ``poll()`` until Success (``clear()`` then
+  ``get_transfer_metric()``) or Failed (``failure_exception()``).
+* decode (``DecodePreallocQueue`` then ``DecodeTransferQueue``): receiver per request ->
+  ``try_ensure_parallel_info(addr)`` until true -> ``init(dp_rank)`` -> ``poll()`` until
+  WaitingForInput -> pages from the free list -> ``send_metadata(pages, aux_index, None)`` ->
+  ``poll()`` until Success (bytes checked, ``clear()``, pages back) or Failed
+  (``failure_exception()``, ``ensure_abort_notified(force_arm=True)``, then SGLang's own
+  ``DecodeTransferQueue._defer_release`` / ``resolve_deferred_releases`` / ``_do_release``
+  decide when the pages come back).
+
+Not emulated: SGLang's aux-row metadata gate (Success is held while the aux row has not
+landed). pdflow does not move aux rows yet, so the driver polls the transfer queue without it.
+
+Run as ``python tests_sglang/driver.py prefill|decode ...``; it writes one JSON line per event
+(to ``--events-fd``, else stdout). The decode reads JSON commands on stdin (``batch``,
+``abort``, ``report``, ``quit``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+os.environ.setdefault("SGLANG_HOST_IP", "127.0.0.1")
+os.environ.setdefault("MOONCAKE_PROTOCOL", "tcp")
+os.environ.setdefault("MC_FORCE_TCP", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+os.environ.setdefault("PDFLOW_TRACE", "0")
+os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+
+MODEL_DIR = Path(__file__).resolve().parent / "model"
+TICK_S = 0.001  # one scheduler iteration when nothing happened
+
+
+# Events go to their own file descriptor (--events-fd), one JSON object per line: logs from the
+# node's threads share stdout and would split lines.
+_events = sys.stdout
+
+
+def emit(kind: str, **fields: Any) -> None:
+    _events.write(json.dumps({"event": kind, **fields}) + "\n")
+    _events.flush()
+
+
+def expected(room_index: int, pos: int, layer: int, kv: int) -> float:
+    """What every element of page ``pos`` of room ``room_index`` holds (exact in float32)."""
+    return float(((room_index % 2048) * 64 + pos % 64) * 64 + layer * 2 + kv)
+
+
+# ---- SGLang plumbing ---------------------------------------------------------------------------
+def start_sglang(mode: str, args: argparse.Namespace) -> Any:
+    import warnings
+
+    warnings.filterwarnings("ignore")
+    import torch.distributed as dist
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    load_plugins()  # what every SGLang process does first: registers pdflow's backend
+    server_args = ServerArgs(
+        model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cpu", host="127.0.0.1",
+        port=args.http_port, page_size=args.page_size, disaggregation_mode=mode,
+        disaggregation_transfer_backend=args.backend,
+        disaggregation_bootstrap_port=args.bootstrap_port,
+    )  # fmt: skip
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+    get_parallel().override_permanently(pp_group=None)
+    if not dist.is_initialized():
+        # A group of one, as a TP=1 scheduler has: SGLang's poll reductions run unchanged.
+        store = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-driver-gloo-{os.getpid()}"
+        store.unlink(missing_ok=True)
+        dist.init_process_group("gloo", init_method=f"file://{store}", world_size=1, rank=0)
+    return server_args
+
+
+class CpuKv:
+    """An SGLang-shaped MHA pool: one tensor per layer for K, then V; page 0 is padding."""
+
+    def __init__(self, args: argparse.Namespace) -> None:
+        import torch
+
+        shape = (args.pool_pages + 1, args.page_size, args.heads, args.head_dim)
+        self.layers = args.num_layers
+        self.k = [torch.zeros(shape, dtype=torch.float32) for _ in range(args.num_layers)]
+        self.v = [torch.zeros(shape, dtype=torch.float32) for _ in range(args.num_layers)]
+        buffers = self.k + self.v
+        self.ptrs = [b.data_ptr() for b in buffers]
+        self.lens = [b.nbytes for b in buffers]
+        self.item_lens = [b[0].nbytes for b in buffers]
+
+    def fill(self, room_index: int, pages: list[int]) -> None:
+        for pos, page in enumerate(pages):
+            for layer in range(self.layers):
+                self.k[layer][page].fill_(expected(room_index, pos, layer, 0))
+                self.v[layer][page].fill_(expected(room_index, pos, layer, 1))
+
+    def wrong_pages(self, room_index: int, pages: list[int]) -> int:
+        wrong = 0
+        for pos, page in enumerate(pages):
+            for layer in range(self.layers):
+                for kv, buffers in ((0, self.k), (1, self.v)):
+                    want = expected(room_index, pos, layer, kv)
+                    if not bool((buffers[layer][page] == want).all()):
+                        wrong += 1
+        return wrong
+
+    def scrub(self, pages: list[int]) -> None:
+        for page in pages:
+            for layer in range(self.layers):
+                self.k[layer][page].zero_()
+                self.v[layer][page].zero_()
+
+
+def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
+                  server_args: Any) -> tuple[Any, Any]:
+    import torch
+    from sglang.srt.disaggregation.utils import (
+        DisaggregationMode,
+        KVClassType,
+        MetadataBuffers,
+        TransferBackend,
+        get_kv_class,
+    )
+
+    backend = TransferBackend(args.backend)
+    if args.backend == "mooncake":
+        from sglang.srt.distributed.device_communicators.mooncake_transfer_engine import (
+            maybe_init_shared_mooncake_transfer_engine,
+        )
+
+        maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
+    aux = MetadataBuffers(size=args.aux_slots, hidden_size=args.heads * args.head_dim,
+                          hidden_states_dtype=torch.float32,
+                          max_sampling_mask_tokens=0)  # fmt: skip
+    kv_args = get_kv_class(backend, KVClassType.KVARGS)()
+    kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = 0, 0, 0
+    kv_args.rust_http_port = None
+    kv_args.kv_cache_dtype_str = "auto"
+    kv_args.kv_layout = None
+    kv_args.prefill_start_layer, kv_args.prefill_end_layer = 0, args.num_layers
+    kv_args.kv_data_ptrs, kv_args.kv_data_lens = list(kv.ptrs), list(kv.lens)
+    kv_args.kv_item_lens = list(kv.item_lens)
+    kv_args.num_draft_entries = 0
+    kv_args.kv_layer_ids = []
+    kv_args.kv_head_num = kv_args.total_kv_head_num = args.heads
+    kv_args.page_size = args.page_size
+    kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = aux.get_buf_infos()
+    kv_args.ib_device, kv_args.gpu_id = None, 0
+    # What setup_state_kv_args sets for a plain MHA pool.
+    for name in ("state_types", "state_data_ptrs", "state_data_lens", "state_item_lens",
+                 "state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
+                 "state_conv_shard_groups"):  # fmt: skip
+        setattr(kv_args, name, [])
+    kv_args.is_hybrid_mla_backend = False
+    kv_args.swa_kv_cache_layout = None
+    kv_args.mla_compression_ratios = None
+    manager_class = get_kv_class(backend, KVClassType.MANAGER)
+    disagg_mode = DisaggregationMode.PREFILL if mode == "prefill" else DisaggregationMode.DECODE
+    manager = manager_class(kv_args, disagg_mode, server_args, False)
+    return manager, aux
+
+
+def reduce_polls(pollers: list[Any]) -> list[int]:
+    import torch.distributed as dist
+    from sglang.srt.disaggregation.utils import poll_and_all_reduce
+
+    return [int(p) for p in poll_and_all_reduce(pollers, dist.group.WORLD)] if pollers else []
+
+
+def failure_of(endpoint: Any) -> str:
+    try:
+        endpoint.failure_exception()
+    except Exception as exc:
+        return f"{type(exc).__name__}: {getattr(exc, 'failure_reason', exc)}"
+    return "no exception raised"
+
+
+# ---- prefill -----------------------------------------------------------------------------------
+def run_prefill(args: argparse.Namespace) -> None:
+    # First: the plugin re-binds TransferBackend and get_kv_class before anyone imports them.
+    server_args = start_sglang("prefill", args)
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.utils import KVClassType, TransferBackend, get_kv_class
+
+    backend = TransferBackend(args.backend)
+    server = None
+    if args.serve_bootstrap:
+        server_class = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)
+        server = server_class(host="127.0.0.1", port=args.bootstrap_port)
+    kv = CpuKv(args)
+    manager, _aux = build_manager("prefill", args, kv, server_args)
+    sender_class = get_kv_class(backend, KVClassType.SENDER)
+    emit("prefill_ready", pid=os.getpid())
+    stall = set(args.stall_room or [])
+    served = 0
+    deadline = time.monotonic() + args.serve_s
+    pending: dict[int, dict[str, Any]] = {}
+    next_index = 0
+    free_aux = list(range(args.aux_slots))
+    last_progress = time.monotonic()
+    while time.monotonic() < deadline and (args.rooms == 0 or served < args.rooms):
+        # New requests arrive as the router sends them: one sender per room, as create_sender.
+        while next_index < (args.rooms or 10**9) and len(pending) < args.aux_slots:
+            room = args.room_base + next_index
+            sender = sender_class(mgr=manager, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}",
+                                  bootstrap_room=room)  # fmt: skip
+            pending[room] = {"sender": sender, "index": next_index, "phase": "bootstrap"}
+            next_index += 1
+        rooms = list(pending)
+        polls = reduce_polls([pending[r]["sender"] for r in rooms])
+        progressed = False
+        for room, poll in zip(rooms, polls, strict=True):
+            entry = pending[room]
+            sender = entry["sender"]
+            if poll == KVPoll.Failed:
+                emit("sender_failed", room=room, phase=entry["phase"], reason=failure_of(sender))
+                if "aux" in entry:
+                    free_aux.append(entry["aux"])
+                del pending[room]
+                served += 1
+                progressed = True
+            elif entry["phase"] == "bootstrap" and poll == KVPoll.WaitingForInput:
+                # finalize_bootstrap: a metadata buffer, then init(num_pages, aux_index).
+                entry["aux"] = free_aux.pop()
+                sender.init(args.pages_per_room, entry["aux"])
+                # The forward pass wrote the room's KV into its source pages.
+                span = args.pool_pages - args.pages_per_room
+                start = 1 + (entry["index"] * args.pages_per_room) % span
+                pages = list(range(start, start + args.pages_per_room))
+                kv.fill(entry["index"], pages)
+                chunks = [pages[i:i + args.chunk_pages]
+                          for i in range(0, len(pages), args.chunk_pages)]  # fmt: skip
+                if room in stall:
+                    chunks = chunks[:1]  # the rest never comes: the room stays in flight
+                for number, chunk in enumerate(chunks):
+                    last = number == len(chunks) - 1 and room not in stall
+                    if sender.should_send_kv_chunk(len(chunk), last):
+                        # int32 page ids, as kv_to_page_indices gives them
+                        sender.send(np.asarray(chunk, dtype=np.int32), None)
+                entry["phase"] = "inflight"
+                progressed = True
+                if room in stall:
+                    emit("room_stalled", room=room)
+            elif entry["phase"] == "inflight" and poll == KVPoll.Success:
+                sender.clear()
+                metric = sender.get_transfer_metric()
+                emit("sender_done", room=room, bytes=metric.transfer_total_bytes)
+                free_aux.append(entry["aux"])
+                del pending[room]
+                served += 1
+                progressed = True
+        if progressed:
+            last_progress = time.monotonic()
+        else:
+            if time.monotonic() - last_progress > 5.0:
+                last_progress = time.monotonic()
+                states = {str(r): [pending[r]["phase"], polls[i]] for i, r in enumerate(rooms)}
+                emit("prefill_idle", rooms=states)
+            time.sleep(TICK_S)
+    emit("prefill_finished", served=served, open=len(pending))
+    # A scheduler keeps running: give the last status messages time to leave before exiting.
+    time.sleep(3600 if args.linger else 2.0)
+    del server
+
+
+# ---- decode ------------------------------------------------------------------------------------
+class DecodeDriver:
+    def __init__(self, args: argparse.Namespace) -> None:
+        server_args = start_sglang("decode", args)  # first, as in run_prefill
+        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+        from sglang.srt.disaggregation.utils import (
+            KVClassType,
+            ReqToMetadataIdxAllocator,
+            TransferBackend,
+            get_kv_class,
+        )
+
+        self.args = args
+        self.pages_per_room = args.pages_per_room
+        self.kv = CpuKv(args)
+        self.manager, self.aux = build_manager("decode", args, self.kv, server_args)
+        self.receiver_class = get_kv_class(TransferBackend(args.backend), KVClassType.RECEIVER)
+        self.free_pages = list(range(1, args.pool_pages + 1))
+        self.aux_alloc = ReqToMetadataIdxAllocator(args.aux_slots)
+        self.pending: list[dict[str, Any]] = []
+        self.handshake: list[dict[str, Any]] = []
+        self.transfer: list[dict[str, Any]] = []
+        self.outcomes: dict[int, dict[str, Any]] = {}
+        self.batch_started: float | None = None
+        self.batch_left = 0
+        self.release_times: dict[int, float] = {}
+        self.aborted_at: dict[int, float] = {}
+        # SGLang's own deferred-release bookkeeping (with the pdflow plugin's hook applied).
+        queue_ = object.__new__(DecodeTransferQueue)
+        queue_._deferred_releases = []
+        queue_.deferred_kv_release_timeout = float(
+            os.environ.get("SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT", "30"))
+        queue_.enable_host_receive = False
+        queue_.enable_staging = False
+        queue_.gloo_group = None
+        queue_.metadata_buffers = self.aux
+        queue_.req_to_metadata_buffer_idx_allocator = self.aux_alloc
+        queue_.scheduler = _NoMetrics()
+        queue_._release_request = self._release_pages  # free the KV the request held
+        self.sglang_queue = queue_
+
+    # -- what the scheduler's decode loop does, one iteration --------------------------------
+    def tick(self) -> bool:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        progressed = False
+        # DecodePreallocQueue._resolve_pending_reqs
+        still: list[dict[str, Any]] = []
+        for entry in self.pending:
+            addr = entry["addr"]
+            if self.manager.try_ensure_parallel_info(addr):
+                info = self.manager.prefill_info_table[addr]
+                entry["receiver"].init(0 if info.dp_size == 1 else entry["room"] % info.dp_size)
+                self.handshake.append(entry)
+                progressed = True
+            else:
+                still.append(entry)
+        self.pending = still
+        # _update_handshake_waiters + pop_preallocated
+        polls = reduce_polls([e["receiver"] for e in self.handshake])
+        waiting: list[dict[str, Any]] = []
+        for entry, poll in zip(self.handshake, polls, strict=True):
+            if poll == KVPoll.Failed:
+                self.finish(entry, "failed", failure_of(entry["receiver"]))
+                progressed = True
+            elif poll == KVPoll.WaitingForInput and len(self.free_pages) >= self.pages_per_room:
+                pages = [self.free_pages.pop() for _ in range(self.args.pages_per_room)]
+                entry["pages"] = pages
+                entry["aux"] = self.aux_alloc.alloc()
+                page_indices = np.asarray(pages, dtype=np.int32)
+                entry["receiver"].send_metadata(page_indices, entry["aux"], None)
+                self.transfer.append(entry)
+                progressed = True
+            else:
+                waiting.append(entry)
+        self.handshake = waiting
+        # DecodeTransferQueue.pop_transferred (without the aux metadata gate, see module doc)
+        self.sglang_queue.resolve_deferred_releases()
+        polls = reduce_polls([e["receiver"] for e in self.transfer])
+        left: list[dict[str, Any]] = []
+        for entry, poll in zip(self.transfer, polls, strict=True):
+            receiver = entry["receiver"]
+            if poll == KVPoll.Success:
+                wrong = self.kv.wrong_pages(entry["index"], entry["pages"])
+                receiver.clear()
+                self.kv.scrub(entry["pages"])
+                self.free_pages.extend(entry["pages"])
+                self.aux_alloc.free(entry["aux"])
+                self.finish(entry, "success", "", wrong_pages=wrong)
+                progressed = True
+            elif poll == KVPoll.Failed:
+                reason = failure_of(receiver)
+                if not receiver.abort_notified:
+                    receiver.ensure_abort_notified(force_arm=True)
+                # Held (deferred) release: SGLang's own code decides when pages come back.
+                request = _HeldRequest(entry)
+                self.sglang_queue._defer_release(request)
+                entry["held_since"] = time.monotonic()
+                self.finish(entry, "failed", reason, held_pages=len(entry["pages"]))
+                progressed = True
+            else:
+                left.append(entry)
+        self.transfer = left
+        return progressed
+
+    def _release_pages(self, request: _HeldRequest) -> None:
+        entry = request.entry
+        self.free_pages.extend(entry["pages"])
+        self.release_times[entry["room"]] = time.monotonic()
+        emit("pages_released", room=entry["room"], pages=len(entry["pages"]),
+             held_s=round(time.monotonic() - entry["held_since"], 3))  # fmt: skip
+
+    def finish(self, entry: dict[str, Any], outcome: str, reason: str, **extra: Any) -> None:
+        self.outcomes[entry["room"]] = {"outcome": outcome, "reason": reason, **extra}
+        emit("receiver_" + outcome, room=entry["room"], reason=reason, **extra)
+        if entry.get("batch"):
+            self.batch_left -= 1
+            if self.batch_left == 0 and self.batch_started is not None:
+                elapsed = time.monotonic() - self.batch_started
+                outcomes = [self.outcomes[r]["outcome"] for r in self.batch_rooms]
+                emit("batch_done", rooms=len(self.batch_rooms), seconds=round(elapsed, 4),
+                     rooms_per_s=round(len(self.batch_rooms) / elapsed, 1),
+                     success=outcomes.count("success"),
+                     wrong_pages=sum(self.outcomes[r].get("wrong_pages", 0)
+                                     for r in self.batch_rooms))  # fmt: skip
+
+    # -- commands ---------------------------------------------------------------------------------
+    def batch(self, count: int, base: int, bootstrap_port: int) -> None:
+        self.batch_started = time.monotonic()
+        self.batch_left = count
+        self.batch_rooms = [base + i for i in range(count)]
+        for index, room in enumerate(self.batch_rooms):
+            addr = f"127.0.0.1:{bootstrap_port}"
+            receiver = self.receiver_class(mgr=self.manager, bootstrap_addr=addr,
+                                           bootstrap_room=room)  # fmt: skip
+            self.pending.append({"room": room, "index": index, "addr": addr,
+                                 "receiver": receiver, "batch": True})  # fmt: skip
+
+    def abort(self, room: int) -> None:
+        for entry in self.pending + self.handshake + self.transfer:
+            if entry["room"] == room:
+                entry["receiver"].abort()  # what Scheduler.abort_request does
+                self.aborted_at[room] = time.monotonic()
+                emit("abort_sent", room=room)
+                return
+        emit("abort_unknown", room=room)
+
+    def report(self) -> None:
+        held = [e[0].entry["room"] for e in self.sglang_queue._deferred_releases]
+        emit("report", held=held, free_pages=len(self.free_pages),
+             pending=len(self.pending), handshake=len(self.handshake),
+             transfer=len(self.transfer),
+             states={str(e["room"]): _state(e) for e in self.transfer})  # fmt: skip
+
+
+def _state(entry: dict[str, Any]) -> int:
+    return int(entry["receiver"].poll())
+
+
+class _HeldRequest:
+    """What DecodeTransferQueue's release code reads of a DecodeRequest."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.entry = entry
+        self.kv_receiver = entry["receiver"]
+        self.metadata_buffer_index = entry["aux"]
+        self.req = _Req(entry["room"])
+        self.host_staged = False
+
+
+class _Req:
+    def __init__(self, room: int) -> None:
+        self.bootstrap_room = room
+
+
+class _NoMetrics:
+    class metrics_reporter:  # mirrors Scheduler.metrics_reporter
+        enable_metrics = False
+
+
+def run_decode(args: argparse.Namespace) -> None:
+    driver = DecodeDriver(args)
+    emit("decode_ready", pid=os.getpid())
+    commands: queue.Queue[dict[str, Any]] = queue.Queue()
+
+    def read_commands() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                commands.put(json.loads(line))
+        commands.put({"cmd": "quit"})
+
+    threading.Thread(target=read_commands, daemon=True).start()
+    while True:
+        try:
+            command = commands.get_nowait()
+        except queue.Empty:
+            command = None
+        if command is not None:
+            name = command["cmd"]
+            if name == "quit":
+                break
+            if name == "batch":
+                driver.batch(command["count"], command["base"], command["bootstrap_port"])
+            elif name == "abort":
+                driver.abort(command["room"])
+            elif name == "report":
+                driver.report()
+        if not driver.tick():
+            time.sleep(TICK_S)
+    emit("decode_finished")
+    os._exit(0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("role", choices=["prefill", "decode"])
+    parser.add_argument("--backend", default="pdflow")
+    parser.add_argument("--events-fd", type=int, help="write events here (default stdout)")
+    parser.add_argument("--bootstrap-port", type=int, required=True)
+    parser.add_argument("--http-port", type=int, default=30000)
+    parser.add_argument("--serve-bootstrap", action="store_true")
+    parser.add_argument("--rooms", type=int, default=0)
+    parser.add_argument("--room-base", type=int, default=1000)
+    parser.add_argument("--pages-per-room", type=int, default=4)
+    parser.add_argument("--chunk-pages", type=int, default=2)
+    parser.add_argument("--stall-room", type=int, action="append")
+    parser.add_argument("--serve-s", type=float, default=300.0)
+    parser.add_argument("--linger", action="store_true")
+    parser.add_argument("--num-layers", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--head-dim", type=int, default=16)
+    parser.add_argument("--page-size", type=int, default=4)
+    parser.add_argument("--pool-pages", type=int, default=1024)
+    parser.add_argument("--aux-slots", type=int, default=256)
+    args = parser.parse_args()
+    global _events
+    if args.events_fd is not None:
+        _events = os.fdopen(args.events_fd, "w", buffering=1)
+    if args.role == "prefill":
+        run_prefill(args)
+    else:
+        run_decode(args)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main()
