@@ -132,9 +132,9 @@ def _event_violations(event: dict[str, Any]) -> list[Violation]:
 
 
 def ended_incarnations(run: RunRecord) -> set[str]:
-    """Incarnations of process lives that ended (killed, or crashed) before the end state."""
+    """Incarnations of process lives that were lost (killed, or crashed) during the run."""
     return {life["incarnation"] for lives in run.lives.values() for life in lives
-            if life.get("incarnation") and "ended" in life}  # fmt: skip
+            if life.get("incarnation") and life.get("lost")}  # fmt: skip
 
 
 def _state_violations(name: str, state: dict[str, Any], ended: set[str]) -> list[Violation]:

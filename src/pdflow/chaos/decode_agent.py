@@ -9,9 +9,13 @@ event. A successful room's pages must hold exactly the room's pattern (``mismatc
 where not). Commands: ``room``, ``state`` (ledger, engine free list, open rooms, a full canary
 scan), ``quit``.
 
-``PDFLOW_CHAOS_MUTANT=free_on_hold`` breaks the engine on purpose: it reuses a failed room's
-pages as soon as they are quarantined (``PagesHeld``), as if the fence were a no-op; the chaos
-checker must then report writes after release.
+Mutants, to show the checker goes red (``PDFLOW_CHAOS_MUTANT``):
+
+* ``noop_fence``: the transport claims a receiver-side fence and its ``fence`` does nothing (the
+  decode's fence before issue 12 was fixed): a writer declared dead while alive (paused) has its
+  pages released while its writes are still on their way;
+* ``free_on_hold``: the engine reuses a failed room's pages as soon as they are quarantined
+  (``PagesHeld``), before any writer drained.
 """
 
 from __future__ import annotations
@@ -39,6 +43,18 @@ log = structlog.get_logger("pdflow.chaos.decode")
 
 MUTANT_VARIABLE = "PDFLOW_CHAOS_MUTANT"
 FREE_ON_HOLD = "free_on_hold"
+NOOP_FENCE = "noop_fence"
+
+
+class NoopFenceTransport(MooncakeTransport):
+    """Mutant: says its fence is real, and the fence stops nothing."""
+
+    @property
+    def fence_is_real(self) -> bool:
+        return True
+
+    async def fence(self, peer_session_id: str) -> None:
+        return None
 CANARY_SCAN_S = 1.0
 STAGING_PAGES = 512
 
@@ -96,8 +112,9 @@ async def main(options: dict[str, Any]) -> None:
     pages = [RankPages(cache, kv, rng) for cache, kv in caches]
     staged = options["staging"]
     staging_bytes = STAGING_PAGES * staging_page_bytes(caches[0][1].layout) if staged else 0
+    transport_class = NoopFenceTransport if mutant == NOOP_FENCE else MooncakeTransport
     transport = await anyio.to_thread.run_sync(
-        MooncakeTransport.open, MooncakeConfig(host=settings.host)
+        transport_class.open, MooncakeConfig(host=settings.host)
     )
     async with (
         transport,

@@ -43,6 +43,10 @@ def kill_started() -> None:
     STARTED.clear()
 
 
+class StartFailed(RuntimeError):
+    """A process exited or hung before it said it was ready."""
+
+
 class Pending:
     """A result a process will print (or fail to, if its life ends first)."""
 
@@ -73,6 +77,7 @@ class Agent:
         self.state_reply: Pending | None = None
         self.lives: list[dict[str, Any]] = []
         self.paused = False
+        self.quitting = False
         self.exited = anyio.Event()
 
     @property
@@ -105,15 +110,22 @@ class Agent:
         stderr = open(logs / f"{self.name}-life{self.life}.log", "wb")  # noqa: SIM115
         env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
         self.exited = anyio.Event()
-        self.paused = False
+        self.paused = self.quitting = False
         try:
             self.process = await anyio.open_process(self.argv(), env=env, stderr=stderr)
             STARTED.add(self.process.pid)
         finally:
             stderr.close()
         reader = BufferedByteReceiveStream(self.process.stdout)  # type: ignore[arg-type]
-        with anyio.fail_after(START_TIMEOUT_S):
-            line = await reader.receive_until(b"\n", 1 << 20)
+        try:
+            with anyio.fail_after(START_TIMEOUT_S):
+                line = await reader.receive_until(b"\n", 1 << 20)
+        except (TimeoutError, anyio.EndOfStream, anyio.IncompleteRead) as exc:
+            self.process.kill()
+            log_file = logs / f"{self.name}-life{self.life}.log"
+            tail = log_file.read_text(errors="replace")[-1500:]
+            raise StartFailed(f"{self.name} (life {self.life}) did not become ready "
+                              f"({type(exc).__name__}); the end of {log_file}:\n{tail}") from None
         self.ready = (
             {"event": "ready", "text": line.decode()} if self.role == "registry"
             else json.loads(line)
@@ -164,6 +176,8 @@ class Agent:
         if self.lives:
             self.lives[-1]["ended"] = time.time()
             self.lives[-1]["returncode"] = returncode
+            # Killed or crashed, as opposed to stopped by the harness at the end of the run.
+            self.lives[-1]["lost"] = not self.quitting
         self.exited.set()
 
     async def send(self, command: dict[str, Any]) -> bool:
@@ -214,6 +228,7 @@ class Agent:
         """Ask the process to stop (traces flushed); kill it if it does not."""
         if not self.running or self.process is None:
             return
+        self.quitting = True
         self.signal(signal.SIGCONT)
         if self.role == "registry":
             self.process.terminate()

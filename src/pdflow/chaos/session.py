@@ -12,7 +12,7 @@ from rich.table import Table
 
 from pdflow.chaos.checker import attach_timelines, check
 from pdflow.chaos.netns import remove_owned
-from pdflow.chaos.procs import kill_started
+from pdflow.chaos.procs import StartFailed, kill_started
 from pdflow.chaos.report import summary_rows, write_html, write_result
 from pdflow.chaos.run import ChaosOptions, run_chaos
 
@@ -27,6 +27,17 @@ def run_and_report(options: ChaosOptions) -> int:
     previous = signal.signal(signal.SIGTERM, _exit_on_term)
     try:
         run = anyio.run(run_chaos, options, say, backend="asyncio")
+    except BaseExceptionGroup as group:
+        failed = group.subgroup(StartFailed)
+        if failed is None:
+            raise
+        console.print(f"[bold red]pdflow chaos: a process failed to start[/]: "
+                      f"{failed.exceptions[0]}", soft_wrap=True)  # fmt: skip
+        return 2
+    except StartFailed as exc:
+        console.print(f"[bold red]pdflow chaos: a process failed to start[/]: {exc}",
+                      soft_wrap=True)  # fmt: skip
+        return 2
     finally:
         # The run tears itself down; this catches what an interrupt left behind.
         kill_started()
