@@ -30,13 +30,13 @@ def test_one_seed_gives_one_fault_schedule_and_another_seed_another() -> None:
 
 def test_faults_do_not_overlap_and_end_before_the_workload_does() -> None:
     for seed in range(20):
-        faults = plan_faults(seed, 60.0, KINDS, PREFILLS, DECODES, 1.0, tail_s=4.0)
+        faults = plan_faults(seed, 60.0, KINDS, PREFILLS, DECODES, 7.0, tail_s=4.0)
         assert faults, seed
         for before, after in itertools.pairwise(faults):
             assert before.end < after.at
         assert faults[-1].end <= 56.0
         # A pause must outlast the heartbeat window, or it tests nothing.
-        assert all(f.duration >= 2.0 for f in faults if f.kind == "pause")
+        assert all(f.duration > 7.0 for f in faults if f.kind == "pause")
         assert {f.kind for f in faults} <= set(KINDS)
 
 

@@ -4,9 +4,10 @@ run starts; then each fault is applied at its time and undone (healed) at its en
 Kinds (``--nemesis``): ``partition`` (a host's link down, then up), ``oneway`` (one host's
 packets to another dropped, the reverse delivered), ``kill`` (kill -9 a prefill instance, restart
 it with a new incarnation on the same addresses), ``pause`` (SIGSTOP a prefill or decode past
-the heartbeat window, then SIGCONT), ``registry`` (kill -9 the standalone registry and restart
-it, empty) and ``slow`` (a rate-limited link). Faults do not overlap, so every one is healed
-before the next begins and the last is healed before the workload ends.
+the heartbeat window, the time a stopped process takes to be declared dead, then SIGCONT),
+``registry`` (kill -9 the standalone registry and restart it, empty) and ``slow`` (a
+rate-limited link). Faults do not overlap, so every one is healed before the next begins and
+the last is healed before the workload ends.
 """
 
 from __future__ import annotations
@@ -70,8 +71,10 @@ def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Se
         elif kind == "kill":
             target, length = rng.choice(list(prefills)), rng.uniform(0.5, 3.0)
         elif kind == "pause":
-            target = rng.choice([*prefills, *decodes])
-            length = heartbeat_window_s * rng.uniform(2.0, 4.0)
+            # Two prefill pauses for one decode pause: a writer declared dead while alive is
+            # what a fence is for.
+            target = rng.choice([*prefills, *prefills, *decodes])
+            length = heartbeat_window_s * rng.uniform(1.3, 2.2)
         elif kind == "registry":
             target, length = "registry", rng.uniform(0.5, 3.0)
         else:

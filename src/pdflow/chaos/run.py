@@ -27,6 +27,10 @@ log = structlog.get_logger("pdflow.chaos")
 
 BOOTSTRAP_PORT = 8998
 HEARTBEAT_S, HEARTBEAT_FAILURES = 0.5, 2
+HEALTH_READ_TIMEOUT_S = 3.0
+"""BootstrapClient's /health read timeout: a stopped process accepts the connection (the kernel
+does) and never answers, so each failed probe takes this long."""
+DEAD_AFTER_S = HEARTBEAT_FAILURES * (HEARTBEAT_S + HEALTH_READ_TIMEOUT_S)
 ROOM_TIMEOUT_S = 8.0
 SETTLE_S = 30.0
 PROBE_DEADLINE_S = 25.0
@@ -175,7 +179,7 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster,
     started = time.monotonic()
     kinds = tuple(k for k in options.nemesis if network.can(k))
     schedule = plan_faults(options.seed, options.duration_s, kinds, PREFILLS, DECODES,
-                           HEARTBEAT_S * HEARTBEAT_FAILURES)  # fmt: skip
+                           DEAD_AFTER_S)  # fmt: skip
     plan = plan_workload(options.seed, options.duration_s, len(PREFILLS), len(DECODES),
                          options.rate_per_s)  # fmt: skip
     (out / "schedule.json").write_bytes(msgspec.json.encode(
