@@ -7,12 +7,27 @@ import json
 import logging
 import sys
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import anyio
 import structlog
 
 Handler = Callable[[dict[str, Any]], Awaitable[None]]
+FORGET_TIMEOUT_S = 20.0
+
+
+class RoomRank(Protocol):
+    def poll(self, room: int) -> Any: ...
+
+
+async def forgotten(rank: RoomRank, room: int) -> bool:
+    """Wait until the rank forgot the room (a failed room drains after ``clear``): only then may
+    its id be opened again at the next generation. False if it is still there after 20 s."""
+    with anyio.move_on_after(FORGET_TIMEOUT_S):
+        while rank.poll(room) is not None:
+            await anyio.sleep(0.05)
+        return True
+    return False
 
 
 def emit(**fields: Any) -> None:

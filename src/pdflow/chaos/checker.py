@@ -88,6 +88,10 @@ def _attempt_violations(a: Attempt) -> list[Violation]:
         if "Refused" in results:
             found.append(Violation(kind="call_refused", process=getattr(a, side), **where,
                                    detail="; ".join(r for r in reasons if r)))  # fmt: skip
+        if "NotForgotten" in results:
+            found.append(Violation(kind="room_not_forgotten", process=getattr(a, side),
+                                   **where, detail="the room was still open 20 s after "
+                                                   "clear (it never drained)"))  # fmt: skip
     prefill_gone = any(r in ("Killed", "NotRunning") for r in a.prefill_results)
     if a.decode_ok and a.prefill_results and not a.prefill_ok and not prefill_gone:
         found.append(Violation(

@@ -30,7 +30,7 @@ from typing import Any
 import anyio
 import structlog
 
-from pdflow.chaos.agent_io import configure_logging, emit, serve_commands
+from pdflow.chaos.agent_io import configure_logging, emit, forgotten, serve_commands
 from pdflow.chaos.kv_pattern import broken_canaries, mismatch, pages_for, paint_canary, rank_caches
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
@@ -206,6 +206,9 @@ async def main(options: dict[str, Any]) -> None:
                         problems.append(f"rank {kv.tp_rank}: {found}")
             for rank in ranks:
                 await rank.clear(room_id)
+            for index, rank in enumerate(ranks):
+                if not await forgotten(rank, room_id):
+                    results[index] = ("NotForgotten", results[index][1])
             ordered = [results[i] for i in range(len(ranks))]
             emit(event="room", room=room_id, generation=generation,
                  results=[r for r, _ in ordered], reasons=[why for _, why in ordered],

@@ -16,7 +16,7 @@ from typing import Any
 
 import anyio
 
-from pdflow.chaos.agent_io import configure_logging, emit, serve_commands
+from pdflow.chaos.agent_io import configure_logging, emit, forgotten, serve_commands
 from pdflow.chaos.kv_pattern import fill, pages_for, rank_caches
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
@@ -54,7 +54,7 @@ async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: Sour
     status = await rank.wait(room)
     if status.poll is KVPoll.Failed:
         await rank.clear(room)
-        return "Failed", status.reason
+        return ("Failed" if await forgotten(rank, room) else "NotForgotten"), status.reason
     count = pages_for(cmd["tokens"])
     pages = await pool.take(count)
     try:
@@ -67,9 +67,10 @@ async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: Sour
             await rank.send_chunk(room, pages[start : start + chunk], start + chunk >= count)
         final = await rank.wait(room, terminal=True)
         await rank.clear(room)
+        done = await forgotten(rank, room)
     finally:
         pool.give(pages)
-    return final.poll.name, final.reason
+    return (final.poll.name if done else "NotForgotten"), final.reason
 
 
 async def main(options: dict[str, Any]) -> None:

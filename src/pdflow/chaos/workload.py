@@ -23,7 +23,7 @@ from pdflow.chaos.procs import Agent
 
 MAX_ATTEMPTS = 3
 RETRY_PAUSE_S = 1.0
-ATTEMPT_TIMEOUT_S = 30.0
+ATTEMPT_TIMEOUT_S = 45.0
 """An attempt whose decode side never answers within this is recorded as not terminal."""
 
 
