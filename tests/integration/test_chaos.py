@@ -1,0 +1,60 @@
+"""`pdflow chaos` end to end: a short seeded run passes the checker, and the decode's fence of
+old main put back (a transport whose fence stops nothing) is caught as writes after release."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integration.test_trace_html_chromium import _chromium
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
+
+PASSING_KINDS = "partition,oneway,pause,slow"
+"""The nemesis kinds main survives; docs/chaos.md says what ``kill`` and ``registry`` still find."""
+
+
+def chaos(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    done = subprocess.run(
+        [sys.executable, "-m", "pdflow.cli", "chaos", "--out", str(out), *args],
+        capture_output=True, text=True, timeout=400, env={**os.environ, **(env or {})},
+    )  # fmt: skip
+    result_file = out / "result.json"
+    assert result_file.is_file(), done.stdout[-3000:] + done.stderr[-3000:]
+    return done.returncode, json.loads(result_file.read_text())
+
+
+def test_a_short_seeded_run_under_faults_passes_the_checker(tmp_path: Path) -> None:
+    code, result = chaos(tmp_path, "--seed", "1", "--duration", "60", "--nemesis", PASSING_KINDS)
+    violations = result["violations"]
+    assert code == 0 and violations == [], json.dumps(violations, indent=1)[:4000]
+    run = result["run"]
+    assert [f for f in run["faults"] if f["started"] is not None and not f["error"]]
+    attempts = [a for a in run["attempts"] if not a["probe"]]
+    assert sum(a["decode_results"] == ["Success"] * len(a["decode_results"])
+               for a in attempts) > 50  # fmt: skip
+    assert run["replays"] and all(r["returncode"] == 0 for r in run["replays"])
+    assert len(run["lives"]["decode-0"]) == len(run["lives"]["decode-1"]) == 1
+    assert (tmp_path / "schedule.json").is_file()
+    page = (tmp_path / "report.html").as_uri()
+    dom = _chromium(tmp_path, "--dump-dom", page)
+    assert dom.count("<rect") > 50 and "Fault schedule (written before the run)" in dom
+    screenshot = tmp_path / "report.png"
+    _chromium(tmp_path, f"--screenshot={screenshot}", page)
+    assert screenshot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert screenshot.stat().st_size > 20_000  # drawn, not blank
+
+
+def test_the_no_op_fence_of_old_main_is_caught_as_writes_after_release(tmp_path: Path) -> None:
+    code, result = chaos(tmp_path, "--seed", "1", "--duration", "45", "--nemesis", "pause",
+                         env={"PDFLOW_CHAOS_MUTANT": "noop_fence"})  # fmt: skip
+    kinds = {v["kind"] for v in result["violations"]}
+    assert code == 1 and "write_after_release" in kinds, kinds
+    caught = next(v for v in result["violations"] if v["kind"] == "write_after_release")
+    assert caught["room"] is not None and caught["timeline"], caught
