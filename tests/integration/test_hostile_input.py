@@ -213,3 +213,16 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
         await dropped_at_least(p_node, "unauthenticated", 1)
         await dropped_at_least(p_node, "bad_mac", 1)
         assert await one_room(p_node, d_node, 2) is KVPoll.Success
+
+
+async def test_a_decode_accepts_no_large_frame(tmp_path: anyio.Path) -> None:
+    """Large frames only where the protocol needs them: a decode receives no message that
+    grows with a room, so 1 MiB of forged metadata is refused before it is decoded."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = d_node.ranks[0]
+        pages = tuple(range(1 << 16, (1 << 16) + 209_000))
+        forged = RoomMetadata(5, 0, rank.peer, p_node.ranks[0].peer, "x", pages, None, 1)
+        await forge(rank.peer.address, [MsgpackCodec().encode(forged, None)] * 10)
+        await dropped_at_least(d_node, "oversized", 10)
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success

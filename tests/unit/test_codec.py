@@ -142,3 +142,27 @@ def _depth(info: msgspec.inspect.Type) -> int:
 def test_every_control_message_nests_at_most_max_schema_depth() -> None:
     """Typed decoding never goes deeper than the schema: the bound the tag-first rule relies on."""
     assert _depth(msgspec.inspect.type_info(ControlMessage)) == MAX_SCHEMA_DEPTH
+
+
+def test_only_messages_that_grow_with_a_room_may_be_large_and_only_where_received() -> None:
+    prefill_side, decode_side = MsgpackCodec(), MsgpackCodec(large_inbound=())
+    big_metadata = metadata(pages=30_000)  # about 90 KiB: over the small limit
+    frames = MsgpackCodec().encode(big_metadata, None)
+    assert sum(map(len, frames)) > prefill_side.small_message_bytes
+    assert prefill_side.decode(frames) == (big_metadata, None)
+    assert reason_of(decode_side, frames) == "oversized"  # a decode never receives one
+    padded = StatusReport(7, 2, KVPoll.Failed, PREFILL, DECODE, reason="x" * 70_000)
+    padded_frames = decode_side.encode(padded, None)  # a sender is limited by the maximum only
+    for codec in (prefill_side, decode_side):
+        with pytest.raises(FrameError, match="may exceed") as caught:
+            codec.decode(padded_frames)
+        assert caught.value.reason == "oversized"
+    small = StatusReport(7, 2, KVPoll.Failed, PREFILL, DECODE, reason="x" * 1000)
+    assert decode_side.decode(decode_side.encode(small, None)) == (small, None)
+
+
+def test_the_type_tag_must_be_a_short_string() -> None:
+    codec = MsgpackCodec()
+    version = str(PROTOCOL_VERSION).encode()
+    for payload in (b"\x81\xa4type\x05", b"\x81\xa4type\xd9\x05abort", b"\x81\xa4type"):
+        assert reason_of(codec, [MAGIC, version, payload, b""]) == "undecodable"

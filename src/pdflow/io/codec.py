@@ -17,6 +17,8 @@ The message must be a map whose first key is its ``type`` tag (pdflow's encoder 
 first). Decoding is then typed from the first byte on, so its depth is bounded by the message
 schema (at most :data:`MAX_SCHEMA_DEPTH` containers); a frame that puts another key first would
 make msgspec skip that key's value untyped, which recurses as deep as the sender nests it.
+The tag, read before decoding, also sets the size limit: only LARGE_MESSAGE_TYPES (and only
+where ``large_inbound`` admits them) may exceed ``small_message_bytes``.
 """
 
 from __future__ import annotations
@@ -29,6 +31,10 @@ from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage
 from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
+DEFAULT_SMALL_MESSAGE_BYTES = 64 << 10
+LARGE_MESSAGE_TYPES = ("room_metadata", "kv_args")
+"""The messages that grow with a room (its pages) or a rank (its buffers): the only ones a
+prefill receives past the small limit. A decode receives none (MsgpackCodec(large_inbound=()))."""
 MAGIC = b"pdflow"
 
 ControlMessage = AnyMessage | KvArgs | KvArgsAccepted
@@ -71,11 +77,15 @@ class MsgpackCodec:
         self,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        small_message_bytes: int = DEFAULT_SMALL_MESSAGE_BYTES,
+        large_inbound: tuple[str, ...] = LARGE_MESSAGE_TYPES,
         version: int = PROTOCOL_VERSION,
     ) -> None:
         if max_message_bytes < 64:
             raise ValueError(f"max_message_bytes must be at least 64, got {max_message_bytes}")
         self.max_message_bytes = max_message_bytes
+        self.small_message_bytes = min(small_message_bytes, max_message_bytes)
+        self.large_inbound = frozenset(large_inbound)
         self.version = version
         self._version_frame = str(version).encode()
         self._encoder = msgspec.msgpack.Encoder()
@@ -113,7 +123,12 @@ class MsgpackCodec:
             raise FrameError(
                 "bad_version", f"protocol version {shown!r}, this node speaks {self.version}"
             )
-        require_tag_first(frames[2])
+        tag = message_tag(frames[2])
+        if size > self.small_message_bytes and tag not in self.large_inbound:
+            raise FrameError(
+                "oversized", f"a {tag[:40]!r} message of {size} bytes; only "
+                f"{sorted(self.large_inbound)} may exceed {self.small_message_bytes} bytes here",
+            )
         try:
             message = self._decoder.decode(frames[2])
             msg_id = frames[3].decode() or None
@@ -122,8 +137,8 @@ class MsgpackCodec:
         return message, msg_id
 
 
-def require_tag_first(payload: bytes) -> None:
-    """Refuse a MessagePack payload that is not a map starting with the ``type`` key."""
+def message_tag(payload: bytes) -> str:
+    """The ``type`` tag of a MessagePack payload, which must be a map starting with that key."""
     header = payload[:1]
     if header and 0x80 <= header[0] <= 0x8F:
         start = 1
@@ -135,3 +150,8 @@ def require_tag_first(payload: bytes) -> None:
         raise FrameError("undecodable", "the message is not a MessagePack map")
     if payload[start : start + len(_TAG_KEY)] != _TAG_KEY:
         raise FrameError("undecodable", "the message's first key must be its 'type' tag")
+    at = start + len(_TAG_KEY)
+    header = payload[at : at + 1]
+    if not header or not 0xA0 <= header[0] <= 0xBF:  # every tag is a short (fix)str
+        raise FrameError("undecodable", "the message's type tag is not a short string")
+    return payload[at + 1 : at + 1 + (header[0] & 0x1F)].decode("utf-8", "replace")

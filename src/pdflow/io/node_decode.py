@@ -280,7 +280,7 @@ class DecodeNode(NodeLifecycle):
         self.is_mla = is_mla
         self.rank_kv = list(ranks)
         self.runtime = NodeRuntime("decode", self.settings, self.incarnation,
-                                   codec or MsgpackCodec())  # fmt: skip
+                                   codec or MsgpackCodec(large_inbound=()))  # fmt: skip
         self._executor = executor
         self._rng = rng or random.Random()
         self._stack = AsyncExitStack()
