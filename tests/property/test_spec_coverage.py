@@ -14,7 +14,7 @@ import functools
 from collections import Counter
 
 from pdflow.sim.cells import cell_coverage
-from pdflow.sim.coverage import PROTOCOL_MACHINES, missing, summary
+from pdflow.sim.coverage import PROTOCOL_MACHINES, cell_only, missing, summary
 from pdflow.sim.invariants import Transition
 from pdflow.sim.runner import run_seed
 
@@ -42,7 +42,19 @@ def test_every_protocol_transition_is_reached() -> None:
 
 def test_worlds_alone_reach_most_of_the_protocol() -> None:
     """The simulation itself (not the targeted drives) must keep reaching the bulk of the spec:
-    a regression here means the worlds stopped exploring part of the protocol."""
+    at least 90% of the transitions a world can take through its endpoints. A regression here
+    means the worlds stopped exploring part of the protocol."""
     reached = world_coverage()
-    unreached = missing(reached, PROTOCOL_MACHINES)
-    assert len(unreached) <= 45, "\n".join(unreached)
+    only_cells = cell_only()
+    reachable = [t for t in missing((), PROTOCOL_MACHINES) if t not in only_cells]
+    unreached = [t for t in missing(reached, PROTOCOL_MACHINES) if t not in only_cells]
+    assert len(unreached) <= 0.1 * len(reachable), "\n".join(unreached)
+
+
+def test_what_only_a_cell_drive_reaches_is_listed_and_really_out_of_a_worlds_reach() -> None:
+    """Every transition listed as cell-only is a spec transition, and no world takes it (else
+    its reason is wrong and it belongs to the worlds' share)."""
+    every = set(missing((), PROTOCOL_MACHINES))
+    taken = set(every) - set(missing(world_coverage(), PROTOCOL_MACHINES))
+    assert set(cell_only()) <= every
+    assert sorted(set(cell_only()) & taken) == []

@@ -14,7 +14,6 @@ from collections.abc import Iterator
 
 import pytest
 
-from pdflow.core.endpoints import prefill_slots
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenRoom,
@@ -101,13 +100,10 @@ def test_failures_and_stray_aborts_leave_memory_flat(policy: AllocationPolicy) -
 
 
 @pytest.mark.invariant("bounded_room_state", "abort_is_final")
-def test_forged_aborts_for_fresh_room_ids_stop_at_the_cap(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_forged_aborts_for_fresh_room_ids_stop_at_the_cap() -> None:
     """ABORTs for room ids never opened are each kept (abort_is_final) up to the cap; past it
     they are dropped unanswered: no ACK, no promise, no growth."""
-    monkeypatch.setattr(prefill_slots, "MAX_UNOPENED_ROOM_IDS", 500)
-    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL))
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_pending_room_ids=500))
     acked = 0
     for room in range(5_000):
         step = p.handle(abort(10_000 + room, 1), 0.0)

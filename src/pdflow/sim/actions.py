@@ -18,7 +18,7 @@ from pdflow.core.endpoints.endpoint_io import (
     RoomCall,
 )
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
 from pdflow.core.resources.admission import QueueState
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
 from pdflow.sim.world import BOOTSTRAP, World
@@ -93,6 +93,17 @@ def _progress(world: World) -> list[Any]:
     ]
 
 
+def _racing(world: World) -> list[Any]:
+    """Open prefill rooms whose engine may race the endpoint: it issues its next call (or a
+    second PrefillCompleted) without having seen the room's last status change."""
+    return [
+        (p.rank, room)
+        for p in world.prefill
+        for room in p.endpoint.open_rooms()
+        if room in p.jobs and p.jobs[room].request.generation == p.endpoint.generation_of(room)
+    ]
+
+
 def _unlanded(world: World) -> list[Any]:
     return [w.wid for w in world.transport.writes.values() if not w.landed]
 
@@ -155,6 +166,7 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "heartbeat_fail": lambda w: list(range(len(w.decode))),
     "partition": _partitions,
     "heal": lambda w: [()] if w.network.cut else [],
+    "engine_race": _racing,
 }
 
 
@@ -206,6 +218,33 @@ def _prefill_progress(world: World, choice: tuple[int, int], hint: int) -> None:
         pages = job.src_pages[job.next_page : job.next_page + size]
         job.next_page += size
         world.feed(process, RoomCall(room, SendChunk(pages, is_last=size == remaining)))
+
+
+def _engine_race(world: World, choice: tuple[int, int], hint: int) -> None:
+    """The engine's next call, issued whatever the room polls now (a failure it has not seen
+    yet, a notice sent twice). The endpoint takes it or refuses it and changes nothing."""
+    process: PrefillProcess = world.prefill[choice[0]]
+    room = choice[1]
+    job = process.jobs[room]
+    call: PrefillCompleted | InitTransfer | SendChunk
+    size = 0
+    if not job.computed or job.last_sent or hint % 3 == 0:
+        call = PrefillCompleted()
+    elif not job.initialized:
+        call = InitTransfer(job.request.num_pages)
+    else:
+        remaining = job.request.num_pages - job.next_page
+        size = 1 + hint % remaining
+        pages = job.src_pages[job.next_page : job.next_page + size]
+        call = SendChunk(pages, is_last=size == remaining)
+    if not world.take_or_refuse(process, RoomCall(room, call)):
+        return
+    if isinstance(call, PrefillCompleted):
+        job.computed = True
+    elif isinstance(call, InitTransfer):
+        job.initialized = True
+    else:
+        job.next_page += size
 
 
 def _write_complete(world: World, wid: int, hint: int) -> None:
@@ -325,6 +364,7 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "heartbeat_fail": _heartbeat(False),
     "partition": _partition,
     "heal": lambda w, choice, hint: w.network.heal(),
+    "engine_race": _engine_race,
 }
 
 
@@ -337,6 +377,7 @@ def settle(world: World, max_rounds: int = 400) -> None:
     still waiting for memory when nothing else can happen is aborted by its engine.
     """
     world.network.heal()
+    _last_races(world)
     for _ in range(max_rounds):
         if _work_once(world):
             continue
@@ -354,8 +395,37 @@ def settle(world: World, max_rounds: int = 400) -> None:
     raise RuntimeError(f"the world did not settle within {max_rounds} rounds")
 
 
-def _work_once(world: World) -> bool:
+def _last_races(world: World) -> None:
+    """A healed network still delivers what is in flight twice."""
+    for link, position in reversed(world.network.in_flight()):
+        world.network.duplicate((link, position))
+
+
+def _late_calls(world: World) -> bool:
+    """Engines that have not polled a finished room yet: before clearing it, a prefill engine
+    makes the call it had queued and repeats its completion notice, and every engine aborts it
+    (once per room instance)."""
     did = False
+    for side in ("prefill", "decode"):
+        processes: list[PrefillProcess] | list[DecodeProcess] = (
+            world.prefill if side == "prefill" else world.decode
+        )
+        for process in processes:
+            for room in process.endpoint.clearable_rooms():
+                key = (process.name, room, process.endpoint.generation_of(room))
+                if key in world.late_called:
+                    continue
+                world.late_called.add(key)
+                did = True
+                if isinstance(process, PrefillProcess) and room in process.jobs:
+                    for hint in (0, 1 << 20):
+                        _engine_race(world, (process.rank, room), hint)
+                _abort(side)(world, (process.rank, room), 0)
+    return did
+
+
+def _work_once(world: World) -> bool:
+    did = _late_calls(world)
     for kind in (
         "local_event",
         "deliver",
@@ -368,6 +438,8 @@ def _work_once(world: World) -> bool:
         "clear_prefill",
         "clear_decode",
     ):
+        if kind.startswith("clear_"):
+            did = _late_calls(world) or did
         while choices(world, kind):
             apply(world, kind, 0, hint=1 << 20)
             did = True

@@ -13,6 +13,18 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
+from pdflow.core.endpoints.endpoint_io import (
+    AnyEndpointInput,
+    ClearRoom,
+    OpenRoom,
+    PrefillEndpointConfig,
+    Received,
+    RoomCall,
+)
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.endpoints.prefill_slots import MAX_PARKED_PEERS, PrefillRoomSlot
 from pdflow.core.framework.errors import ProtocolError
 from pdflow.core.framework.table import Fired
 from pdflow.core.protocol.inputs import (
@@ -208,6 +220,11 @@ def room_cell_coverage() -> Counter[Transition]:
     for seq in sorted(sender.outstanding):
         _record(reached, sender.fire(completed(seq), 2.0)[1])
     _record(reached, sender.fire(AbortRequested("engine gave up"), 2.0)[1])
+    # ...and a decode's ABORT there.
+    sender = sender_in(SenderState.TRANSFERRING)
+    for seq in sorted(sender.outstanding):
+        _record(reached, sender.fire(completed(seq), 2.0)[1])
+    _record(reached, sender.fire(abort(), 2.0)[1])
     # A verification that fails (worlds draw corrupt writes only for some seeds).
     verifying = receiver_in(ReceiverState.VERIFYING)
     _record(reached, verifying.fire(ChecksumResult(False, "checksum mismatch"), 2.0)[1])
@@ -234,5 +251,55 @@ def ledger_cell_coverage() -> Counter[Transition]:
     return reached
 
 
+def slot_cell_coverage() -> Counter[Transition]:
+    """Room-slot rows no world reaches: the bounds (more room ids pending, or more decode peers
+    parked, than a world has), a parked slot ticked before it is due, and, for completeness,
+    every prefill slot story driven through a real endpoint."""
+    reached: Counter[Transition] = Counter()
+    config = PrefillEndpointConfig(me=PREFILL, timeouts=TIMEOUTS, max_pending_room_ids=1)
+    endpoint = PrefillEndpoint(config)
+
+    def feed(inp: AnyEndpointInput, now: float = 1.0) -> None:
+        _record(reached, endpoint.handle(inp, now).fired)
+
+    def meta(room: int, generation: int, decode: PeerId = DECODE) -> Received:
+        return Received(msgspec.structs.replace(metadata(decode), room=room, generation=generation))
+
+    def stray_abort(room: int, generation: int) -> Received:
+        return Received(Abort(room=room, generation=generation, decode=DECODE, prefill=PREFILL))
+
+    feed(meta(1, 1))  # ABSENT -> PARKED
+    for rank in range(MAX_PARKED_PEERS + 1):  # PARKED: the 65th decode peer is refused
+        feed(meta(1, 1, PeerId("10.0.0.3:8000", "d-many", rank)))
+    feed(meta(2, 1))  # another room id while one is pending: over the cap
+    feed(stray_abort(2, 1))
+    slot = PrefillRoomSlot(endpoint, 1, 1)
+    _record(reached, slot.fire(Tick(), 2.0)[1])  # ticked before its deadline
+    feed(stray_abort(1, 1))  # PARKED -> CANCELLED
+    feed(stray_abort(1, 1))
+    feed(meta(1, 1))
+    feed(OpenRoom(1, 1))  # CANCELLED -> OPEN, failed at once
+    feed(ClearRoom(1))
+    feed(meta(1, 1))  # REMOVED
+    feed(stray_abort(1, 1))
+    # A room cleared with two writes in flight drains; late metadata and ABORT reach it there.
+    endpoint = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, timeouts=TIMEOUTS))
+    feed(OpenRoom(3, 1))
+    feed(meta(3, 1))
+    feed(RoomCall(3, InitTransfer(2)))
+    feed(RoomCall(3, SendChunk((1,), False)))
+    feed(RoomCall(3, SendChunk((2,), True)))
+    feed(RoomCall(3, AbortRequested("engine gave up")))
+    feed(ClearRoom(3))
+    feed(meta(3, 1))
+    feed(stray_abort(3, 1))
+    feed(TransferCompleted(3, 1, 0, True, checksum=0))
+    feed(TransferCompleted(3, 1, 1, True, checksum=0))
+    # Metadata for a generation older than the one already parked.
+    feed(meta(4, 3))
+    feed(meta(4, 2))
+    return reached
+
+
 def cell_coverage() -> Counter[Transition]:
-    return room_cell_coverage() + ledger_cell_coverage()
+    return room_cell_coverage() + ledger_cell_coverage() + slot_cell_coverage()

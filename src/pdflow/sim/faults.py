@@ -84,6 +84,7 @@ ACTION_KINDS = (
     "heartbeat_fail",
     "partition",
     "heal",
+    "engine_race",
 )
 
 FAULT_KINDS = frozenset(
@@ -101,6 +102,11 @@ FAULT_KINDS = frozenset(
         "duplicate_claim",
     }
 )
+
+
+LATE_KINDS = ("engine_race",)
+"""Faults added after the others: their weights are drawn last, so every earlier draw of a seed
+keeps its value."""
 
 
 class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -165,6 +171,8 @@ def draw_plan(seed: int) -> FaultPlan:
     shape = draw_shape(rng)
     weights: dict[str, float] = {}
     for kind in ACTION_KINDS:
+        if kind in LATE_KINDS:
+            continue
         if kind in FAULT_KINDS:
             # Swarm testing: each fault is switched off for some seeds and frequent in others.
             weights[kind] = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
@@ -182,6 +190,8 @@ def draw_plan(seed: int) -> FaultPlan:
         shape, prefill_checksums=rng.random() < 0.7, prefill_declares_checksums=rng.random() < 0.5
     )
     shape = msgspec.structs.replace(shape, receiver_fence=rng.random() < 0.7)
+    for kind in LATE_KINDS:
+        weights[kind] = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -50,6 +50,7 @@ INVARIANTS = (
     "no_resurrection",
     "no_status_after_clear",
     "duplicate_claim_fails",
+    "refusal_changes_nothing",
     "success_needs_all_peers",
     "sides_agree",
     "success_bytes_exact",

@@ -147,6 +147,8 @@ class World:
         self.requests: list[Request] = []
         self.generations: dict[int, int] = {}
         self.local_events: list[LocalEvent] = []
+        self.late_called: set[tuple[str, int, int | None]] = set()
+        """Room instances whose engine made its late calls while settling (once each)."""
         self.steps = 0
         self.actions = 0
         self._start_prefill_instance()
@@ -642,7 +644,7 @@ class World:
             after = msgspec.json.encode(process.endpoint.snapshot())
             if after != before:
                 self.monitor.fail(
-                    "duplicate_claim_fails",
+                    "refusal_changes_nothing",
                     f"{process.name}: a refused {type(inp).__name__} changed state",
                 )
             return
@@ -650,6 +652,23 @@ class World:
             "duplicate_claim_fails",
             f"{process.name}: {type(inp).__name__} was accepted, not refused",
         )
+
+    def take_or_refuse(
+        self, process: PrefillProcess | DecodeProcess, inp: AnyEndpointInput
+    ) -> bool:
+        """Feed an input the endpoint may take or refuse; a refusal must change nothing.
+        True when it was taken."""
+        before = msgspec.json.encode(process.endpoint.snapshot())
+        try:
+            self.feed(process, inp)
+        except (ProtocolError, InvalidInput):
+            if msgspec.json.encode(process.endpoint.snapshot()) != before:
+                self.monitor.fail(
+                    "refusal_changes_nothing",
+                    f"{process.name}: a refused {type(inp).__name__} changed state",
+                )
+            return False
+        return True
 
     def is_live(self, name: str) -> bool:
         return any(p.name == name for p in self.processes())

@@ -170,6 +170,9 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     me: PeerId
     policy: AllocationPolicy = AllocationPolicy.EARLY
     timeouts: Timeouts = Timeouts()
+    max_pending_room_ids: int = 65_536
+    """Room ids that may hold parked metadata or a cancel for a generation not opened yet; past
+    it, metadata for a new room id is dropped and its ABORT is not ACKed (no ACK, no promise)."""
 
 
 class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field="role"):

@@ -97,6 +97,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self.pending: dict[int, PendingRecord] = {}
         self.parking_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.bootstrap_timeout = config.timeouts.bootstrap_timeout
+        self.max_pending_room_ids = config.max_pending_room_ids
         self._step_outputs: list[Output] = []
         self._step_fired: list[Fired] = []
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.

@@ -43,9 +43,6 @@ NONE = -(2**63)
 """Below every generation (an int64 on the wire): "no generation yet"."""
 MAX_PARKED_PEERS = 64
 """Decode peers whose metadata one parked generation keeps (more than any topology needs)."""
-MAX_UNOPENED_ROOM_IDS = 65_536
-"""Room ids a rank keeps parked or cancelled state for before the engine opened them; past it
-metadata is dropped and an ABORT is not ACKed (safe: no ACK, no promise)."""
 
 
 class SlotState(enum.Enum):
@@ -78,6 +75,7 @@ class SlotHost(Protocol):
     pending: dict[int, PendingRecord]
     parking_deadlines: DeadlineQueue[int]
     bootstrap_timeout: float
+    max_pending_room_ids: int
 
     def host_sender(self, room: int, generation: int, now: float) -> SenderRoom: ...
 
@@ -144,7 +142,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _guard_unopened_full(self, inp: MetadataArrived | AbortArrived, now: float) -> bool:
         fresh = self.key not in self.host.pending
-        return fresh and len(self.host.pending) >= MAX_UNOPENED_ROOM_IDS
+        return fresh and len(self.host.pending) >= self.host.max_pending_room_ids
 
     def _guard_parking_full(self, inp: MetadataArrived, now: float) -> bool:
         parked = self.record.parked
@@ -259,7 +257,8 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         self, inp: MetadataArrived | AbortArrived, now: float
     ) -> list[Output]:
         kind = type(inp).__name__
-        return [self._drop("unopened_full", f"{kind}: {MAX_UNOPENED_ROOM_IDS} room ids pending")]
+        cap = self.host.max_pending_room_ids
+        return [self._drop("unopened_full", f"{kind}: {cap} room ids pending")]
 
     # ---- helpers -------------------------------------------------------------------------------
     def _forget_parked(self) -> None:
