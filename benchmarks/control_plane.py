@@ -39,7 +39,8 @@ def _percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, round(q * (len(ordered) - 1)))]
 
 
-async def _measure(rooms: int, trace: bool, progress: Callable[[str], None]) -> dict[str, Any]:
+async def _measure(rooms: int, trace: bool, progress: Callable[[str], None],
+                   batches: int = 1) -> dict[str, Any]:  # fmt: skip
     pages = rooms + 8
     settings = load_settings(env={}, trace_enabled=trace, trace_dir=tempfile.mkdtemp())
     prefill = [host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=pages, dtype=KvDtype.FP16,
@@ -87,6 +88,8 @@ async def _measure(rooms: int, trace: bool, progress: Callable[[str], None]) -> 
             return time.perf_counter() - started
 
         await batch(0, 8, p_rank, d_rank)  # warm-up: topology fetch, connections
+        for extra in range(1, batches):  # more of the same load, for a profiler to sample
+            await batch(1000 + extra * rooms, rooms, p_rank, d_rank)
         latencies.clear()
         seconds = await batch(1000, rooms, p_rank, d_rank)
     result = {
@@ -106,12 +109,13 @@ async def _measure(rooms: int, trace: bool, progress: Callable[[str], None]) -> 
     return result
 
 
-def run(rooms: int = 256, trace: bool = True,
-        progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
-    """Run the batch once and return {"benchmark", "rooms", "rooms_per_s", "handshake_*_ms"}."""
-    if rooms < 1:
-        raise ValueError(f"rooms must be >= 1, got {rooms}")
-    result = anyio.run(_measure, rooms, trace, progress, backend="asyncio")
+def run(rooms: int = 256, trace: bool = True, progress: Callable[[str], None] = print,
+        batches: int = 1) -> dict[str, Any]:  # fmt: skip
+    """Run the batch and return {"benchmark", "rooms", "rooms_per_s", "handshake_*_ms"}; with
+    ``batches`` > 1 the same load runs that many times first (the last one is measured)."""
+    if rooms < 1 or batches < 1:
+        raise ValueError(f"rooms and batches must be >= 1, got {rooms} and {batches}")
+    result = anyio.run(_measure, rooms, trace, progress, batches, backend="asyncio")
     return {"benchmark": "control_plane", **result}
 
 
@@ -119,9 +123,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rooms", type=int, default=256)
     parser.add_argument("--no-trace", action="store_true", help="switch the trace recorder off")
+    parser.add_argument("--batches", type=int, default=1,
+                        help="run the load this many times (for a profiler; the last is timed)")
     parser.add_argument("--json", help="also write the result to this file")
     args = parser.parse_args()
-    result = run(args.rooms, trace=not args.no_trace)
+    result = run(args.rooms, trace=not args.no_trace, batches=args.batches)
     if args.json:
         with open(args.json, "w") as out:
             json.dump(result, out, indent=2)

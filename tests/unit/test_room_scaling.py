@@ -1,16 +1,26 @@
 """Per-room costs do not grow with the number of rooms: counted, never timed.
 
-A release, a fence, writer news and the quarantine gauges must touch only the rooms they are
-about. Each test fills a ledger (or deadline queue) with thousands of bystanders and counts
-how many of them the operation visits.
+A release, a fence, writer news, the quarantine gauges and an admission decision must touch
+only the rooms they are about. Each test fills a ledger (deadline queue, admission queue) with
+thousands of bystanders and counts how many of them the operation visits.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import pytest
+
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.protocol.messages import PeerId
+from pdflow.core.resources import admission
+from pdflow.core.resources.admission import (
+    AdmissionBudget,
+    AdmissionQueue,
+    AdmitRequests,
+    EnqueueRequest,
+    FinishRequest,
+)
 from pdflow.core.resources.page_ledger import (
     AckArrived,
     Fence,
@@ -115,3 +125,30 @@ def test_the_deadline_heap_stays_within_a_constant_factor_of_the_armed_keys() ->
     assert len(queue) == 10
     assert queue.next_deadline() == 2000.0 + 9_990
     assert queue.pop_due(1e9) == list(range(9_990, 10_000))
+
+
+def test_an_admission_decision_does_not_walk_the_admitted_requests(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    budget = AdmissionBudget(pool_pages=3 * BYSTANDERS, page_size=16, reserve_tokens=16,
+                             clip_max_new=32)  # fmt: skip
+    queue = AdmissionQueue(budget)
+    for index in range(BYSTANDERS):
+        queue.handle(EnqueueRequest(f"r{index}", 16, 32), 0.0)
+        queue.handle(AdmitRequests(), 0.0)
+    assert len(queue.admitted) == BYSTANDERS
+    calls = 0
+    real = admission.footprint
+
+    def counted(*args: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return real(*args)
+
+    monkeypatch.setattr(admission, "footprint", counted)
+    queue.handle(FinishRequest("r0"), 1.0)
+    queue.handle(EnqueueRequest("late", 16, 32), 1.0)
+    queue.handle(AdmitRequests(), 1.0)
+    assert calls <= 10
+    assert queue.largest_growth == 1
+    assert queue.reserved_pages == 2 * (len(queue.admitted))

@@ -24,6 +24,7 @@ spec/machines/admission.toml.
 from __future__ import annotations
 
 import enum
+from collections import Counter
 from typing import cast
 
 import msgspec
@@ -137,10 +138,23 @@ def decide_admission(
             f"the pool view accounts for {accounted} pages but the pool has {budget.pool_pages}; "
             "free, retractable and in-flight pages must not overlap"
         )
+    largest = max((f.growth_pages for f in inflight), default=0)
+    return decide_on_totals(budget, pool.free_pages, pool.retractable_pages, largest, candidate)
+
+
+def decide_on_totals(
+    budget: AdmissionBudget,
+    free_pages: int,
+    retractable_pages: int,
+    largest_inflight_growth: int,
+    candidate: RequestDemand,
+) -> AdmissionDecision:
+    """:func:`decide_admission` on the pool's totals (what the queue keeps up to date, so a
+    decision costs O(1) however many requests are in flight)."""
     own = footprint(budget, candidate)
-    free_after = pool.free_pages - own.held_pages
-    largest_growth = max(f.growth_pages for f in [*inflight, own])
-    headroom = free_after + pool.retractable_pages
+    free_after = free_pages - own.held_pages
+    largest_growth = max(largest_inflight_growth, own.growth_pages)
+    headroom = free_after + retractable_pages
     fits_pool = own.worst_pages <= budget.pool_pages
     if not fits_pool:
         reason = (
@@ -149,18 +163,18 @@ def decide_admission(
         )
     elif free_after < 0:
         reason = (
-            f"needs {own.held_pages} pages now but only {pool.free_pages} are free; wait for a "
+            f"needs {own.held_pages} pages now but only {free_pages} are free; wait for a "
             "request to finish"
         )
     elif headroom < largest_growth:
         reason = (
-            f"admitting would leave {free_after} free + {pool.retractable_pages} retractable "
+            f"admitting would leave {free_after} free + {retractable_pages} retractable "
             f"pages, fewer than the {largest_growth} pages one in-flight request may still "
             "grow by; wait for a request to finish"
         )
     else:
         reason = (
-            f"reserves {own.held_pages} pages; {free_after} free + {pool.retractable_pages} "
+            f"reserves {own.held_pages} pages; {free_after} free + {retractable_pages} "
             f"retractable pages remain for the largest growth of {largest_growth}"
         )
     verdict = fits_pool and free_after >= 0 and headroom >= largest_growth
@@ -170,9 +184,9 @@ def decide_admission(
         fits_pool=fits_pool,
         held_pages=own.held_pages,
         worst_pages=own.worst_pages,
-        free_pages=pool.free_pages,
+        free_pages=free_pages,
         free_pages_after=free_after,
-        retractable_pages=pool.retractable_pages,
+        retractable_pages=retractable_pages,
         largest_growth_pages=largest_growth,
     )
 
@@ -300,11 +314,20 @@ class AdmissionQueue(TableMachine[QueueState]):
         self.state = ADMISSION_TABLE.initial
         self.queue: dict[str, RequestDemand] = {}  # insertion order is FIFO order
         self.admitted: dict[str, RequestDemand] = {}
+        # Running totals over ``admitted``, so no decision walks the requests in flight.
+        self._reserved = 0
+        self._growths: Counter[int] = Counter()  # growth pages -> admitted requests with it
+        self._largest_growth = 0
 
     # ---- public API ----------------------------------------------------------------------------
     @property
     def reserved_pages(self) -> int:
-        return sum(footprint(self.budget, d).held_pages for d in self.admitted.values())
+        return self._reserved
+
+    @property
+    def largest_growth(self) -> int:
+        """The largest growth any admitted request may still need (0 when none is admitted)."""
+        return self._largest_growth
 
     @property
     def free_pages(self) -> int:
@@ -321,9 +344,8 @@ class AdmissionQueue(TableMachine[QueueState]):
         )
 
     def decide(self, demand: RequestDemand) -> AdmissionDecision:
-        """The decision for ``demand`` against the pool as it is now."""
-        view = PoolView(free_pages=self.free_pages, inflight=tuple(self.admitted.values()))
-        return decide_admission(self.budget, view, demand)
+        """The decision for ``demand`` against the pool as it is now (O(1))."""
+        return decide_on_totals(self.budget, self.free_pages, 0, self._largest_growth, demand)
 
     def timer_at(self) -> float | None:
         return None  # no deadlines: waiting for memory is not a failure
@@ -398,6 +420,7 @@ class AdmissionQueue(TableMachine[QueueState]):
             demand = self.queue.pop(rid)
             self.admitted[rid] = demand
             size = footprint(self.budget, demand)
+            self._count(size, +1)
             outputs.append(RequestAdmitted(rid, size.held_pages, size.worst_pages))
         if blocked is not None:
             outputs.append(AdmissionBlocked(next(iter(self.queue)), blocked))
@@ -405,8 +428,9 @@ class AdmissionQueue(TableMachine[QueueState]):
 
     def _act_finish(self, inp: Input, now: float) -> list[Output]:
         rid = cast(FinishRequest, inp).request_id
-        demand = self.admitted.pop(rid)
-        return [RequestReleased(rid, footprint(self.budget, demand).held_pages)]
+        size = footprint(self.budget, self.admitted.pop(rid))
+        self._count(size, -1)
+        return [RequestReleased(rid, size.held_pages)]
 
     def _act_cancel(self, inp: Input, now: float) -> list[Output]:
         rid = cast(CancelRequest, inp).request_id
@@ -414,18 +438,31 @@ class AdmissionQueue(TableMachine[QueueState]):
         return [RequestCancelled(rid)]
 
     # ---- helpers -----------------------------------------------------------------------------
+    def _count(self, size: Footprint, delta: int) -> None:
+        """Add (+1) or remove (-1) one admitted request from the running totals."""
+        self._reserved += delta * size.held_pages
+        growth = size.growth_pages
+        self._growths[growth] += delta
+        if self._growths[growth] <= 0:
+            del self._growths[growth]
+        if delta > 0:
+            self._largest_growth = max(self._largest_growth, growth)
+        elif growth == self._largest_growth and growth not in self._growths:
+            # Distinct growth values are few (bounded by clip_max_new / page size).
+            self._largest_growth = max(self._growths, default=0)
+
     def _head_of_line(self) -> tuple[list[str], AdmissionDecision | None]:
-        """The queued ids that would be admitted in order, and the head's refusal if any."""
-        inflight = list(self.admitted.values())
+        """The queued ids that would be admitted in order, and the head's refusal if any.
+        Costs O(admitted + 1) decisions, each O(1)."""
+        largest = self._largest_growth
         free = self.free_pages
         admissible: list[str] = []
         for rid, demand in self.queue.items():
-            view = PoolView(free_pages=free, inflight=tuple(inflight))
-            decision = decide_admission(self.budget, view, demand)
+            decision = decide_on_totals(self.budget, free, 0, largest, demand)
             if not decision.admit:
                 return admissible, decision
             admissible.append(rid)
-            inflight.append(demand)
+            largest = decision.largest_growth_pages
             free = decision.free_pages_after
         return admissible, None
 
