@@ -404,7 +404,8 @@ class DecodeDriver:
             if self.batch_left == 0 and self.batch_started is not None:
                 elapsed = time.monotonic() - self.batch_started
                 outcomes = [self.outcomes[r]["outcome"] for r in self.batch_rooms]
-                emit("batch_done", rooms=len(self.batch_rooms), seconds=round(elapsed, 4),
+                emit("batch_done", base=self.batch_rooms[0], rooms=len(self.batch_rooms),
+                     seconds=round(elapsed, 4),
                      rooms_per_s=round(len(self.batch_rooms) / elapsed, 1),
                      success=outcomes.count("success"),
                      wrong_pages=sum(self.outcomes[r].get("wrong_pages", 0)
