@@ -8,6 +8,7 @@ import ctypes
 import gc
 import os
 from collections.abc import Iterable
+from typing import Any
 
 import anyio
 import httpx
@@ -23,7 +24,7 @@ from pdflow.io.frame_auth import authenticated
 from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
+from pdflow.io.settings import Settings, load_settings
 from tests.integration.test_nodes_inprocess import one_room, two_nodes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
@@ -35,6 +36,11 @@ NESTED_FRAME = [MAGIC, b"1", b"\x81\xa8abcdefgh" + b"\x91" * 999 + b"\x00", b""]
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
+
+
+def checked(tmp_path: anyio.Path, **overrides: Any) -> Settings:
+    """Node settings with checksums on: a room's Success means its bytes were verified."""
+    return load_settings(env={}, trace_dir=str(tmp_path), checksum=True, **overrides)
 
 
 async def forge(address: str, frame_lists: Iterable[list[bytes]]) -> None:
@@ -60,7 +66,7 @@ async def test_a_1017_byte_nested_frame_kills_neither_prefill_nor_decode(
     tmp_path: anyio.Path,
 ) -> None:
     assert sum(len(frame) for frame in NESTED_FRAME) == 1017
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         for node in (p_node, d_node):
             for rank in node.ranks:
@@ -80,7 +86,7 @@ def forged_kv_args(d_node: DecodeNode, prefill: PeerId, decode_address: str) -> 
 async def test_a_forged_kv_args_with_a_bad_address_neither_kills_nor_hangs_the_prefill(
     tmp_path: anyio.Path,
 ) -> None:
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         rank = p_node.ranks[0]
         await forge(rank.peer.address, [forged_kv_args(d_node, rank.peer, "127.0.0.1:notaport"),
@@ -104,7 +110,7 @@ async def test_1100_forged_kv_args_from_distinct_addresses_do_not_exhaust_socket
     tmp_path: anyio.Path,
 ) -> None:
     """Before: each got a reply socket; ZMQ ran out at about 1,020 and the prefill died."""
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         rank = p_node.ranks[0]
         await forge(rank.peer.address, (
@@ -125,7 +131,7 @@ async def test_1100_forged_aborts_for_rooms_not_opened_open_no_reply_socket(
 ) -> None:
     """Before: all were parked with no expiry and opened 1,022 reply sockets; the next
     legitimate decode then killed the prefill."""
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     codec = MsgpackCodec()
     async with two_nodes(settings) as (p_node, d_node):
         rank = p_node.ranks[0]
@@ -151,8 +157,7 @@ async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path
     """Before: +375 MiB of RSS, held for the bootstrap timeout (300 s); 80 such frames here
     grew it by over 600 MiB. Now 40 are dropped unannounced, and of 40 from a decode that
     announced a layout first only one fits the early-page budget (set to 256 Ki pages)."""
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True,
-                             control_max_early_pages=1 << 18)  # fmt: skip
+    settings = checked(tmp_path, control_max_early_pages=1 << 18)
     codec = MsgpackCodec()
     async with two_nodes(settings) as (p_node, d_node):
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
@@ -182,7 +187,7 @@ async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path
 async def test_a_kv_args_accepted_from_a_prefill_never_announced_to_is_dropped(
     tmp_path: anyio.Path,
 ) -> None:
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         rank = d_node.ranks[0]
         stranger = PeerId("127.0.0.1:1", "forged", 0)
@@ -198,8 +203,7 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
 ) -> None:
     """Before: GET /route gave out (address, incarnation, rank) without a token, and a frame
     naming them was taken as the peer's: a forged ABORT for a room not yet opened failed it."""
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True,
-                             bootstrap_token="cluster-secret")  # fmt: skip
+    settings = checked(tmp_path, bootstrap_token="cluster-secret")
     async with two_nodes(settings) as (p_node, d_node):
         async with httpx.AsyncClient(base_url=f"http://{p_node.bootstrap}") as http:
             route = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
@@ -218,7 +222,7 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
 async def test_a_decode_accepts_no_large_frame(tmp_path: anyio.Path) -> None:
     """Large frames only where the protocol needs them: a decode receives no message that
     grows with a room, so 1 MiB of forged metadata is refused before it is decoded."""
-    settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True)
+    settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         rank = d_node.ranks[0]
         pages = tuple(range(1 << 16, (1 << 16) + 209_000))

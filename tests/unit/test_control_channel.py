@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import socket
 from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import anyio
 import anyio.to_thread
@@ -13,7 +15,7 @@ import zmq.asyncio
 
 from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
-from pdflow.io.control import ControlChannel
+from pdflow.io.control import ControlChannel, Deliver
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -33,36 +35,32 @@ def free_port() -> int:
         return port
 
 
-async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
+class Receiving:
+    """A receiving channel serving ``deliver``, a sending channel and a raw PUSH at it."""
+
+    def __init__(self, receiver: ControlChannel, sender: ControlChannel,
+                 raw: zmq.asyncio.Socket, drops: Counter[str]) -> None:  # fmt: skip
+        self.receiver, self.sender, self.raw, self.drops = receiver, sender, raw, drops
+
+    async def send(self, room: int, msg_id: str | None = None) -> None:
+        await self.sender.send(self.receiver.address, Abort(room, 0, DECODE, PREFILL), msg_id)
+
+
+@asynccontextmanager
+async def receiving(codec: MsgpackCodec, deliver: Deliver,
+                    done: anyio.Event) -> AsyncIterator[Receiving]:  # fmt: skip
+    """Serve until the body returns and ``done`` is set (at most 5 s), then release it all."""
     context = zmq.asyncio.Context()
     drops: Counter[str] = Counter()
-    codec = MsgpackCodec(max_message_bytes=4096)
     receiver = ControlChannel.open(context, codec, on_drop=lambda reason: drops.update([reason]))
-    sender = ControlChannel.open(context, codec)
-    received: list[tuple[ControlMessage, str | None]] = []
-    done = anyio.Event()
-
-    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
-        received.append((message, msg_id))
-        if len(received) == 3:
-            done.set()
-
+    sender = ControlChannel.open(context, MsgpackCodec())
     raw = context.socket(zmq.PUSH)
     raw.setsockopt(zmq.LINGER, 0)
     raw.connect(f"tcp://{receiver.address}")
     try:
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(receiver.receive_forever, deliver)
-            await sender.send(receiver.address, Abort(1, 0, DECODE, PREFILL), "a:0:0")
-            for frames in (
-                [b"garbage"],
-                [MAGIC, b"2", b"\x80", b""],
-                [MAGIC, b"1", b"\xc1", b""],
-                [MAGIC, b"1", b"x" * 8000, b""],
-            ):
-                await raw.send_multipart(frames)
-            await sender.send(receiver.address, Abort(2, 0, DECODE, PREFILL), None)
-            await sender.send(receiver.address, Abort(3, 0, DECODE, PREFILL), None)
+            yield Receiving(receiver, sender, raw, drops)
             with anyio.fail_after(5):
                 await done.wait()
             tasks.cancel_scope.cancel()
@@ -71,10 +69,32 @@ async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
         sender.close()
         receiver.close()
         context.term()
+
+
+async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
+    received: list[tuple[ControlMessage, str | None]] = []
+    done = anyio.Event()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        received.append((message, msg_id))
+        if len(received) == 3:
+            done.set()
+
+    async with receiving(MsgpackCodec(max_message_bytes=4096), deliver, done) as channels:
+        await channels.send(1, "a:0:0")
+        for frames in (
+            [b"garbage"],
+            [MAGIC, b"2", b"\x80", b""],
+            [MAGIC, b"1", b"\xc1", b""],
+            [MAGIC, b"1", b"x" * 8000, b""],
+        ):
+            await channels.raw.send_multipart(frames)
+        await channels.send(2)
+        await channels.send(3)
     assert [m.room for m, _ in received] == [1, 2, 3]  # type: ignore[union-attr]
     assert received[0][1] == "a:0:0"
-    assert drops == Counter(malformed=1, bad_version=1, undecodable=1, oversized=1)
-    assert receiver.dropped == 4
+    assert channels.drops == Counter(malformed=1, bad_version=1, undecodable=1, oversized=1)
+    assert channels.receiver.dropped == 4
 
 
 async def test_a_send_that_cannot_be_queued_times_out_and_is_counted() -> None:
@@ -118,11 +138,6 @@ class _BrokenCodec(MsgpackCodec):
 
 
 async def test_no_codec_or_handler_failure_ends_the_receive_loop() -> None:
-    context = zmq.asyncio.Context()
-    drops: Counter[str] = Counter()
-    receiver = ControlChannel.open(context, _BrokenCodec(),
-                                   on_drop=lambda reason: drops.update([reason]))  # fmt: skip
-    sender = ControlChannel.open(context, MsgpackCodec())
     received: list[int] = []
     done = anyio.Event()
 
@@ -133,25 +148,12 @@ async def test_no_codec_or_handler_failure_ends_the_receive_loop() -> None:
         received.append(message.room)
         done.set()
 
-    raw = context.socket(zmq.PUSH)
-    raw.setsockopt(zmq.LINGER, 0)
-    raw.connect(f"tcp://{receiver.address}")
-    try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(receiver.receive_forever, deliver)
-            await raw.send_multipart([b"boom"])
-            await sender.send(receiver.address, Abort(1, 0, DECODE, PREFILL), None)
-            await sender.send(receiver.address, Abort(2, 0, DECODE, PREFILL), None)
-            with anyio.fail_after(5):
-                await done.wait()
-            tasks.cancel_scope.cancel()
-    finally:
-        raw.close(linger=0)
-        sender.close()
-        receiver.close()
-        context.term()
+    async with receiving(_BrokenCodec(), deliver, done) as channels:
+        await channels.raw.send_multipart([b"boom"])
+        await channels.send(1)
+        await channels.send(2)
     assert received == [2]
-    assert drops == Counter(codec_error=1, handler_error=1)
+    assert channels.drops == Counter(codec_error=1, handler_error=1)
 
 
 async def test_a_send_that_cannot_be_attempted_is_refused_counted_and_leaks_no_socket() -> None:
