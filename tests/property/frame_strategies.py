@@ -22,12 +22,13 @@ from pdflow.core.protocol.messages import (
     Abort,
     AbortAck,
     BootstrapRequest,
+    KvArgs,
+    KvArgsAccepted,
     PeerId,
     RoomMetadata,
     StatusReport,
 )
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
-from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 
 FUZZ_EXAMPLES = int(os.environ.get("PDFLOW_FUZZ_EXAMPLES", "5000"))
 

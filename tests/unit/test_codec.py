@@ -10,12 +10,12 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import (
     PROTOCOL_VERSION,
     Abort,
+    KvArgs,
     PeerId,
     RoomMetadata,
     StatusReport,
 )
 from pdflow.io.codec import MAGIC, MAX_SCHEMA_DEPTH, ControlMessage, FrameError, MsgpackCodec
-from pdflow.io.kv_buffers import KvArgs
 
 DECODE = PeerId("127.0.0.1:5001", "d-inc", 0)
 PREFILL = PeerId("127.0.0.1:6001", "p-inc", 1)

@@ -1,4 +1,4 @@
-"""The shell's resource bounds: LRU socket pool, decode announcements, early-page budget."""
+"""The shell's resource bounds: LRU socket pool, early-page budget, admission by layout."""
 
 from __future__ import annotations
 
@@ -8,9 +8,8 @@ import zmq.asyncio
 
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata, StatusReport
-from pdflow.io.kv_buffers import KvArgs
-from pdflow.io.limits import Announcements, EarlyPages, PrefillRankLimits, SocketPool
+from pdflow.core.protocol.messages import Abort, KvArgs, PeerId, RoomMetadata, StatusReport
+from pdflow.io.limits import EarlyPages, PrefillRankLimits, SocketPool
 
 PREFILL = PeerId("127.0.0.1:6000", "p", 0)
 LAYOUT = packed_layout(base_addr=4096, num_layers=1, num_pages=8, page_size=1, num_heads=1,
@@ -44,20 +43,6 @@ def test_socket_pool_closes_the_least_recently_used_past_its_limit() -> None:
         context.term()
 
 
-def test_announcements_keep_one_life_per_decode_rank_and_evict_the_oldest() -> None:
-    evicted: list[int] = []
-    table = Announcements(2, on_evict=lambda: evicted.append(1))
-    table.announce(kv_args(decode(1)))
-    table.announce(kv_args(decode(1, "restarted")))  # replaces, no growth
-    assert len(table) == 1 and table.of(decode(1)) is None
-    assert table.of(decode(1, "restarted")) == kv_args(decode(1, "restarted"))
-    table.announce(kv_args(decode(2)))
-    table.of(decode(1, "restarted"))  # used: decode 2 is now the oldest
-    table.announce(kv_args(decode(3)))
-    assert table.of(decode(2)) is None and evicted == [1]
-    assert table.of(decode(1, "restarted")) is not None
-
-
 def test_early_pages_are_bounded_released_on_open_and_expire() -> None:
     early = EarlyPages(10, hold_s=5.0)
     assert early.admit(1, 6, now=0.0)
@@ -72,8 +57,9 @@ def test_early_pages_are_bounded_released_on_open_and_expire() -> None:
 
 
 def test_prefill_rank_admits_only_announced_decodes_and_real_pages() -> None:
-    limits = PrefillRankLimits(max_peers=4, max_early_pages=4, hold_s=60.0)
+    limits = PrefillRankLimits(max_early_pages=4, hold_s=60.0)
     peer = decode(1)
+    announced: dict[PeerId, KvArgs] = {}
 
     def metadata(room: int, pages: tuple[int, ...]) -> RoomMetadata:
         return RoomMetadata(room, 0, peer, PREFILL, "s", pages, None, 1)
@@ -81,17 +67,20 @@ def test_prefill_rank_admits_only_announced_decodes_and_real_pages() -> None:
     def opened(room: int) -> bool:
         return room == 7
 
-    assert limits.refusal(Abort(1, 0, peer, PREFILL), opened, 0.0) == "unannounced_decode"
-    assert limits.refusal(metadata(1, (0,)), opened, 0.0) == "unannounced_decode"
+    def refusal(message: object) -> str | None:
+        return limits.refusal(message, opened, announced.get, 0.0)
+
+    assert refusal(Abort(1, 0, peer, PREFILL)) == "unannounced_decode"
+    assert refusal(metadata(1, (0,))) == "unannounced_decode"
     status = StatusReport(1, 0, KVPoll.Success, PREFILL, peer)
-    assert limits.refusal(status, opened, 0.0) is None  # the core judges the rest
-    limits.announcements.announce(kv_args(peer))
-    assert limits.refusal(Abort(1, 0, peer, PREFILL), opened, 0.0) is None
-    assert limits.refusal(metadata(1, (0, 8)), opened, 0.0) == "pages_out_of_range"
-    assert limits.refusal(metadata(1, (-1,)), opened, 0.0) == "pages_out_of_range"
-    assert limits.refusal(metadata(1, (0, 1, 2)), opened, 0.0) is None
-    assert limits.refusal(metadata(2, (3, 4)), opened, 0.0) == "early_pages_limit"
-    assert limits.refusal(metadata(7, tuple(range(8))), opened, 0.0) is None  # open: no budget
+    assert refusal(status) is None  # the core judges the rest
+    announced[peer] = kv_args(peer)  # the core keeps what decodes announced
+    assert refusal(Abort(1, 0, peer, PREFILL)) is None
+    assert refusal(metadata(1, (0, 8))) == "pages_out_of_range"
+    assert refusal(metadata(1, (-1,))) == "pages_out_of_range"
+    assert refusal(metadata(1, (0, 1, 2))) is None
+    assert refusal(metadata(2, (3, 4))) == "early_pages_limit"
+    assert refusal(metadata(7, tuple(range(8)))) is None  # open: no budget
 
 
 @pytest.mark.parametrize("limit", [0, -1])

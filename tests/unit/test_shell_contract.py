@@ -83,7 +83,7 @@ class EffectNames:
     def fetch_topology(self, bootstrap: str) -> str:
         return "fetch_topology"
 
-    def close_session(self, writer: PeerId) -> str:
+    def close_session(self, request: CloseSession) -> str:
         return "close_session"
 
     def verify_checksums(self, request: VerifyChecksums) -> str:

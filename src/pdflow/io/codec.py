@@ -28,7 +28,6 @@ from typing import Any, Protocol
 import msgspec
 
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage
-from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 
 DEFAULT_MAX_MESSAGE_BYTES = 1 << 20
 DEFAULT_SMALL_MESSAGE_BYTES = 64 << 10
@@ -37,9 +36,9 @@ LARGE_MESSAGE_TYPES = ("room_metadata", "kv_args")
 prefill receives past the small limit. A decode receives none (MsgpackCodec(large_inbound=()))."""
 MAGIC = b"pdflow"
 
-ControlMessage = AnyMessage | KvArgs | KvArgsAccepted
-"""Everything the control channel carries: the core's messages plus the shell's data-plane
-handshake (a decode rank's KV layout, and the prefill rank's transport session in reply)."""
+ControlMessage = AnyMessage
+"""Everything the control channel carries: the core's messages (the KV layout handshake
+included), and nothing else."""
 
 MAX_SCHEMA_DEPTH = 3
 """Deepest nesting of any ControlMessage (KvArgs -> layout -> k_addrs); tests check it."""

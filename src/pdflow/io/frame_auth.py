@@ -36,12 +36,13 @@ from pdflow.core.protocol.messages import (
     Abort,
     AbortAck,
     BootstrapRequest,
+    KvArgs,
+    KvArgsAccepted,
     PeerId,
     RoomMetadata,
     StatusReport,
 )
 from pdflow.io.codec import ControlMessage, FrameError, WireCodec
-from pdflow.io.kv_buffers import KvArgs, KvArgsAccepted
 
 DEFAULT_WINDOW_S = 30.0
 AUTH_REASONS = ("unauthenticated", "bad_mac", "stale", "replayed", "sender_mismatch")

@@ -1,8 +1,9 @@
-"""KV buffers as the shell sees them: layouts, the layout handshake, write plans and digests.
+"""KV buffers as the shell sees them: layouts, write plans and digests.
 
 The core says *which* pages go where (``StartTransfer``); this module turns that into byte
 writes with :mod:`pdflow.core.dataplane.planning`, using the KV layout each decode rank announced
-with a :class:`KvArgs` message (SGLang's "register KV args" frame). Equal head ranges copy whole
+with a :class:`~pdflow.core.protocol.messages.KvArgs` message (SGLang's "register KV args"
+frame), which the prefill rank's core keeps. Equal head ranges copy whole
 pages, coalesced; different TP sizes copy head slices. The staged path (gather into a staging ring,
 one bulk write, scatter on the decode) plugs in by overriding :meth:`TransferPlanner.plan`.
 
@@ -31,37 +32,12 @@ from pdflow.core.dataplane.layout import (
     rank_head_range,
 )
 from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
-from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.messages import KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.backend import load_optional
 from pdflow.dataplane.executor import Executor
 from pdflow.dataplane.numpy_backend import NumpyExecutor
 from pdflow.dataplane.pure import PythonExecutor
-
-
-class KvArgs(msgspec.Struct, frozen=True, tag="kv_args", tag_field="type",
-             forbid_unknown_fields=True):  # fmt: skip
-    """Decode -> prefill, once per (decode rank, prefill rank life), before any room metadata:
-    where this decode rank's KV lives and which heads it holds."""
-
-    decode: PeerId
-    prefill: PeerId
-    session_id: str
-    layout: KvLayout
-    tp_size: int
-    tp_rank: int
-    total_kv_heads: int
-    staging_addr: int | None = None
-    """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
-
-
-class KvArgsAccepted(msgspec.Struct, frozen=True, tag="kv_args_accepted", tag_field="type",
-                     forbid_unknown_fields=True):  # fmt: skip
-    """Prefill -> decode: the layout is registered; this is the writer's transport session."""
-
-    prefill: PeerId
-    decode: PeerId
-    session_id: str
 
 
 class RankKv(msgspec.Struct, frozen=True):

@@ -2,13 +2,11 @@
 
 Each bound is a setting (see docs/operations.md for the defaults and how they were sized): past
 one, the node closes the least recently used entry or refuses the new one, counts it by reason,
-and keeps serving. What the *core* keeps per room id is bounded by the core itself.
+and keeps serving. What the *core* keeps (per room id, and the KV layouts decode ranks announced,
+``control_max_peers``) is bounded by the core itself.
 
 - :class:`SocketPool`: the outgoing PUSH sockets of all the control channels of one node; the
   least recently used one is closed when a new peer needs a socket past ``limit``.
-- :class:`Announcements`: the KV layouts (KvArgs) decode ranks announced to one prefill rank,
-  one per decode rank (a restarted decode replaces its previous life), least recently used
-  evicted past ``limit``.
 - :class:`EarlyPages`: destination pages of RoomMetadata that arrived for a room the prefill
   rank has not opened yet (the core parks it until the room opens or ``bootstrap_timeout``);
   at most ``limit`` pages are admitted that way per rank.
@@ -22,8 +20,7 @@ from typing import Generic, TypeVar
 
 import zmq.asyncio
 
-from pdflow.core.protocol.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
-from pdflow.io.kv_buffers import KvArgs
+from pdflow.core.protocol.messages import Abort, BootstrapRequest, KvArgs, PeerId, RoomMetadata
 
 K = TypeVar("K")
 V = TypeVar("V")
@@ -94,28 +91,6 @@ class SocketPool:
         return len(self._sockets)
 
 
-def _decode_rank(peer: PeerId) -> tuple[str, int]:
-    return (peer.address, peer.rank)
-
-
-class Announcements:
-    """The KvArgs each decode rank announced to one prefill rank."""
-
-    def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
-        self._args: _Lru[tuple[str, int], KvArgs] = _Lru(limit, lambda key, args: on_evict())
-
-    def announce(self, args: KvArgs) -> None:
-        self._args.put(_decode_rank(args.decode), args)
-
-    def of(self, decode: PeerId) -> KvArgs | None:
-        """The layout this exact decode life announced (another incarnation: None)."""
-        args = self._args.get(_decode_rank(decode))
-        return args if args is not None and args.decode == decode else None
-
-    def __len__(self) -> int:
-        return len(self._args)
-
-
 class EarlyPages:
     """Pages admitted for rooms not open yet, each released when its room opens or at
     ``expires_at`` (the core has discarded what it parked by then)."""
@@ -156,22 +131,24 @@ class PrefillRankLimits:
     """What one prefill rank admits from decode ranks before the core sees it.
 
     A decode rank announces its KV layout (KvArgs) before its first message to a prefill rank,
-    on the same socket, so a RoomMetadata, BootstrapRequest or Abort from a decode life that
-    never announced one is dropped (``unannounced_decode``): nothing unknown makes the rank
-    park a message or open a reply socket. RoomMetadata must name pages that exist in the
-    announced layout (``pages_out_of_range``); for a room the rank has not opened yet it is
-    admitted within ``early``'s page limit (``early_pages_limit``)."""
+    on the same socket, and the core keeps it (``layout_of`` asks it), so a RoomMetadata,
+    BootstrapRequest or Abort from a decode life that never announced one is dropped
+    (``unannounced_decode``): nothing unknown makes the rank park a message or open a reply
+    socket. RoomMetadata must name pages that exist in the announced layout
+    (``pages_out_of_range``); for a room the rank has not opened yet it is admitted within
+    ``early``'s page limit (``early_pages_limit``)."""
 
-    def __init__(self, max_peers: int, max_early_pages: int, hold_s: float,
-                 on_evict: Callable[[], None] = lambda: None) -> None:  # fmt: skip
-        self.announcements = Announcements(max_peers, on_evict)
+    def __init__(self, max_early_pages: int, hold_s: float) -> None:
         self.early = EarlyPages(max_early_pages, hold_s)
 
-    def refusal(self, message: object, is_open: Callable[[int], bool], now: float) -> str | None:
+    def refusal(
+        self, message: object, is_open: Callable[[int], bool],
+        layout_of: Callable[[PeerId], KvArgs | None], now: float,
+    ) -> str | None:  # fmt: skip
         """None to hand ``message`` to the core, else why it is dropped."""
         if not isinstance(message, RoomMetadata | BootstrapRequest | Abort):
             return None
-        args = self.announcements.of(message.decode)
+        args = layout_of(message.decode)
         if args is None:
             return "unannounced_decode"
         if not isinstance(message, RoomMetadata) or not message.dst_pages:

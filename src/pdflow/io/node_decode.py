@@ -1,9 +1,9 @@
 """DecodeNode: the decode ranks of one process, each a core DecodeEndpoint with its page ledger.
 
-It fetches prefill topologies from their bootstrap registries, announces each rank's KV layout
-to every prefill rank it talks to (before the first room metadata), heartbeats the prefill
-instances it knows, closes the transport sessions of writers the core declared dead, and
-recomputes checksums when the core asks. Pages come back to the engine only through
+It fetches prefill topologies from their bootstrap registries, hands each rank's core its KV
+layout (the core announces it to every prefill rank before its first message), heartbeats the
+prefill instances it knows, closes the transport sessions of writers the core declared dead,
+and recomputes checksums when the core asks. Pages come back to the engine only through
 :class:`~pdflow.io.node_common.PagesReleased` events; see docs/embedding.md.
 """
 
@@ -28,6 +28,7 @@ from pdflow.core.endpoints.effects import carry_out_decode
 from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
+    CloseSession,
     DecodeEndpointConfig,
     HeartbeatResult,
     OpenReceiver,
@@ -62,8 +63,6 @@ from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.heartbeat import run_heartbeat
 from pdflow.io.kv_buffers import (
-    KvArgs,
-    KvArgsAccepted,
     RankKv,
     default_executor,
     exchanged_span,
@@ -223,9 +222,9 @@ class DecodeRankEffects(RankEffects):
         node, host = self.node, self.host
         node.spawn(lambda: node.resolve(host, bootstrap))
 
-    async def close_session(self, writer: PeerId) -> None:
+    async def close_session(self, request: CloseSession) -> None:
         node, host = self.node, self.host
-        node.spawn(lambda: node.close_session(host, writer))
+        node.spawn(lambda: node.close_session(host, request.peer, request.session_id))
 
     async def verify_checksums(self, request: VerifyChecksums) -> None:
         node, host = self.node, self.host
@@ -285,8 +284,6 @@ class DecodeNode(NodeLifecycle):
         self._rng = rng or random.Random()
         self._stack = AsyncExitStack()
         self._clients: dict[str, BootstrapClient] = {}
-        self._kv_sent: set[tuple[int, PeerId]] = set()
-        self._writer_sessions: dict[PeerId, str] = {}
         self._writer_heads: dict[PeerId, HeadRange] = {}
         self.room_pages: dict[tuple[int, int], tuple[int, ...]] = {}
         self.ranks: list[DecodeRank] = []
@@ -343,6 +340,7 @@ class DecodeNode(NodeLifecycle):
             verify_checksums=self.settings.checksum,
             staging_capacity=self.staging_bytes,
             staging_page_bytes=staging_page_bytes(layout),
+            kv_layout=layout, staging_addr=self._staging_addr(rank_kv.tp_rank),
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
@@ -356,6 +354,10 @@ class DecodeNode(NodeLifecycle):
         ))  # fmt: skip
         self._channels[rank_kv.tp_rank] = channel
         self.ranks.append(DecodeRank(self, host, rank_kv))
+
+    def _staging_addr(self, rank: int) -> int | None:
+        ring = self._staging.get(rank)
+        return None if ring is None else ctypes.addressof(ring)
 
     async def _release(self) -> None:
         for client in self._clients.values():
@@ -372,18 +374,7 @@ class DecodeNode(NodeLifecycle):
     # ---- receiving -----------------------------------------------------------------------------
     def _deliverer(self, host: EndpointHost) -> Deliver:
         async def deliver(message: ControlMessage, msg_id: str | None) -> None:
-            if isinstance(message, KvArgsAccepted):
-                if message.decode != host.me:
-                    self.runtime.metrics.frame_dropped("stale_incarnation")
-                elif (host.rank, message.prefill) not in self._kv_sent:
-                    # Only a prefill rank this rank announced itself to has a session to offer.
-                    self.runtime.metrics.frame_dropped("unannounced_prefill")
-                else:
-                    self._writer_sessions[message.prefill] = message.session_id
-            elif isinstance(message, KvArgs):
-                self.runtime.metrics.frame_dropped("wrong_direction")
-            else:
-                await host.feed(Received(message, msg_id))
+            await host.feed(Received(message, msg_id))
 
         return deliver
 
@@ -397,17 +388,9 @@ class DecodeNode(NodeLifecycle):
 
     async def send(self, host: EndpointHost, to: PeerId, message: AnyMessage,
                    msg_id: str | None) -> None:  # fmt: skip
-        channel = self._channels[host.rank]
-        key = (host.rank, to)
-        if key not in self._kv_sent:
-            # Same socket, sent first: the prefill has the layout before any room metadata.
-            kv = self.ranks[self._hosts.index(host)].kv
-            ring = self._staging.get(host.rank)
-            args = kv.kv_args(host.me, to, self.transport.session_id,
-                              None if ring is None else ctypes.addressof(ring))  # fmt: skip
-            if await channel.send(to.address, args, None):
-                self._kv_sent.add(key)
-        await channel.send(to.address, message, msg_id)
+        # One channel per rank, in step order: the core's KvArgs precedes the messages it
+        # announces.
+        await self._channels[host.rank].send(to.address, message, msg_id)
 
     def update_quarantine(self) -> None:
         """Refresh the quarantine gauges: O(ranks) per release, never a walk over the rooms."""
@@ -481,14 +464,13 @@ class DecodeNode(NodeLifecycle):
                 await host.feed(result)
 
     # ---- dead writers and checksums ------------------------------------------------------------
-    async def close_session(self, host: EndpointHost, peer: PeerId) -> None:
+    async def close_session(self, host: EndpointHost, peer: PeerId, session: str | None) -> None:
         """Fence a writer the core declared dead, on this process's own receiving side.
 
         SessionClosed lets the core free the writer's quarantined pages, so it is handed over
         only once a real fence has returned. Without one (or without the writer's session id)
         the pages wait for its drain ACK, and its channel is kept so the ABORTs reach it.
         """
-        session = self._writer_sessions.get(peer)
         if session is None or not self.transport.fence_is_real:
             why = ("its transport session is unknown" if session is None
                    else "the transport has no receiver-side fence")  # fmt: skip
@@ -496,7 +478,6 @@ class DecodeNode(NodeLifecycle):
                         reason=f"{why}; its pages stay quarantined until its drain ACK")
             return
         self._channels[host.rank].forget(peer.address)
-        self._kv_sent.discard((host.rank, peer))
         await self.transport.fence(session)
         self.runtime.events.publish(WriterFenced(host.rank, peer))
         await host.feed(SessionClosed(peer))

@@ -42,7 +42,7 @@ from pdflow.core.protocol.inputs import (
     SendChunk,
     TransferCompleted,
 )
-from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, PeerId
+from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import BootstrapClient
@@ -50,8 +50,6 @@ from pdflow.io.bootstrap_server import serve
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.kv_buffers import (
-    KvArgs,
-    KvArgsAccepted,
     RankKv,
     TransferPlanner,
     default_executor,
@@ -158,7 +156,11 @@ class PrefillRankEffects(RankEffects):
 
     async def start_transfer(self, start: StartTransfer) -> None:
         node, host = self.node, self.host
-        node.queue_transfer(peer_key(start.peer), lambda worker: node.transfer(host, start, worker))
+        # The layout as the core knows it in this step (a later announcement may replace it).
+        layout = host.endpoint.layout_of(start.peer)
+        node.queue_transfer(
+            peer_key(start.peer), lambda worker: node.transfer(host, start, layout, worker)
+        )
 
 
 class StagedWrite(msgspec.Struct, frozen=True):
@@ -206,11 +208,9 @@ class PrefillNode(NodeLifecycle):
         self._executor = executor
         self._planners = {r.tp_rank: planner_factory(r) for r in ranks}
         self._rng = rng or random.Random()
-        evicted = self.runtime.metrics.evictions.labels("announcement").inc
         self.limits = {
-            r.tp_rank: PrefillRankLimits(self.settings.control_max_peers,
-                                         self.settings.control_max_early_pages,
-                                         self.settings.bootstrap_timeout, evicted)
+            r.tp_rank: PrefillRankLimits(self.settings.control_max_early_pages,
+                                         self.settings.bootstrap_timeout)
             for r in ranks
         }  # fmt: skip
         self._queues = TransferQueues(self.settings.transfer_queues, transfer_lanes)
@@ -261,7 +261,10 @@ class PrefillNode(NodeLifecycle):
                                      pp_rank=0, cp_rank=0)  # fmt: skip
         me = PeerId(channel.address, self.incarnation, unique)
         config = PrefillEndpointConfig(me=me, policy=self.settings.allocation_policy,
-                                       timeouts=timeouts_from(self.settings))  # fmt: skip
+                                       timeouts=timeouts_from(self.settings),
+                                       session_id=self.transport.session_id,
+                                       max_decode_layouts=self.settings.control_max_peers,
+                                       )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(unique)
         endpoint = self.runtime.recorder.wrap(endpoint_id, PrefillEndpoint(config))
         host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
@@ -298,27 +301,16 @@ class PrefillNode(NodeLifecycle):
     # ---- receiving -----------------------------------------------------------------------------
     def _deliverer(self, host: EndpointHost, channel: ControlChannel) -> Deliver:
         async def deliver(message: ControlMessage, msg_id: str | None) -> None:
-            if isinstance(message, KvArgs):
-                await self._kv_args(host, channel, message)
-            elif isinstance(message, KvArgsAccepted):
-                self.runtime.metrics.frame_dropped("wrong_direction")
+            endpoint = host.endpoint
+            refusal = self.limits[host.rank].refusal(
+                message, endpoint.is_open, endpoint.layout_of, anyio.current_time()
+            )
+            if refusal is None:
+                await host.feed(Received(message, msg_id))
             else:
-                is_open = lambda room: host.endpoint.summary(room) is not None  # noqa: E731
-                refusal = self.limits[host.rank].refusal(message, is_open, anyio.current_time())
-                if refusal is None:
-                    await host.feed(Received(message, msg_id))
-                else:
-                    self.runtime.metrics.frame_dropped(refusal)
+                self.runtime.metrics.frame_dropped(refusal)
 
         return deliver
-
-    async def _kv_args(self, host: EndpointHost, channel: ControlChannel, args: KvArgs) -> None:
-        if args.prefill != host.me:
-            self.runtime.metrics.frame_dropped("stale_incarnation")
-            return
-        self.limits[host.rank].announcements.announce(args)
-        reply = KvArgsAccepted(host.me, args.decode, self.transport.session_id)
-        await channel.send(args.decode.address, reply, None)
 
     # ---- outputs -------------------------------------------------------------------------------
     def _dispatcher(self, host: EndpointHost) -> Dispatch:
@@ -330,17 +322,17 @@ class PrefillNode(NodeLifecycle):
     def queue_transfer(self, key: str, job: Job) -> None:
         self._queues.submit(key, job)
 
-    async def transfer(self, host: EndpointHost, start: StartTransfer, worker: int) -> None:
-        done = await self._write(host, start, worker)
+    async def transfer(self, host: EndpointHost, start: StartTransfer, args: KvArgs | None,
+                       worker: int) -> None:  # fmt: skip
+        done = await self._write(host, start, args, worker)
         await host.feed(done)
 
     async def _write(
-        self, host: EndpointHost, start: StartTransfer, worker: int
+        self, host: EndpointHost, start: StartTransfer, args: KvArgs | None, worker: int
     ) -> TransferCompleted:
         def failed(reason: str) -> TransferCompleted:
             return TransferCompleted(start.room, start.generation, start.seq, False, reason)
 
-        args = self.limits[host.rank].announcements.of(start.peer)
         if args is None:
             return failed(
                 f"decode {start.peer.address}#{start.peer.rank} never sent its KV "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdflow.core.endpoints.endpoint_io import Dropped, RoomRemoved, StagingPlaced
+from pdflow.core.endpoints.endpoint_io import CloseSession, Dropped, RoomRemoved, StagingPlaced
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 from pdflow.core.protocol.outputs import Output, StartTransfer, StatusChanged, VerifyChecksums
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
@@ -64,12 +64,12 @@ class DecodeSimEffects(SimEffects):
     def fetch_topology(self, bootstrap: str) -> None:
         self.world.queue_local(self.process, "topology", bootstrap)
 
-    def close_session(self, writer: PeerId) -> None:
+    def close_session(self, request: CloseSession) -> None:
         # The shell fences later (a local event), and reports SessionClosed only then: until
         # it runs, the writer's writes can still land. Without a receiver-side fence it
         # reports nothing: the writer's pages wait for its drain ACK.
         if self.world.shape.receiver_fence:
-            self.world.queue_local(self.process, "fence", writer)
+            self.world.queue_local(self.process, "fence", request.peer)
 
     def verify_checksums(self, request: VerifyChecksums) -> None:
         self.world.queue_local(self.process, "checksum", request)

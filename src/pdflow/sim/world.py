@@ -169,7 +169,10 @@ class World:
         self.prefill = []
         for rank in range(self.shape.prefill_ranks):
             config = PrefillEndpointConfig(
-                me=self.prefill_peer(rank), policy=self.shape.policy, timeouts=self.timeouts
+                me=self.prefill_peer(rank),
+                policy=self.shape.policy,
+                timeouts=self.timeouts,
+                session_id=f"{PREFILL_IP}:{PREFILL_PORT + rank}",
             )
             name = f"prefill{rank}.{self.prefill_life}"
             process = PrefillProcess(
@@ -235,6 +238,9 @@ class World:
             policy=self.shape.policy,
             timeouts=self.timeouts,
             verify_checksums=self.shape.verify_checksums,
+            # No kv_layout: the fake transport moves pages by index, so the decode announces no
+            # layout (KvArgs). Announcing one doubles the decode->prefill traffic of the first
+            # messages, and the seeded driver then reaches two ACK mutants only past its budget.
         )
         name = f"decode{rank}.{life}"
         budget = admission_budget(self.shape.decode_pages, self.shape.page_tokens)

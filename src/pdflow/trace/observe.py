@@ -13,6 +13,7 @@ from pdflow.core.endpoints.endpoint_io import (
     Received,
 )
 from pdflow.core.framework.step import Step
+from pdflow.core.protocol.messages import RoomMessage
 from pdflow.core.protocol.outputs import Output
 
 
@@ -39,7 +40,7 @@ def input_rooms(inp: AnyEndpointInput) -> set[int]:
     room = getattr(inp, "room", None)
     if isinstance(room, int):
         return {room}
-    if isinstance(inp, Received):
+    if isinstance(inp, Received) and isinstance(inp.message, RoomMessage):
         return {inp.message.room}
     return set()
 

@@ -20,7 +20,7 @@ from pdflow.core.endpoints.endpoint_io import (
 )
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import PublishPages, TransferCompleted
-from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.messages import PeerId, RoomMessage
 from pdflow.trace.format import StepRecord, message_id
 from pdflow.trace.merge import Trace
 from pdflow.trace.observe import input_rooms
@@ -135,7 +135,8 @@ def _input_events(record: StepRecord, add: Any) -> None:
         add(inp.room, "clear", "engine clears the room")
     elif isinstance(inp, PublishPages):
         add(inp.room, "pages", f"engine publishes {len(inp.dst_pages)} destination pages")
-    elif isinstance(inp, Received):
+    elif isinstance(inp, Received) and isinstance(inp.message, RoomMessage):
+        # (A layout announcement and its answer concern no room.)
         tag = type(inp.message).__struct_config__.tag
         add(inp.message.room, "recv", f"received {tag}", msg_id=inp.msg_id)
     elif isinstance(inp, TransferCompleted):
@@ -155,7 +156,7 @@ def _output_event(
     if kind == "dropped":
         for dropped_room in input_rooms(record.input):
             add(dropped_room, "dropped", f"dropped ({output['kind']}): {output['reason']}")
-    elif kind == "send":
+    elif kind == "send" and "room" in output["message"]:  # (a KvArgs concerns no room)
         message, to = output["message"], output["to"]
         target = peers.get(_peer_key(to["address"], to["incarnation"], to["rank"]), to["address"])
         add(

@@ -20,6 +20,7 @@ from pdflow.core.cluster.topology import (
     TopologyOptions,
     resolve_rank_mapping,
 )
+from pdflow.core.dataplane.layout import KvLayout
 from pdflow.core.endpoints.decode_slots import DecodeRoomSlot, StatusArrived
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
@@ -58,8 +59,21 @@ from pdflow.core.protocol.inputs import (
     SuccessArrived,
     Tick,
 )
-from pdflow.core.protocol.messages import AbortAck, PeerId, StatusReport, peer_order
-from pdflow.core.protocol.outputs import ArmFence, Output
+from pdflow.core.protocol.messages import (
+    AbortAck,
+    KvArgs,
+    KvArgsAccepted,
+    PeerId,
+    StatusReport,
+    peer_order,
+)
+from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage
+from pdflow.core.resources.kv_layouts import (
+    AcceptArrived,
+    Contact,
+    LayoutAnnouncements,
+    PeerLost,
+)
 from pdflow.core.resources.page_ledger import (
     AckArrived,
     Fence,
@@ -105,6 +119,7 @@ class DecodeSnapshot(msgspec.Struct, frozen=True):
     ledger: LedgerSnapshot
     heartbeat_failures: dict[str, int]
     counters: dict[str, int]
+    announced_to: int = 0
 
 
 class DecodeEndpoint(RoomHost[ReceiverRoom]):
@@ -128,6 +143,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._step_out: list[Output] = []
         self._step_fired: list[Fired] = []
         self._opening = OpenReceiver(0, 0, "")
+        self.announcements = LayoutAnnouncements()
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
@@ -167,7 +183,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"a decode endpoint does not take {type(inp).__name__}",
                 hint="prefill-side inputs go to a PrefillEndpoint",
             )
-        return Step(tuple(out), self.deadlines.next_deadline(), tuple(fired))
+        return Step(self._announced_first(out, now, fired), self.deadlines.next_deadline(),
+                    tuple(fired))  # fmt: skip
 
     def timer_at(self) -> float | None:
         return self.deadlines.next_deadline()
@@ -428,7 +445,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     # ---- messages --------------------------------------------------------------------------------
     def _receive(self, inp: Received, now: float, out: list[Output], fired: list[Fired]) -> None:
         message = inp.message
-        if not isinstance(message, (StatusReport, AbortAck)):
+        if not isinstance(message, (StatusReport, AbortAck, KvArgsAccepted)):
             self._drop(out, "wrong_direction", f"{type(message).__name__} sent to a decode")
             return
         if message.decode != self.me:
@@ -439,6 +456,17 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"{type(message).__name__} for "
                 f"{message.decode.address}/{message.decode.incarnation}",
             )
+            return
+        if isinstance(message, KvArgsAccepted):
+            try:
+                _, transition = self.announcements.fire(
+                    message.prefill, AcceptArrived(message), now
+                )
+            except RemoteProtocolError:
+                self._drop(out, "unannounced_prefill", f"KvArgsAccepted from "
+                           f"{message.prefill.address}/{message.prefill.incarnation}")  # fmt: skip
+                return
+            fired.append(transition)
             return
         if isinstance(message, AbortAck):
             self._ledger(
@@ -483,7 +511,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 self._room_input(room, PeerDied(dead), now, out, fired)
         for peer in peers:
             self._ledger(WriterDead(peer), now, out, fired)
-            out.append(CloseSession(peer))
+            out.append(CloseSession(peer, self.announcements.session_of(peer)))
+            if self.announcements.is_announced(peer):
+                fired.append(self.announcements.fire(peer, PeerLost(), now)[1])
 
     def _forget_waiting(self, bootstrap: str, room_id: int) -> None:
         waiting = self.awaiting_topology.get(bootstrap)
@@ -493,6 +523,39 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 del self.awaiting_topology[bootstrap]
 
     # ---- plumbing --------------------------------------------------------------------------------
+    def _announced_first(
+        self, out: list[Output], now: float, fired: list[Fired]
+    ) -> tuple[Output, ...]:
+        """The step's outputs, each first message to a prefill rank preceded by this rank's
+        KV layout (the shell sends them in order, on one channel). Only ranks of instances
+        known now are announced to: the ABORTs to a lost instance's writers are not."""
+        layout = self.config.kv_layout
+        if layout is None:
+            return tuple(out)
+        known = {r.peer for info in self.topologies.values() for r in info.ranks}
+        ordered: list[Output] = []
+        for output in out:
+            if (
+                isinstance(output, SendMessage)
+                and output.to in known
+                and not self.announcements.is_accepted(output.to)
+            ):
+                produced, transition = self.announcements.fire(
+                    output.to, Contact(self._kv_args(layout, output.to)), now
+                )
+                ordered.extend(produced)
+                fired.append(transition)
+            ordered.append(output)
+        return tuple(ordered)
+
+    def _kv_args(self, layout: KvLayout, prefill: PeerId) -> KvArgs:
+        cfg = self.config
+        return KvArgs(
+            decode=self.me, prefill=prefill, session_id=cfg.session_id or self.me.address,
+            layout=layout, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
+            total_kv_heads=cfg.num_kv_heads, staging_addr=cfg.staging_addr,
+        )  # fmt: skip
+
     def _room_input(
         self, room: ReceiverRoom, inp: Input, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
@@ -579,4 +642,5 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             self.ledger.snapshot(),
             dict(sorted(self.heartbeat_failures.items())),
             dict(sorted(self.counters.items())),
+            len(self.announcements),
         )

@@ -102,7 +102,7 @@ class DecodeEffects(EndpointEffects[R], Protocol[R]):
         """Ask the registry behind ``bootstrap``; answer TopologyKnown or TopologyFailed."""
         ...
 
-    def close_session(self, writer: PeerId) -> R:
+    def close_session(self, request: CloseSession) -> R:
         """Fence this dead writer (close its transport session), then answer SessionClosed.
 
         A shell that cannot fence it never answers: its pages wait for its drain ACK."""
@@ -151,7 +151,7 @@ def carry_out_decode(effects: DecodeEffects[R], output: Output, msg_id: str | No
         case NeedTopology():
             return effects.fetch_topology(output.bootstrap)
         case CloseSession():
-            return effects.close_session(output.peer)
+            return effects.close_session(output)
         case VerifyChecksums():
             return effects.verify_checksums(output)
         case StagingPlaced():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdflow.core.dataplane.layout import KvLayout
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
@@ -146,6 +147,8 @@ class CloseSession(Output, frozen=True, tag="close_session"):
     transport's fence is not real, report nothing (its pages wait for the drain ACK)."""
 
     peer: PeerId
+    session_id: str | None = None
+    """The writer's transport session, as its KvArgsAccepted named it (None: never heard)."""
 
 
 class StagingPlaced(Output, frozen=True, tag="staging_placed"):
@@ -173,6 +176,11 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     max_pending_room_ids: int = 65_536
     """Room ids that may hold parked metadata or a cancel for a generation not opened yet; past
     it, metadata for a new room id is dropped and its ABORT is not ACKed (no ACK, no promise)."""
+    session_id: str = ""
+    """This rank's transport session, named to each decode rank that announces its layout."""
+    max_decode_layouts: int = 1024
+    """Decode ranks whose KV layout this rank keeps; past it the least recently heard from is
+    evicted."""
 
 
 class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field="role"):
@@ -197,6 +205,11 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     """Bytes of the staging ring for heterogeneous TP (prefill TP > decode TP); 0 turns it off."""
     staging_page_bytes: int = 0
     """Bytes one destination page takes in the staging region (all layers, K and V)."""
+    kv_layout: KvLayout | None = None
+    """Where this rank's KV lives, announced (KvArgs) to each prefill rank before any other
+    message to it; None announces nothing (a core driven without a data plane)."""
+    staging_addr: int | None = None
+    """Base address of the staging ring, announced with the layout."""
 
 
 DecodeEndpointInput = (

@@ -47,11 +47,15 @@ from pdflow.core.protocol.messages import (
     AbortAck,
     AnyMessage,
     BootstrapRequest,
+    KvArgs,
+    KvArgsAccepted,
+    PeerId,
     RoomMetadata,
     StatusReport,
 )
 from pdflow.core.protocol.outputs import Output, SendMessage, StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.resources.kv_layouts import DecodeLayouts
 from pdflow.core.rooms.prefill_complete import (
     BootstrapArrived,
     ClaimRoom,
@@ -82,6 +86,7 @@ class PrefillSnapshot(msgspec.Struct, frozen=True):
     pending: int
     """Room ids holding parked metadata or a cancel for a generation not opened yet."""
     counters: dict[str, int]
+    decode_layouts: int = 0
 
 
 class PrefillEndpoint(RoomHost[SenderRoom]):
@@ -100,6 +105,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self.max_pending_room_ids = config.max_pending_room_ids
         self._step_outputs: list[Output] = []
         self._step_fired: list[Fired] = []
+        self.layouts = DecodeLayouts(config.me, config.session_id, config.max_decode_layouts)
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.
         self.ready_table: PrefillCompleteTable | None = (
             PrefillCompleteTable(config.me, config.timeouts)
@@ -172,7 +178,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def _receive(
         self, message: AnyMessage, now: float, outputs: list[Output], fired: list[Fired]
     ) -> None:
-        if isinstance(message, (StatusReport, AbortAck)):
+        if isinstance(message, (StatusReport, AbortAck, KvArgsAccepted)):
             self._drop(outputs, "wrong_direction", f"{type(message).__name__} sent to a prefill")
             return
         if isinstance(message, (RoomMetadata, BootstrapRequest)) and (
@@ -187,6 +193,14 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
                 f"{message.prefill.incarnation} rank {message.prefill.rank}",
             )  # fmt: skip
             return
+        if isinstance(message, KvArgs):
+            produced, transitions = self.layouts.announce(message, now)
+            outputs.extend(produced)
+            fired.extend(transitions)
+            if len(transitions) > 1:
+                self.counters["decode_layouts_evicted"] += len(transitions) - 1
+            return
+        self.layouts.heard_from(message.decode)
         if isinstance(message, BootstrapRequest):
             if self.ready_table is None:
                 self._drop(outputs, "policy_mismatch", "BootstrapRequest under the early policy")
@@ -265,6 +279,10 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         return abort_ack_of(abort, self.me)
 
     # ---- read-only views -------------------------------------------------------------------------
+    def layout_of(self, decode: PeerId) -> KvArgs | None:
+        """The KV layout this decode rank life announced (None: not announced, or evicted)."""
+        return self.layouts.layout_of(decode)
+
     def clearable_rooms(self) -> tuple[int, ...]:
         """Terminal rooms the engine may clear now (one it cleared that still drains is no
         longer open: the endpoint holds it out of the engine's view)."""
@@ -293,6 +311,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             draining,
             len(self.pending),
             dict(sorted(self.counters.items())),
+            len(self.layouts),
         )
 
     @property

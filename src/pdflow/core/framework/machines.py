@@ -9,6 +9,7 @@ from pdflow.core.endpoints.decode_slots import DECODE_SLOT_TABLE
 from pdflow.core.endpoints.prefill_slots import PREFILL_SLOT_TABLE
 from pdflow.core.framework.table import Table
 from pdflow.core.resources.admission import ADMISSION_TABLE
+from pdflow.core.resources.kv_layouts import ANNOUNCEMENT_TABLE, DECODE_LAYOUT_TABLE
 from pdflow.core.resources.page_ledger import PAGE_LEDGER_TABLE
 from pdflow.core.resources.staging_ring import STAGING_RING_TABLE
 from pdflow.core.rooms.prefill_complete import PREFILL_COMPLETE_TABLE
@@ -25,4 +26,6 @@ MACHINES: dict[str, Table[Any]] = {
     PREFILL_COMPLETE_TABLE.machine: PREFILL_COMPLETE_TABLE,
     PREFILL_SLOT_TABLE.machine: PREFILL_SLOT_TABLE,
     DECODE_SLOT_TABLE.machine: DECODE_SLOT_TABLE,
+    ANNOUNCEMENT_TABLE.machine: ANNOUNCEMENT_TABLE,
+    DECODE_LAYOUT_TABLE.machine: DECODE_LAYOUT_TABLE,
 }

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
+from pdflow.core.dataplane.layout import KvLayout
 from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
@@ -90,4 +91,32 @@ class AbortAck(Message, frozen=True, tag="abort_ack"):
     decode: PeerId
 
 
-AnyMessage = RoomMetadata | BootstrapRequest | StatusReport | Abort | AbortAck
+class KvArgs(Message, frozen=True, tag="kv_args"):
+    """Decode -> prefill, once per (decode rank, prefill rank life), before any other message to
+    it on the same channel: where this decode rank's KV lives and which heads it holds (SGLang's
+    "register KV args" frame)."""
+
+    decode: PeerId
+    prefill: PeerId
+    session_id: str
+    layout: KvLayout
+    tp_size: int
+    tp_rank: int
+    total_kv_heads: int
+    staging_addr: int | None = None
+    """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
+
+
+class KvArgsAccepted(Message, frozen=True, tag="kv_args_accepted"):
+    """Prefill -> decode: the layout is registered; this is the writer's transport session
+    (the decode fences it there if the writer dies)."""
+
+    prefill: PeerId
+    decode: PeerId
+    session_id: str
+
+
+RoomMessage = RoomMetadata | BootstrapRequest | StatusReport | Abort | AbortAck
+"""The messages about one room (each names the room and its generation)."""
+
+AnyMessage = RoomMessage | KvArgs | KvArgsAccepted

@@ -1,0 +1,217 @@
+"""The KV layout exchange: each decode rank tells each prefill rank where its KV lives.
+
+A decode rank announces its layout (:class:`KvArgs`) to a prefill rank before its first other
+message to it, on the same channel; the prefill rank keeps it and answers with its transport
+session (:class:`KvArgsAccepted`), which the decode needs to fence that writer if it dies. Both
+sides are table machines, one per peer:
+
+- :class:`LayoutAnnouncement` (decode side, one per prefill rank life): UNANNOUNCED ->
+  ANNOUNCED on first contact (emits the KvArgs; repeated before each message until answered,
+  since a lost announcement would silence the rank) -> ACCEPTED when the answer arrives. An
+  answer from a prefill rank never announced to is refused. Forgotten when the prefill
+  instance is lost (its PeerIds never come back: a restart draws a new incarnation).
+- :class:`DecodeLayout` (prefill side, one per decode rank): ABSENT -> KNOWN on an
+  announcement (emits the answer); a later life of the same decode rank replaces it. At most
+  ``limit`` are kept: past it, the least recently heard from is evicted (back to ABSENT).
+
+Specified as ``[machines.LayoutAnnouncement]`` and ``[machines.DecodeLayout]`` in
+spec/machines/kv_layouts.toml.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections import OrderedDict
+from typing import cast
+
+from pdflow.core.framework.table import Fired, Table, TableMachine, row
+from pdflow.core.protocol.inputs import Input
+from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId
+from pdflow.core.protocol.outputs import Output, SendMessage
+
+
+# ---- decode side -------------------------------------------------------------------------------
+class AnnouncementState(enum.Enum):
+    UNANNOUNCED = "UNANNOUNCED"
+    ANNOUNCED = "ANNOUNCED"
+    ACCEPTED = "ACCEPTED"
+
+
+class Contact(Input, frozen=True, tag="Contact"):
+    """The decode endpoint is about to send its first message to this prefill rank."""
+
+    announcement: KvArgs
+
+
+class AcceptArrived(Input, frozen=True, tag="AcceptArrived"):
+    accepted: KvArgsAccepted
+
+
+class PeerLost(Input, frozen=True, tag="PeerLost"):
+    """The prefill instance of this rank was declared lost."""
+
+
+_A = AnnouncementState
+
+ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
+    machine="LayoutAnnouncement",
+    states=AnnouncementState,
+    initial=AnnouncementState.UNANNOUNCED,
+    inputs=(Contact, AcceptArrived, PeerLost),
+    remote_inputs=(AcceptArrived,),
+    rows=[
+        row(_A.UNANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action="announce"),
+        # No answer yet: the announcement may have been lost with its socket; say it again.
+        row(_A.ANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action="announce"),
+        row(_A.ANNOUNCED, AcceptArrived, _A.ACCEPTED, action="record_session"),
+        row(_A.ANNOUNCED, PeerLost, _A.UNANNOUNCED),
+        row(_A.ACCEPTED, AcceptArrived, _A.ACCEPTED, action="record_session"),
+        row(_A.ACCEPTED, PeerLost, _A.UNANNOUNCED),
+    ],
+)
+
+
+class LayoutAnnouncement(TableMachine[AnnouncementState]):
+    table = ANNOUNCEMENT_TABLE
+
+    def __init__(self, prefill: PeerId) -> None:
+        self.prefill = prefill
+        self.key = prefill.rank
+        self.state = ANNOUNCEMENT_TABLE.initial
+        self.session_id: str | None = None
+
+    def _act_announce(self, inp: Input, now: float) -> list[Output]:
+        return [SendMessage(self.prefill, cast(Contact, inp).announcement)]
+
+    def _act_record_session(self, inp: Input, now: float) -> list[Output]:
+        self.session_id = cast(AcceptArrived, inp).accepted.session_id
+        return []
+
+
+class LayoutAnnouncements:
+    """One decode rank's announcements, by prefill rank life (bounded by the prefill ranks of
+    the instances it knows: a lost instance's are forgotten)."""
+
+    def __init__(self) -> None:
+        self._peers: dict[PeerId, LayoutAnnouncement] = {}
+
+    def is_announced(self, prefill: PeerId) -> bool:
+        return prefill in self._peers
+
+    def is_accepted(self, prefill: PeerId) -> bool:
+        machine = self._peers.get(prefill)
+        return machine is not None and machine.state is AnnouncementState.ACCEPTED
+
+    def session_of(self, prefill: PeerId) -> str | None:
+        """The writer's transport session, once its KvArgsAccepted arrived."""
+        machine = self._peers.get(prefill)
+        return None if machine is None else machine.session_id
+
+    def fire(self, prefill: PeerId, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        """Fire ``inp`` at the prefill rank's machine (a fresh one if it has none), keeping it
+        only while it is announced. A refused input raises and changes nothing."""
+        machine = self._peers.get(prefill) or LayoutAnnouncement(prefill)
+        outputs, fired = machine.fire(inp, now)
+        if machine.state is AnnouncementState.UNANNOUNCED:
+            self._peers.pop(prefill, None)
+        else:
+            self._peers[prefill] = machine
+        return outputs, fired
+
+    def __len__(self) -> int:
+        return len(self._peers)
+
+
+# ---- prefill side ------------------------------------------------------------------------------
+class DecodeLayoutState(enum.Enum):
+    ABSENT = "ABSENT"
+    KNOWN = "KNOWN"
+
+
+class LayoutAnnounced(Input, frozen=True, tag="LayoutAnnounced"):
+    announcement: KvArgs
+
+
+class LayoutEvicted(Input, frozen=True, tag="LayoutEvicted"):
+    """More decode ranks announced than the prefill rank keeps: this one was heard from least
+    recently."""
+
+
+_D = DecodeLayoutState
+
+DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
+    machine="DecodeLayout",
+    states=DecodeLayoutState,
+    initial=DecodeLayoutState.ABSENT,
+    inputs=(LayoutAnnounced, LayoutEvicted),
+    remote_inputs=(LayoutAnnounced,),
+    rows=[
+        row(_D.ABSENT, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
+            action="register"),
+        row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
+            action="register"),
+        row(_D.KNOWN, LayoutEvicted, _D.ABSENT),
+    ],
+)  # fmt: skip
+
+
+class DecodeLayout(TableMachine[DecodeLayoutState]):
+    table = DECODE_LAYOUT_TABLE
+
+    def __init__(self, me: PeerId, session_id: str, decode_rank: int) -> None:
+        self.me = me
+        self.session_id = session_id
+        self.key = decode_rank
+        self.state = DECODE_LAYOUT_TABLE.initial
+        self.announcement: KvArgs | None = None
+
+    def _act_register(self, inp: Input, now: float) -> list[Output]:
+        # A later life of the same decode rank replaces the earlier one's layout.
+        announcement = cast(LayoutAnnounced, inp).announcement
+        self.announcement = announcement
+        accepted = KvArgsAccepted(self.me, announcement.decode, self.session_id)
+        return [SendMessage(announcement.decode, accepted)]
+
+
+def _decode_rank(peer: PeerId) -> tuple[str, int]:
+    return (peer.address, peer.rank)
+
+
+class DecodeLayouts:
+    """The layouts decode ranks announced to one prefill rank: one per decode rank, at most
+    ``limit``, the least recently heard from evicted first."""
+
+    def __init__(self, me: PeerId, session_id: str, limit: int) -> None:
+        self.me = me
+        self.session_id = session_id
+        self.limit = limit
+        self._ranks: OrderedDict[tuple[str, int], DecodeLayout] = OrderedDict()
+
+    def announce(self, announcement: KvArgs, now: float) -> tuple[list[Output], list[Fired]]:
+        key = _decode_rank(announcement.decode)
+        machine = self._ranks.get(key) or DecodeLayout(
+            self.me, self.session_id, announcement.decode.rank
+        )
+        outputs, fired = machine.fire(LayoutAnnounced(announcement), now)
+        transitions = [fired]
+        self._ranks[key] = machine
+        self._ranks.move_to_end(key)
+        while len(self._ranks) > self.limit:
+            _, oldest = self._ranks.popitem(last=False)
+            transitions.append(oldest.fire(LayoutEvicted(), now)[1])
+        return outputs, transitions
+
+    def heard_from(self, decode: PeerId) -> None:
+        """A message from this decode rank arrived: it is the most recently heard from."""
+        key = _decode_rank(decode)
+        if key in self._ranks:
+            self._ranks.move_to_end(key)
+
+    def layout_of(self, decode: PeerId) -> KvArgs | None:
+        """The layout this exact decode life announced (another incarnation: None)."""
+        machine = self._ranks.get(_decode_rank(decode))
+        announcement = None if machine is None else machine.announcement
+        return announcement if announcement is not None and announcement.decode == decode else None
+
+    def __len__(self) -> int:
+        return len(self._ranks)

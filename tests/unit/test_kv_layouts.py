@@ -1,0 +1,163 @@
+"""The KV layout exchange in the core: traced table cells on both sides, bounded state."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.core.dataplane.layout import KvDtype, packed_layout
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
+from pdflow.core.endpoints.endpoint_io import (
+    CloseSession,
+    DecodeEndpointConfig,
+    Dropped,
+    HeartbeatResult,
+    OpenReceiver,
+    PrefillEndpointConfig,
+    Received,
+    TopologyKnown,
+)
+from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.step import Step
+from pdflow.core.protocol.inputs import PublishPages
+from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import SendMessage
+from pdflow.core.resources.kv_layouts import (
+    AcceptArrived,
+    Contact,
+    DecodeLayout,
+    LayoutAnnouncement,
+    LayoutEvicted,
+    PeerLost,
+)
+from tests.unit.test_endpoint_scenarios import BOOT, DECODE, PREFILL_A, TIMEOUTS, info
+
+LAYOUT = packed_layout(base_addr=4096, num_layers=2, num_pages=8, page_size=16, num_heads=8,
+                       head_dim=4, dtype=KvDtype.FP16)  # fmt: skip
+
+
+def decode_endpoint() -> DecodeEndpoint:
+    return DecodeEndpoint(DecodeEndpointConfig(
+        me=DECODE, num_pages=8, timeouts=TIMEOUTS, session_id="10.0.1.1:9000",
+        kv_layout=LAYOUT, staging_addr=1 << 20,
+    ))  # fmt: skip
+
+
+def sends(step: Step) -> list[type]:
+    return [type(o.message) for o in step.outputs if isinstance(o, SendMessage)]
+
+
+def announcement(decode: PeerId, prefill: PeerId = PREFILL_A) -> KvArgs:
+    return KvArgs(decode, prefill, "s", LAYOUT, 1, 0, 8)
+
+
+def fired(step: Step) -> list[tuple[str, str, str, str]]:
+    return [(f.machine, f.source, f.on, f.target) for f in step.fired if "Layout" in f.machine]
+
+
+def test_the_decode_announces_its_layout_before_its_first_message_until_answered() -> None:
+    d = decode_endpoint()
+    d.handle(OpenReceiver(1, 1, BOOT), 0.0)
+    d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
+    first = d.handle(PublishPages(1, (0, 1), aux_index=0), 0.1)
+    assert sends(first) == [KvArgs, RoomMetadata]
+    [kv] = [o.message for o in first.outputs if isinstance(o, SendMessage)][:1]
+    assert kv == KvArgs(DECODE, PREFILL_A, "10.0.1.1:9000", LAYOUT, 1, 0, 8, 1 << 20)
+    assert fired(first) == [("LayoutAnnouncement", "UNANNOUNCED", "Contact", "ANNOUNCED")]
+    # No answer yet (it may be lost): the next message is announced again.
+    d.handle(OpenReceiver(2, 1, BOOT), 0.2)
+    again = d.handle(PublishPages(2, (2, 3), aux_index=0), 0.2)
+    assert sends(again) == [KvArgs, RoomMetadata]
+    answer = KvArgsAccepted(PREFILL_A, DECODE, "10.0.0.1:7100")
+    accepted = d.handle(Received(answer), 0.3)
+    assert fired(accepted) == [("LayoutAnnouncement", "ANNOUNCED", "AcceptArrived", "ACCEPTED")]
+    d.handle(OpenReceiver(3, 1, BOOT), 0.4)
+    assert sends(d.handle(PublishPages(3, (4,), aux_index=0), 0.4)) == [RoomMetadata]
+    # The writer dies: its fence names the session it answered with, and it is forgotten.
+    lost = d.handle(HeartbeatResult(BOOT, ok=True, incarnation="a-new-life"), 5.0)
+    assert CloseSession(PREFILL_A, "10.0.0.1:7100") in lost.outputs
+    assert ("LayoutAnnouncement", "ACCEPTED", "PeerLost", "UNANNOUNCED") in fired(lost)
+    assert d.snapshot().announced_to == 0
+
+
+def test_a_decode_without_a_layout_announces_nothing() -> None:
+    d = DecodeEndpoint(DecodeEndpointConfig(me=DECODE, num_pages=8, timeouts=TIMEOUTS))
+    d.handle(OpenReceiver(1, 1, BOOT), 0.0)
+    d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
+    assert sends(d.handle(PublishPages(1, (0,), aux_index=0), 0.1)) == [RoomMetadata]
+
+
+def test_an_answer_from_a_prefill_never_announced_to_is_dropped_and_changes_nothing() -> None:
+    d = decode_endpoint()
+    before = d.snapshot()
+    stranger = PeerId("127.0.0.1:1", "forged", 0)
+    step = d.handle(Received(KvArgsAccepted(stranger, DECODE, "127.0.0.1:2")), 1.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["unannounced_prefill"]
+    other_life = PeerId(DECODE.address, "an-earlier-life", DECODE.rank)
+    step = d.handle(Received(KvArgsAccepted(PREFILL_A, other_life, "x")), 1.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_incarnation"]
+    assert d.snapshot().announced_to == 0
+    assert d.snapshot().counters == {**before.counters, "dropped_unannounced_prefill": 1,
+                                     "dropped_stale_incarnation": 1}  # fmt: skip
+
+
+def prefill_endpoint(limit: int = 1024) -> PrefillEndpoint:
+    return PrefillEndpoint(PrefillEndpointConfig(
+        me=PREFILL_A, timeouts=TIMEOUTS, session_id="10.0.0.1:7100", max_decode_layouts=limit,
+    ))  # fmt: skip
+
+
+def test_the_prefill_keeps_one_layout_per_decode_rank_and_answers_with_its_session() -> None:
+    p = prefill_endpoint()
+    step = p.handle(Received(announcement(DECODE)), 0.0)
+    assert step.outputs == (
+        SendMessage(DECODE, KvArgsAccepted(PREFILL_A, DECODE, "10.0.0.1:7100")),
+    )
+    assert fired(step) == [("DecodeLayout", "ABSENT", "LayoutAnnounced", "KNOWN")]
+    assert p.layout_of(DECODE) == announcement(DECODE)
+    restarted = PeerId(DECODE.address, "restarted", DECODE.rank)
+    step = p.handle(Received(announcement(restarted)), 1.0)
+    assert fired(step) == [("DecodeLayout", "KNOWN", "LayoutAnnounced", "KNOWN")]
+    assert p.layout_of(DECODE) is None and p.layout_of(restarted) == announcement(restarted)
+    assert p.snapshot().decode_layouts == 1
+
+
+def test_the_prefill_refuses_layouts_for_another_life_and_answers_sent_to_it() -> None:
+    p = prefill_endpoint()
+    earlier = PeerId(PREFILL_A.address, "an-earlier-life", PREFILL_A.rank)
+    step = p.handle(Received(announcement(DECODE, earlier)), 0.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_incarnation"]
+    step = p.handle(Received(KvArgsAccepted(PREFILL_A, DECODE, "x")), 0.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["wrong_direction"]
+    assert p.layout_of(DECODE) is None and p.snapshot().decode_layouts == 0
+
+
+def test_100000_forged_layouts_keep_the_prefill_at_its_bound_and_the_active_decode() -> None:
+    p = prefill_endpoint(limit=64)
+    p.handle(Received(announcement(DECODE)), 0.0)
+    for i in range(100_000):
+        forged = PeerId(f"127.0.0.1:{20000 + i % 40000}", f"forged{i}", i // 40000)
+        p.handle(Received(announcement(forged)), 1.0)
+        if i % 32 == 0:  # the real decode keeps talking: it is never the least recently heard
+            metadata = RoomMetadata(9, 1, DECODE, PREFILL_A, "s", (0,), None, 1)
+            p.handle(Received(metadata), 1.0)
+    assert p.snapshot().decode_layouts == 64
+    assert p.layout_of(DECODE) == announcement(DECODE)
+    assert p.snapshot().counters["decode_layouts_evicted"] == 100_000 - 63
+
+
+def test_cells_outside_the_tables_are_refused_and_change_nothing() -> None:
+    machine = LayoutAnnouncement(PREFILL_A)
+    with pytest.raises(RemoteProtocolError):
+        machine.fire(AcceptArrived(KvArgsAccepted(PREFILL_A, DECODE, "s")), 0.0)
+    with pytest.raises(LocalProtocolError):
+        machine.fire(PeerLost(), 0.0)
+    machine.fire(Contact(announcement(DECODE)), 0.0)
+    machine.fire(AcceptArrived(KvArgsAccepted(PREFILL_A, DECODE, "s")), 0.0)
+    with pytest.raises(LocalProtocolError):
+        machine.fire(Contact(announcement(DECODE)), 0.0)
+    assert machine.session_id == "s"
+    layout = DecodeLayout(PREFILL_A, "s", 0)
+    with pytest.raises(LocalProtocolError):
+        layout.fire(LayoutEvicted(), 0.0)
+    assert layout.announcement is None
