@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import itertools
+import json
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +18,7 @@ from pdflow.chaos.kv_pattern import (
     rank_caches,
 )
 from pdflow.chaos.nemesis import KINDS, plan_faults
+from pdflow.chaos.session import summarize
 from pdflow.chaos.workload import plan_workload
 from pdflow.cli.chaos_cmd import parse_kinds
 
@@ -85,3 +88,23 @@ def test_unknown_nemesis_kinds_are_refused_with_the_choices() -> None:
     assert parse_kinds("none") == ()
     with pytest.raises(ValueError, match=r"unknown nemesis kind.*choose from partition"):
         parse_kinds("kill,flood")
+
+
+def test_summarize_reads_result_files_and_fails_when_any_run_found_a_violation(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
+) -> None:
+    def result(seed: int, violations: list[dict[str, str]]) -> Path:
+        path = tmp_path / f"{seed}.json"
+        attempt = {"probe": False, "decode_results": ["Success"], "prefill_results": ["Success"]}
+        run = {"options": {"seed": seed, "duration_s": 120.0, "nemesis": ["kill"]},
+               "network": "netns", "attempts": [attempt, {**attempt, "probe": True}],
+               "faults": [{"fault": {"kind": "kill"}, "started": 4.0}]}  # fmt: skip
+        path.write_text(json.dumps({"run": run, "violations": violations}))
+        return path
+
+    clean, dirty = result(1, []), result(2, [{"kind": "write_after_release"}])
+    assert summarize([str(clean)]) == 0
+    assert summarize([str(clean), str(dirty)]) == 1
+    shown = capsys.readouterr().out
+    assert "write_after_release 1" in shown and "kill 1" in shown
+    assert summarize([str(tmp_path / "missing.json")]) == 2

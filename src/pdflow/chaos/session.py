@@ -64,6 +64,39 @@ def run_and_report(options: ChaosOptions) -> int:
     return 1 if violations else 0
 
 
+def summarize(paths: list[str]) -> int:
+    """One row per run's result.json: rooms, faults by kind, violations by kind."""
+    import json
+    from collections import Counter
+
+    table = Table(title="pdflow chaos runs")
+    for column in ("seed", "duration", "nemesis", "network", "attempts", "succeeded", "faults",
+                   "violations"):  # fmt: skip
+        table.add_column(column)
+    total = 0
+    for path in paths:
+        try:
+            result = json.loads(Path(path).read_text())
+        except (OSError, ValueError) as exc:
+            print(f"pdflow chaos: cannot read {path}: {exc}", file=sys.stderr)
+            return 2
+        run = result["run"]
+        work = [a for a in run["attempts"] if not a["probe"]]
+        ok = sum(bool(a["decode_results"]) and set(a["decode_results"]) == {"Success"}
+                 and set(a["prefill_results"]) == {"Success"} for a in work)  # fmt: skip
+        faults = Counter(f["fault"]["kind"] for f in run["faults"] if f["started"] is not None)
+        found = Counter(v["kind"] for v in result["violations"])
+        total += len(result["violations"])
+        table.add_row(
+            str(run["options"]["seed"]), f"{run['options']['duration_s']:g}s",
+            ",".join(run["options"]["nemesis"]) or "none", run["network"],
+            str(len(work)), str(ok), ", ".join(f"{k} {n}" for k, n in sorted(faults.items())),
+            ", ".join(f"{k} {n}" for k, n in sorted(found.items())) or "0",
+        )  # fmt: skip
+    Console(highlight=False, width=160).print(table)
+    return 1 if total else 0
+
+
 def _exit_on_term(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
 

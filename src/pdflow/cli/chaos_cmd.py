@@ -33,6 +33,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--out", default="out/chaos", help="where everything goes")
     chaos.add_argument("--loopback", action="store_true",
                        help="do not create namespaces (network faults are then skipped)")
+    chaos.add_argument("--summarize", nargs="+", metavar="RESULT", default=None,
+                       help="run nothing: print one line per run from these result.json files")
     chaos.set_defaults(run=run)
 
 
@@ -51,8 +53,10 @@ def parse_kinds(text: str) -> tuple[str, ...]:
 
 def run(args: argparse.Namespace) -> int:
     from pdflow.chaos.run import ChaosOptions
-    from pdflow.chaos.session import run_and_report
+    from pdflow.chaos.session import run_and_report, summarize
 
+    if args.summarize:
+        return summarize(args.summarize)
     try:
         kinds = parse_kinds(args.nemesis)
     except ValueError as exc:
