@@ -9,6 +9,7 @@ import pytest
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata, StatusReport
+from pdflow.io import frame_auth
 from pdflow.io.codec import FrameError, MsgpackCodec
 from pdflow.io.frame_auth import AuthenticatedCodec, authenticated, control_key, identity
 
@@ -101,3 +102,20 @@ def test_no_token_means_no_wrapper_and_the_key_is_not_the_token() -> None:
     assert control_key("t") != hashlib.sha256(b"t").digest()
     with pytest.raises(ValueError, match="positive"):
         AuthenticatedCodec(plain, KEY, window_s=0)
+
+
+def test_the_replay_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Past its capacity the oldest tags are forgotten early (a replay of one of those within
+    the window is then taken: the documented price of a bounded memory)."""
+    monkeypatch.setattr(frame_auth, "_REPLAY_CAPACITY", 3)
+    clock = Clock()
+    sender, receiver = codec(clock), codec(clock)
+    frames = [sender.encode(metadata(room), None) for room in range(5)]
+    for sent in frames:
+        receiver.decode(sent)
+    assert len(receiver._seen) == 3
+    assert reason_of(receiver, frames[4]) == "replayed"
+    assert receiver.decode(frames[0])[0] == metadata(0)  # forgotten: taken again
+    clock.now += 61.0  # every remembered tag expires with the window
+    receiver.decode(codec(clock).encode(metadata(9), None))
+    assert len(receiver._seen) == 1
