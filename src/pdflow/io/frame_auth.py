@@ -98,10 +98,9 @@ class AuthenticatedCodec:
     def _tag(self, head: bytes, sender: bytes, frames: list[bytes]) -> bytes:
         parts = (sender, *frames)
         mac = self._keyed.copy()
-        # Every part's length first, so no two different frame lists hash the same bytes.
-        mac.update(head + struct.pack(f">{len(parts)}Q", *map(len, parts)))
-        for part in parts:
-            mac.update(part)
+        # Every part's length first, so no two different frame lists hash the same bytes. One
+        # joined update: a copy of the message bytes costs less than an update call per part.
+        mac.update(b"".join((head, struct.pack(f">{len(parts)}Q", *map(len, parts)), *parts)))
         return mac.digest()
 
     def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]:
