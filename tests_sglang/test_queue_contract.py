@@ -1,0 +1,223 @@
+"""(c) SGLang's decode release code and the backend contract, in SGLang's own unit-test style
+(queues built with ``__new__``, ``release_kv_cache`` patched), with pdflow's manager, receiver
+and sender instead of SGLang's ``CommonKVManager``; no processes.
+
+SGLang's own ``test/registered/unit/disaggregation`` files that exercise this code
+(``test_deferred_decode_kv_release.py``) build ``CommonKVManager`` ACK trackers, which pdflow
+does not have (it tracks writers, not ACK counts), so their scenarios are restated here for the
+pdflow backend; see docs/sglang.md for the full list and why the others cannot take a backend.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+from unittest.mock import patch
+
+import pytest
+from sglang.srt.plugins import load_plugins
+
+load_plugins()  # the pdflow plugin's hooks, as in every SGLang process
+
+from sglang.srt.disaggregation import decode as decode_mod  # noqa: E402
+from sglang.srt.disaggregation.base.conn import KVPoll  # noqa: E402
+from sglang.srt.disaggregation.common.conn import KVTransferError  # noqa: E402
+from sglang.srt.disaggregation.decode import DecodeTransferQueue  # noqa: E402
+
+from pdflow.core.framework.kvpoll import KVPoll as PdflowPoll  # noqa: E402
+from pdflow.io.node_common import PagesReleased, RoomClosed, RoomStatus  # noqa: E402
+from pdflow.io.node_decode import DecodeNode  # noqa: E402
+from pdflow.io.node_prefill import PrefillNode  # noqa: E402
+from pdflow.sglang.conn import PdflowKVManager, PdflowKVReceiver, PdflowKVSender  # noqa: E402
+from pdflow.sglang.rooms import RoomBook  # noqa: E402
+
+
+class _IdxAllocator:
+    def __init__(self) -> None:
+        self.freed: list[int] = []
+
+    def free(self, idx: int) -> None:
+        self.freed.append(idx)
+
+
+def _queue(timeout: float) -> DecodeTransferQueue:
+    q = DecodeTransferQueue.__new__(DecodeTransferQueue)
+    q._deferred_releases = []
+    q.deferred_kv_release_timeout = timeout
+    q.enable_staging = False
+    q.staging_handler = None
+    q.enable_host_receive = False
+    q.tree_cache = object()
+    q.metadata_buffers = SimpleNamespace(bootstrap_room={}, clear_slot=lambda idx: None)
+    q.req_to_metadata_buffer_idx_allocator = _IdxAllocator()
+    q.scheduler = SimpleNamespace(metrics_reporter=SimpleNamespace(enable_metrics=False),
+                                  enable_hisparse=False)  # fmt: skip
+    q.gloo_group = None
+    return q
+
+
+def _manager(node_class: type = DecodeNode) -> PdflowKVManager:
+    """A pdflow manager whose node never starts: room facts and the queued calls only."""
+    mgr = PdflowKVManager.__new__(PdflowKVManager)
+    mgr.book = RoomBook()
+    mgr.calls = []
+    mgr.run = lambda room, call: mgr.calls.append((room, call.__name__))
+    mgr.node = node_class.__new__(node_class)
+    mgr.node.ranks = [object()]
+    return mgr
+
+
+def _decode_req(mgr: PdflowKVManager, room: int, idx: int) -> SimpleNamespace:
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", room)
+    receiver.init(0)
+    receiver.abort()  # what Scheduler.abort_request does for a transfer-queue request
+    return SimpleNamespace(req=SimpleNamespace(bootstrap_room=room), kv_receiver=receiver,
+                           metadata_buffer_index=idx, host_staged=False)  # fmt: skip
+
+
+def _released(room: int) -> PagesReleased:
+    return PagesReleased(rank=0, room=room, generation=0, pages=(1, 2))
+
+
+@pytest.fixture(autouse=True)
+def _dist_group_of_one() -> Any:
+    # resolve_deferred_releases reduces its flags over the gloo group (one rank here).
+    with patch.object(decode_mod, "all_reduce_flags", side_effect=lambda flags, **_: flags):
+        yield
+
+
+def test_a_pdflow_room_is_held_past_sglangs_deadline_until_pages_released() -> None:
+    mgr, q = _manager(), _queue(timeout=0.0)  # SGLang's deadline is already past
+    dreq = _decode_req(mgr, room=200, idx=7)
+    assert dreq.kv_receiver.poll() == KVPoll.Failed and dreq.kv_receiver.abort_notified
+    q._defer_release(dreq)
+    with patch.object(decode_mod, "release_kv_cache") as release:
+        q.resolve_deferred_releases()
+        q.resolve_deferred_releases()
+        release.assert_not_called()
+        assert len(q._deferred_releases) == 1
+        mgr.book.apply(_released(200))  # pdflow: every writer drained or was fenced
+        q.resolve_deferred_releases()
+        release.assert_called_once()
+    assert q._deferred_releases == []
+    assert q.req_to_metadata_buffer_idx_allocator.freed == [7]
+    assert dreq.kv_receiver is None
+    assert mgr.book.facts(200).poll is None  # the room's facts were forgotten
+
+
+def test_other_backends_keep_sglangs_deadline() -> None:
+    q = _queue(timeout=0.0)
+    mgr = SimpleNamespace(is_abort_release_safe=lambda room, acks: False,
+                          clear_deferred_abort_state=lambda room: None)  # fmt: skip
+    receiver = SimpleNamespace(kv_mgr=mgr, bootstrap_infos=[{}], abort_notified=True,
+                               clear=lambda: None)  # fmt: skip
+    dreq = SimpleNamespace(req=SimpleNamespace(bootstrap_room=300), kv_receiver=receiver,
+                           metadata_buffer_index=3, host_staged=False)  # fmt: skip
+    q._defer_release(dreq)
+    with patch.object(decode_mod, "release_kv_cache") as release:
+        q.resolve_deferred_releases()
+        release.assert_called_once()  # SGLang's release-anyway, untouched for mooncake & co.
+
+
+def test_a_failed_release_is_isolated_and_not_retried() -> None:
+    mgr, q = _manager(), _queue(timeout=30.0)
+    good, bad = _decode_req(mgr, 700, 1), _decode_req(mgr, 701, 2)
+    q._defer_release(bad)
+    q._defer_release(good)
+    mgr.book.apply(_released(700))
+    mgr.book.apply(_released(701))
+    calls: list[Any] = []
+
+    def release(req: Any, tree_cache: Any, **_: Any) -> None:
+        calls.append(req)
+        if req is bad.req:
+            raise RuntimeError("boom")
+
+    with patch.object(decode_mod, "release_kv_cache", side_effect=release):
+        q.resolve_deferred_releases()
+        assert good.req in calls and q._deferred_releases == []
+        q.resolve_deferred_releases()
+    assert len(calls) == 2
+
+
+def _sender(room: int) -> PdflowKVSender:
+    mgr = _manager(PrefillNode)
+    return PdflowKVSender(mgr, "10.0.0.1:8998", room)
+
+
+def test_the_prefill_reports_failed_only_after_its_writes_drained() -> None:
+    sender = _sender(400)
+    book = sender.kv_mgr.book
+    book.apply(RoomStatus(rank=0, room=400, generation=0, poll=PdflowPoll.Transferring))
+    assert sender.poll() == KVPoll.Transferring
+    book.apply(RoomStatus(rank=0, room=400, generation=0, poll=PdflowPoll.Failed,
+                          reason="decode aborted the room"))  # fmt: skip
+    assert sender.poll() == KVPoll.Transferring  # writes may still be in flight
+    assert ("clear" in {name for _, name in sender.kv_mgr.calls})  # pdflow drains, then forgets
+    book.apply(RoomClosed(rank=0, room=400, generation=0))  # forgotten: nothing in flight
+    assert sender.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="decode aborted the room") as raised:
+        sender.failure_exception()
+    assert raised.value.bootstrap_room == 400
+
+
+def test_a_refused_call_fails_the_receiver_with_the_reason() -> None:
+    mgr = _manager()
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 500)
+    receiver.init(0)
+    assert receiver.poll() == KVPoll.Bootstrapping
+    mgr.book.refuse(500, "pdflow refused publish_pages: page 9 is quarantined")
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="page 9 is quarantined"):
+        receiver.failure_exception()
+
+
+def test_what_pdflow_cannot_receive_fails_the_room_not_the_scheduler() -> None:
+    mgr = _manager()
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 600)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 0, None, decode_prefix_len=16)
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="decode-side prefix"):
+        receiver.failure_exception()
+
+
+def test_sglangs_pop_transferred_holds_a_failed_pdflow_room_instead_of_freeing_it() -> None:
+    """SGLang's test_decode_queue_cleanup scenario (a failed transfer) through the real
+    ``pop_transferred`` with a pdflow receiver: the pages are held, not freed."""
+    from unittest.mock import MagicMock
+
+    from sglang.srt.disaggregation.decode import HiCacheRestoreResult
+
+    mgr = _manager()
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 7)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 3, None)
+    mgr.book.apply(RoomStatus(rank=0, room=7, generation=0, poll=PdflowPoll.Failed,
+                              reason="lost connection with prefill 10.0.0.1:41991"))  # fmt: skip
+    req = SimpleNamespace(rid="failed-transfer", bootstrap_room=7, return_logprob=False)
+    decode_req = SimpleNamespace(req=req, kv_receiver=receiver, metadata_buffer_index=3,
+                                 hicache_restore_status=HiCacheRestoreResult.READY,
+                                 host_staged=False)  # fmt: skip
+    q = _queue(timeout=0.0)
+    q.queue = [decode_req]
+    q.enable_deferred_kv_release = True
+    q.tp_rank = 0
+    q.spec_algorithm = MagicMock()
+    q._clean_hicache_prefetch_resources = MagicMock()
+    q.scheduler = MagicMock(enable_decode_hicache=False, enable_hisparse=False)
+    q.scheduler.metrics_reporter.enable_metrics = False
+    polls = patch.object(decode_mod, "poll_and_all_reduce",
+                         side_effect=lambda pollers, group, **_: [p.poll() for p in pollers])
+    with (polls, patch.object(decode_mod, "release_kv_cache") as release,
+          patch.object(decode_mod, "prepare_abort") as abort):  # fmt: skip
+        assert q.pop_transferred() == []
+        q.resolve_deferred_releases()
+        release.assert_not_called()  # held: pdflow has not released the pages
+        assert "lost connection with prefill" in abort.call_args.args[1]
+        assert [entry[0] for entry in q._deferred_releases] == [decode_req]
+        assert receiver.abort_notified
+        mgr.book.apply(_released(7))
+        q.resolve_deferred_releases()
+        release.assert_called_once()
+    assert q.queue == [] and decode_req.kv_receiver is None
