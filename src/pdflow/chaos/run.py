@@ -142,12 +142,13 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
     out = Path(options.out_dir)
     out.mkdir(parents=True, exist_ok=True)
     network = open_network(hosts(), options.namespaces)
+    skipped = [k for k in NETWORK_FAULTS if k in network.unavailable and k in options.nemesis]
     if network.kind != "netns":
-        say("network namespaces unavailable: running on loopback; these faults cannot be "
-            "injected: " + "; ".join(network.unavailable.values()))
-    for fault in NETWORK_FAULTS:
-        if fault in network.unavailable and fault in options.nemesis:
-            say(f"skipping nemesis kind {network.unavailable[fault]}")
+        why = next(iter(network.unavailable.values()), "").split(": ", 1)[-1]
+        say(f"running on loopback; faults {', '.join(network.unavailable)} cannot be injected "
+            f"({why}); skipped from this run: {', '.join(skipped) or 'none'}")
+    elif skipped:
+        say("skipped: " + "; ".join(network.unavailable[k] for k in skipped))
     cluster: Cluster | None = None
     try:
         events: list[dict[str, Any]] = []
