@@ -80,6 +80,23 @@ class RunRecord(msgspec.Struct, kw_only=True):
     wall_s: float
 
 
+class RunClock:
+    """One time origin for the whole history: the moment the workload and nemesis start."""
+
+    def __init__(self) -> None:
+        self.start()
+
+    def start(self) -> float:
+        self.t0, self.wall0 = time.monotonic(), time.time()
+        return self.t0
+
+    def now(self) -> float:
+        return time.monotonic() - self.t0
+
+    def since_wall(self, wall: float) -> float:
+        return wall - self.wall0
+
+
 def agent_settings(out: Path, name: str, address: str, life: int) -> dict[str, Any]:
     return {
         "host": address, "trace_dir": str(out / "traces" / f"{name}-life{life}"),
@@ -152,15 +169,18 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
     cluster: Cluster | None = None
     try:
         events: list[dict[str, Any]] = []
-        t0 = time.monotonic()
+        clock = RunClock()
 
         def on_event(agent: Agent, event: dict[str, Any]) -> None:
             if event.get("event") in ("canary", "violation", "error"):
+                # When the process saw it (its wall clock), not when this loop read it.
+                seen = event.get("found_at")
+                t = clock.since_wall(seen) if seen is not None else clock.now()
                 events.append({**event, "process": agent.name, "life": agent.life,
-                               "t": round(time.monotonic() - t0, 3)})  # fmt: skip
+                               "t": round(t, 3)})  # fmt: skip
 
         cluster = Cluster(options, network, out, on_event)
-        return await _run(options, network, cluster, events, out, say)
+        return await _run(options, network, cluster, clock, events, out, say)
     finally:
         if cluster is not None:
             await _stop_all(cluster)
@@ -172,7 +192,7 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
             network.close()
 
 
-async def _run(options: ChaosOptions, network: Network, cluster: Cluster,
+async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock: RunClock,
                events: list[dict[str, Any]], out: Path,
                say: Callable[[str], None]) -> RunRecord:  # fmt: skip
     from pdflow.chaos.checker import settled
@@ -195,7 +215,7 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster,
         async with anyio.create_task_group() as starting:
             for agent in [*cluster.prefills[1:], *cluster.decodes]:
                 starting.start_soon(agent.start, tasks)
-        t0 = time.monotonic()
+        t0 = clock.start()
         router = Router(plan, cluster.prefills, cluster.decodes, cluster.bootstraps, t0)
 
         async def kill(name: str) -> None:
