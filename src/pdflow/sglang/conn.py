@@ -233,6 +233,29 @@ class PdflowKVManager(BaseKVManager):
             self.loop.close()
 
 
+def _queue_abort(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int) -> None:
+    """Abort the room in pdflow unless it already ended (pdflow then drains or fences)."""
+
+    async def abort() -> None:
+        if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
+            await rank.abort(room, "aborted by SGLang")
+
+    mgr.run(room, abort)
+
+
+def _queue_clear(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int,
+                 if_unknown: Callable[[int], None] | None = None) -> None:  # fmt: skip
+    """Clear the room in pdflow if pdflow still has it."""
+
+    async def clear() -> None:
+        if rank.poll(room) is not None:
+            await rank.clear(room)
+        elif if_unknown is not None:
+            if_unknown(room)
+
+    mgr.run(room, clear)
+
+
 def _terminal_reason(mgr: PdflowKVManager, room: int, what: str) -> str:
     facts = mgr.book.facts(room)
     return facts.local_error or facts.reason or f"pdflow reported the {what} of room {room} failed"
@@ -325,13 +348,7 @@ class PdflowKVSender(BaseKVSender):
 
     def abort(self) -> None:
         self._aborted = True
-        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
-
-        async def abort() -> None:
-            if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
-                await rank.abort(room, "aborted by SGLang")
-
-        self.kv_mgr.run(room, abort)
+        _queue_abort(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room)
 
     def clear(self) -> None:
         self._clear_in_pdflow()
@@ -340,16 +357,9 @@ class PdflowKVSender(BaseKVSender):
         if self._cleared:
             return
         self._cleared = True
-        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
-
-        async def clear() -> None:
-            if rank.poll(room) is None:
-                book.close(room)  # pdflow never opened it (refused): nothing can be in flight
-            else:
-                await rank.clear(room)
-
-        book = self.kv_mgr.book
-        self.kv_mgr.run(room, clear)
+        # A room pdflow never opened (refused) has nothing in flight: closed at once.
+        _queue_clear(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room,
+                     if_unknown=self.kv_mgr.book.close)  # fmt: skip
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -437,13 +447,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         self.abort_notified = True
         if not self._opened:
             return
-        rank, room = self.kv_mgr.decode_rank, self.bootstrap_room
-
-        async def abort() -> None:
-            if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
-                await rank.abort(room, "aborted by SGLang")
-
-        self.kv_mgr.run(room, abort)
+        _queue_abort(self.kv_mgr, self.kv_mgr.decode_rank, self.bootstrap_room)
 
     def is_abort_release_safe(self) -> bool:
         return self.kv_mgr.book.facts(self.bootstrap_room).released
@@ -452,13 +456,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         if self._cleared or not self._opened:
             return
         self._cleared = True
-        rank, room = self.kv_mgr.decode_rank, self.bootstrap_room
-
-        async def clear() -> None:
-            if rank.poll(room) is not None:
-                await rank.clear(room)
-
-        self.kv_mgr.run(room, clear)
+        _queue_clear(self.kv_mgr, self.kv_mgr.decode_rank, self.bootstrap_room)
 
 
 # ---- bootstrap server --------------------------------------------------------------------------
