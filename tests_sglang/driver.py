@@ -81,16 +81,20 @@ def start_sglang(mode: str, args: argparse.Namespace) -> Any:
     server_args = ServerArgs(
         model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cpu", host="127.0.0.1",
         port=args.http_port, page_size=args.page_size, disaggregation_mode=mode,
-        disaggregation_transfer_backend=args.backend,
+        disaggregation_transfer_backend=args.backend, tp_size=args.tp_size,
         disaggregation_bootstrap_port=args.bootstrap_port,
     )  # fmt: skip
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=0))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=args.tp_rank))
     get_parallel().override_permanently(pp_group=None)
     if not dist.is_initialized():
-        # A group of one, as a TP=1 scheduler has: SGLang's poll reductions run unchanged.
-        store = Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-driver-gloo-{os.getpid()}"
-        store.unlink(missing_ok=True)
-        dist.init_process_group("gloo", init_method=f"file://{store}", world_size=1, rank=0)
+        # The TP group's gloo group, as a scheduler has: SGLang's poll reductions (MIN over
+        # the ranks) run unchanged. A TP=1 process has a group of one.
+        store = args.gloo_store or str(
+            Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-driver-gloo-{os.getpid()}")
+        if args.tp_size == 1:
+            Path(store).unlink(missing_ok=True)
+        dist.init_process_group("gloo", init_method=f"file://{store}",
+                                world_size=args.tp_size, rank=args.tp_rank)  # fmt: skip
     return server_args
 
 
@@ -100,7 +104,8 @@ class CpuKv:
     def __init__(self, args: argparse.Namespace) -> None:
         import torch
 
-        shape = (args.pool_pages + 1, args.page_size, args.heads, args.head_dim)
+        # This rank's heads of the model's KV heads (TP splits them).
+        shape = (args.pool_pages + 1, args.page_size, args.heads // args.tp_size, args.head_dim)
         self.layers = args.num_layers
         self.k = [torch.zeros(shape, dtype=torch.float32) for _ in range(args.num_layers)]
         self.v = [torch.zeros(shape, dtype=torch.float32) for _ in range(args.num_layers)]
@@ -154,7 +159,7 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
                           hidden_states_dtype=torch.float32,
                           max_sampling_mask_tokens=0)  # fmt: skip
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
-    kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = 0, 0, 0
+    kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = args.tp_rank, 0, 0
     kv_args.rust_http_port = None
     kv_args.kv_cache_dtype_str = "auto"
     kv_args.kv_layout = None
@@ -163,7 +168,7 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
     kv_args.kv_item_lens = list(kv.item_lens)
     kv_args.num_draft_entries = 0
     kv_args.kv_layer_ids = []
-    kv_args.kv_head_num = kv_args.total_kv_head_num = args.heads
+    kv_args.kv_head_num, kv_args.total_kv_head_num = args.heads // args.tp_size, args.heads
     kv_args.page_size = args.page_size
     kv_args.aux_data_ptrs, kv_args.aux_data_lens, kv_args.aux_item_lens = aux.get_buf_infos()
     kv_args.ib_device, kv_args.gpu_id = None, 0
@@ -205,7 +210,7 @@ def run_prefill(args: argparse.Namespace) -> None:
 
     backend = TransferBackend(args.backend)
     server = None
-    if args.serve_bootstrap:
+    if args.serve_bootstrap and args.tp_rank == 0:  # the launcher's one bootstrap server
         server_class = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)
         server = server_class(host="127.0.0.1", port=args.bootstrap_port)
     kv = CpuKv(args)
@@ -513,8 +518,11 @@ def main() -> None:
     parser.add_argument("--stall-room", type=int, action="append")
     parser.add_argument("--serve-s", type=float, default=300.0)
     parser.add_argument("--linger", action="store_true")
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--gloo-store", default="", help="shared file of the TP ranks' group")
     parser.add_argument("--num-layers", type=int, default=2)
-    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--heads", type=int, default=2, help="the model's KV heads")
     parser.add_argument("--head-dim", type=int, default=16)
     parser.add_argument("--page-size", type=int, default=4)
     parser.add_argument("--pool-pages", type=int, default=1024)

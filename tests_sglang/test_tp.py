@@ -1,0 +1,50 @@
+"""Prefill TP=2 (two scheduler processes, one SGLang instance) -> decode TP=1 through the
+SGLang backend: each decode page gets its two head slices from two prefill ranks, the ranks
+reduce their polls over their gloo group as SGLang's prefill queues do, and they report one
+instance incarnation (set by SGLang's launcher in the real thing, inherited by its ranks)."""
+
+from __future__ import annotations
+
+import secrets
+import time
+
+from tests_sglang.processes import DriverProcess, free_port
+from tests_sglang.test_faults import LOGS
+
+ROOMS = 16
+GEOMETRY = ["--pages-per-room", "4", "--chunk-pages", "3", "--pool-pages", "256",
+            "--aux-slots", "64", "--heads", "2"]  # fmt: skip
+
+
+def test_prefill_tp2_to_decode_tp1_moves_every_head_slice() -> None:
+    port = free_port()
+    store = LOGS / f"gloo-{secrets.token_hex(4)}"
+    LOGS.mkdir(parents=True, exist_ok=True)
+    instance = {"PDFLOW_SGLANG_INCARNATION": secrets.token_hex(8),
+                "PDFLOW_SGLANG_STARTED_AT": repr(time.time())}  # fmt: skip
+    common = ["--backend", "pdflow", "--bootstrap-port", str(port), *GEOMETRY]
+    ranks = [
+        DriverProcess("prefill", *common, "--serve-bootstrap", "--rooms", str(ROOMS),
+                      "--room-base", "7000", "--tp-size", "2", "--tp-rank", str(rank),
+                      "--gloo-store", str(store), "--http-port", str(free_port()),
+                      env=instance, log_dir=LOGS)
+        for rank in (0, 1)
+    ]
+    decode = DriverProcess("decode", *common, "--http-port", str(free_port()), log_dir=LOGS)
+    try:
+        for process in [*ranks, decode]:
+            process.wait_for("prefill_ready" if process in ranks else "decode_ready",
+                             timeout=240)  # fmt: skip
+        decode.command(cmd="batch", count=ROOMS, base=7000, bootstrap_port=port)
+        done = decode.wait_for("batch_done", timeout=180, base=7000)
+        assert done["success"] == ROOMS and done["wrong_pages"] == 0, done
+        for process in ranks:
+            process.wait_for("prefill_finished", timeout=60)
+            sent = process.seen("sender_done")
+            assert len(sent) == ROOMS
+            # One head of two: half of 2 layers x K/V x 4 pages x 4 tokens x 16 floats x 4 B.
+            assert {s["bytes"] for s in sent} == {2 * 2 * 4 * 4 * 1 * 16 * 4}
+    finally:
+        for process in [decode, *ranks]:
+            process.stop()
+        store.unlink(missing_ok=True)
