@@ -1,8 +1,9 @@
 """Deliberately broken variants of the core (and of the shell's fence, as the simulator models
 it), one per real bug class, to show the checker bites.
 
-Each mutant patches one method, guard or action for the duration of a ``with`` block and
-restores it afterwards. ``pdflow check --mutants`` (and tests/property/
+Each mutant patches one method for the duration of a ``with`` block, or swaps one guard or
+action in a table's rows (rows hold their functions by reference: the table is patched, not the
+class), and restores it afterwards. ``pdflow check --mutants`` (and tests/property/
 test_mutants.py) run the model checker under each one and report how many steps it took to
 catch it.
 """
@@ -27,10 +28,10 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import Fired, Row, Table
 from pdflow.core.protocol.inputs import Input, SuccessArrived
 from pdflow.core.protocol.outputs import Output, StatusChanged
-from pdflow.core.resources.page_ledger import RoomPages, WriterHealth
+from pdflow.core.resources.page_ledger import PAGE_LEDGER_TABLE, WriterHealth
 from pdflow.core.rooms.prefill_complete import BootstrapRoom, PrefillCompleteTable
-from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
-from pdflow.core.rooms.sender_room import SenderRoom
+from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverRoom, ReceiverState
+from pdflow.core.rooms.sender_room import SENDER_TABLE, SenderRoom
 from pdflow.sim.transport import FakeTransport
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
@@ -254,10 +255,10 @@ def _dead_means_cannot_write(original: Any) -> Any:
 MUTANTS: tuple[Mutant, ...] = (
     Mutant("release_on_abort_without_ack", "sglang#35049/#32564",
            "the fence frees a failed room's pages at once, without waiting for drain ACKs",
-           ((RoomPages, "_guard_no_writer_can_land", _always(True)),)),
+           (_rows_swapped(PAGE_LEDGER_TABLE, "guard", "no_writer_can_land", _always(True)),)),
     Mutant("ack_before_drain", "sglang#38961",
            "an ABORT is ACKed at once even while writes of the room are still in flight",
-           ((SenderRoom, "_guard_writes_outstanding", _always(False)),)),
+           (_rows_swapped(SENDER_TABLE, "guard", "writes_outstanding", _always(False)),)),
     Mutant("max_status_lifts_failed", "sglang update_status(max(...))",
            "a late Success lifts a Failed receiver room to Success",
            ((ReceiverRoom, "fire", _lift_failed),)),
@@ -272,10 +273,10 @@ MUTANTS: tuple[Mutant, ...] = (
            ((DecodeEndpoint, "_instance_lost", _heartbeat_keeps_rooms),)),
     Mutant("chunk_offset_reused", "sglang staging chunk counted twice (#37697)",
            "every chunk is written at the first destination pages",
-           ((SenderRoom, "_act_send_chunk", _chunk_offset_reused),)),
+           (_rows_swapped(SENDER_TABLE, "action", "send_chunk", _chunk_offset_reused),)),
     Mutant("wait_clock_not_reset", "sglang#10110 (timeout clock shared)",
            "the wait budget is not restarted when the ready signal arrives",
-           ((ReceiverRoom, "_act_restart_wait_clock", _wait_clock_not_reset),)),
+           (_rows_swapped(RECEIVER_TABLE, "action", "restart_wait_clock", _wait_clock_not_reset),)),
     Mutant("success_one_peer_short", "sglang#21297 (rank count)",
            "a receiver succeeds with one required prefill rank still missing",
            ((ReceiverRoom, "_completes", _success_one_short),)),
@@ -287,13 +288,13 @@ MUTANTS: tuple[Mutant, ...] = (
            ((DecodeEndpoint, "_receive", _status_resurrects),)),
     Mutant("checksum_fails_open", "pdflow issue 12 finding 3 (unverified Success)",
            "a writer that sent no checksum is left out of the verification the decode requires",
-           ((ReceiverRoom, "_guard_completes_without_checksum", _always(False)),)),
+           (_rows_swapped(RECEIVER_TABLE, "guard", "completes_without_checksum", _always(False)),)),
     Mutant("checksum_mismatch_ignored", "silent KV corruption",
            "a failed checksum verification is taken as a pass",
-           ((ReceiverRoom, "_guard_checksum_ok", _always(True)),)),
+           (_rows_swapped(RECEIVER_TABLE, "guard", "checksum_ok", _always(True)),)),
     Mutant("release_on_any_ack", "sglang#38961 (one ACK target per room)",
            "the first writer's ACK frees the pages though others may still write",
-           ((RoomPages, "_guard_clears_last_writer", _always(True)),)),
+           (_rows_swapped(PAGE_LEDGER_TABLE, "guard", "clears_last_writer", _always(True)),)),
     Mutant("unopened_abort_not_acked", "sglang#38961 (late ABORT never ACKed)",
            "an ABORT for a room the prefill has not opened yet is never ACKed",
            (_rows_swapped(PREFILL_SLOT_TABLE, "action", "cancel", _no_ack),)),

@@ -241,34 +241,35 @@ def _answers_in_every_state(state: RegistryState) -> list[Any]:
     """The rows that read the same whatever the readiness."""
     return [
         # Reads reveal the prefill's endpoints: with a token set they need it too.
-        row(state, QueryTopology, state, guard="unauthorized", emits=_REPLY,
-            action="refuse_unauthorized"),
-        row(state, QueryRank, state, guard="unauthorized", emits=_REPLY,
-            action="refuse_unauthorized"),
+        row(state, QueryTopology, state, guard=_M._guard_unauthorized, emits=_REPLY,
+            action=_M._act_refuse_unauthorized),
+        row(state, QueryRank, state, guard=_M._guard_unauthorized, emits=_REPLY,
+            action=_M._act_refuse_unauthorized),
         row(
             state,
             RegisterRank,
             state,
-            guard="unauthorized",
+            guard=_M._guard_unauthorized,
             emits=_REPLY,
-            action="refuse_unauthorized",
+            action=_M._act_refuse_unauthorized,
         ),
-        row(state, RegisterRank, state, guard="malformed", emits=_REPLY, action="refuse_malformed"),
+        row(state, RegisterRank, state, guard=_M._guard_malformed, emits=_REPLY,
+            action=_M._act_refuse_malformed),
         row(
             state,
             RegisterRank,
             state,
-            guard="superseded",
+            guard=_M._guard_superseded,
             emits=_REPLY,
-            action="refuse_superseded",
+            action=_M._act_refuse_superseded,
         ),
         row(
             state,
             RegisterRank,
             state,
-            guard="inconsistent",
+            guard=_M._guard_inconsistent,
             emits=_REPLY,
-            action="refuse_inconsistent",
+            action=_M._act_refuse_inconsistent,
         ),
     ]
 
@@ -279,48 +280,21 @@ def _room_rows(state: RegistryState) -> list[Any]:
             state,
             RegisterDpRank,
             state,
-            guard="unauthorized",
+            guard=_M._guard_unauthorized,
             emits=_REPLY,
-            action="refuse_unauthorized",
+            action=_M._act_refuse_unauthorized,
         ),
         row(
-            state, RegisterDpRank, state, guard="bad_dp_rank", emits=_REPLY, action="refuse_dp_rank"
+            state, RegisterDpRank, state, guard=_M._guard_bad_dp_rank, emits=_REPLY,
+            action=_M._act_refuse_dp_rank
         ),
-        row(state, RegisterDpRank, state, emits=_REPLY, action="record_dp_rank"),
-        row(state, QueryDpRanks, state, guard="unauthorized", emits=_REPLY,
-            action="refuse_unauthorized"),
-        row(state, QueryDpRanks, state, emits=_REPLY, action="answer_dp_ranks"),
-        row(state, Tick, state, action="expire_rooms"),
-        row(state, CheckHealth, state, emits=_REPLY, action="answer_health"),
+        row(state, RegisterDpRank, state, emits=_REPLY, action=_M._act_record_dp_rank),
+        row(state, QueryDpRanks, state, guard=_M._guard_unauthorized, emits=_REPLY,
+            action=_M._act_refuse_unauthorized),
+        row(state, QueryDpRanks, state, emits=_REPLY, action=_M._act_answer_dp_ranks),
+        row(state, Tick, state, action=_M._act_expire_rooms),
+        row(state, CheckHealth, state, emits=_REPLY, action=_M._act_answer_health),
     ]
-
-
-REGISTRY_TABLE: Table[RegistryState] = Table(
-    machine="Registry",
-    states=RegistryState,
-    initial=RegistryState.COLLECTING,
-    inputs=_ALL_INPUTS,
-    remote_inputs=(RegisterRank, QueryTopology, QueryRank, RegisterDpRank, QueryDpRanks,
-                   CheckHealth),
-    rows=[
-        # -- COLLECTING: fewer distinct ranks than dp*cp*tp*pp -----------------------------------
-        *_answers_in_every_state(_G.COLLECTING),
-        row(_G.COLLECTING, RegisterRank, _G.READY, guard="completes_topology", emits=_REPLY,
-            action="register"),
-        row(_G.COLLECTING, RegisterRank, _G.COLLECTING, emits=_REPLY, action="register"),
-        row(_G.COLLECTING, QueryTopology, _G.COLLECTING, emits=_REPLY, action="answer_not_ready"),
-        row(_G.COLLECTING, QueryRank, _G.COLLECTING, emits=_REPLY, action="answer_not_ready"),
-        *_room_rows(_G.COLLECTING),
-        # -- READY: every rank known; re-registrations replace their rank -------------------------
-        *_answers_in_every_state(_G.READY),
-        row(_G.READY, RegisterRank, _G.READY, emits=_REPLY, action="register"),
-        row(_G.READY, QueryTopology, _G.READY, emits=_REPLY, action="answer_topology"),
-        row(_G.READY, QueryRank, _G.READY, guard="rank_registered", emits=_REPLY,
-            action="answer_rank"),
-        row(_G.READY, QueryRank, _G.READY, emits=_REPLY, action="answer_unknown_rank"),
-        *_room_rows(_G.READY),
-    ],
-)  # fmt: skip
 
 
 # Fields that must agree with the first registration: (field, headline of the 400 answer).
@@ -344,7 +318,7 @@ _MAX_PORT = 65535
 class Registry(TableMachine[RegistryState]):
     """The bootstrap registry of one prefill instance. Drive it with :meth:`handle`."""
 
-    table = REGISTRY_TABLE
+    table: Table[RegistryState]
 
     def __init__(
         self, *, token: str | None = None, dp_rank_ttl: float = DEFAULT_DP_RANK_TTL_S
@@ -572,6 +546,37 @@ class Registry(TableMachine[RegistryState]):
                 f"prefill's dp_size={self.first.dp_size}"
             )
         return None
+
+
+_M = Registry
+REGISTRY_TABLE: Table[RegistryState] = Table(
+    machine="Registry",
+    states=RegistryState,
+    initial=RegistryState.COLLECTING,
+    inputs=_ALL_INPUTS,
+    remote_inputs=(RegisterRank, QueryTopology, QueryRank, RegisterDpRank, QueryDpRanks,
+                   CheckHealth),
+    rows=[
+        # -- COLLECTING: fewer distinct ranks than dp*cp*tp*pp -----------------------------------
+        *_answers_in_every_state(_G.COLLECTING),
+        row(_G.COLLECTING, RegisterRank, _G.READY, guard=_M._guard_completes_topology, emits=_REPLY,
+            action=_M._act_register),
+        row(_G.COLLECTING, RegisterRank, _G.COLLECTING, emits=_REPLY, action=_M._act_register),
+        row(_G.COLLECTING, QueryTopology, _G.COLLECTING, emits=_REPLY,
+            action=_M._act_answer_not_ready),
+        row(_G.COLLECTING, QueryRank, _G.COLLECTING, emits=_REPLY, action=_M._act_answer_not_ready),
+        *_room_rows(_G.COLLECTING),
+        # -- READY: every rank known; re-registrations replace their rank -------------------------
+        *_answers_in_every_state(_G.READY),
+        row(_G.READY, RegisterRank, _G.READY, emits=_REPLY, action=_M._act_register),
+        row(_G.READY, QueryTopology, _G.READY, emits=_REPLY, action=_M._act_answer_topology),
+        row(_G.READY, QueryRank, _G.READY, guard=_M._guard_rank_registered, emits=_REPLY,
+            action=_M._act_answer_rank),
+        row(_G.READY, QueryRank, _G.READY, emits=_REPLY, action=_M._act_answer_unknown_rank),
+        *_room_rows(_G.READY),
+    ],
+)  # fmt: skip
+Registry.table = REGISTRY_TABLE
 
 
 def _malformation(reg: RegisterRank) -> str | None:

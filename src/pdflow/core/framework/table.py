@@ -2,10 +2,11 @@
 
 A row is ``(source, on, guard) -> target`` plus the names of the outputs it may emit and the
 action that computes them. Guards and actions are bound by reference (the machine's own
-``_guard_<name>`` / ``_act_<name>`` functions, typed by the row's input); the spec names them
-by ``<name>``. Rows of one cell (same source and input) are tried in order; only the
-last row of a cell may be unguarded. After every step the machine checks itself against the row
-it took: the state it reached, the outputs it emitted and the KVPoll monotonicity rule.
+``_guard_<name>`` / ``_act_<name>`` functions, typed by the row's input), never looked up by
+name; the spec names them by ``<name>``, so the table still reads as data. Rows of one cell
+(same source and input) are tried in order; only the last row of a cell may be unguarded. After
+every step the machine checks itself against the row it took: the state it reached, the
+outputs it emitted and the KVPoll monotonicity rule.
 """
 
 from __future__ import annotations
@@ -47,16 +48,10 @@ class Row(Generic[S]):
     guard: str | None = None
     emits: frozenset[str] = field(default_factory=frozenset)
     action: str = "nothing"
-    # Bound by reference: rows built with functions carry them; rows built with names (the
-    # older tables) are looked up once per call by their derived attribute name.
     guard_fn: GuardFn | None = field(default=None, compare=False, repr=False)
     action_fn: ActionFn | None = field(default=None, compare=False, repr=False)
-    guard_attr: str = field(init=False, compare=False, repr=False)
-    action_attr: str = field(init=False, compare=False, repr=False)
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "guard_attr", f"{GUARD_PREFIX}{self.guard}" if self.guard else "")
-        object.__setattr__(self, "action_attr", f"{ACTION_PREFIX}{self.action}")
+    """The guard and action themselves, bound by reference (the spec names them ``guard`` and
+    ``action``); a row without an action does nothing."""
 
 
 def spec_name(fn: Callable[..., object], prefix: str) -> str:
@@ -72,23 +67,16 @@ def row(
     on: type[In],
     target: S,
     *,
-    guard: Callable[[Any, In, float], bool] | str | None = None,
+    guard: Callable[[Any, In, float], bool] | None = None,
     emits: Iterable[str] = (),
-    action: Callable[[Any, In, float], list[Output]] | str = "nothing",
+    action: Callable[[Any, In, float], list[Output]] | None = None,
 ) -> Row[S]:
-    guard_fn: GuardFn | None = None
-    guard_name: str | None = None
-    if isinstance(guard, str):
-        guard_name = guard
-    elif guard is not None:
-        guard_fn, guard_name = guard, spec_name(guard, GUARD_PREFIX)
-    action_fn: ActionFn | None = None
-    if isinstance(action, str):
-        action_name = action
-    else:
-        action_fn, action_name = action, spec_name(action, ACTION_PREFIX)
+    """One transition. ``guard`` and ``action`` are the machine's own ``_guard_<name>`` and
+    ``_act_<name>`` functions, typed by the row's input; the spec calls them ``<name>``."""
+    guard_name = None if guard is None else spec_name(guard, GUARD_PREFIX)
+    action_name = "nothing" if action is None else spec_name(action, ACTION_PREFIX)
     return Row(
-        source, on.__name__, target, guard_name, frozenset(emits), action_name, guard_fn, action_fn
+        source, on.__name__, target, guard_name, frozenset(emits), action_name, guard, action
     )
 
 
@@ -203,19 +191,12 @@ class TableMachine(Generic[S]):
         return Step(tuple(outputs), self.timer_at(), (fired,))
 
     def _guard(self, chosen: Row[S], inp: Input, now: float) -> bool:
-        if chosen.guard_fn is not None:
-            return chosen.guard_fn(self, inp, now)
-        check: Callable[[Input, float], bool] = getattr(self, chosen.guard_attr)
-        return check(inp, now)
+        check = chosen.guard_fn
+        return True if check is None else check(self, inp, now)
 
     def _act(self, chosen: Row[S], inp: Input, now: float) -> list[Output]:
-        if chosen.action_fn is not None:
-            return chosen.action_fn(self, inp, now)
-        action: Callable[[Input, float], list[Output]] = getattr(self, chosen.action_attr)
-        return action(inp, now)
-
-    def _act_nothing(self, inp: Input, now: float) -> list[Output]:
-        return []
+        action = chosen.action_fn
+        return [] if action is None else action(self, inp, now)
 
     def _validate(self, inp: Input, now: float) -> None:
         """Raise InvalidInput or RemoteProtocolError before anything changes. Override."""

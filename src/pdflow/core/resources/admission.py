@@ -260,53 +260,11 @@ _Q = QueueState
 _ADMITTED, _BLOCKED = "admitted", "admission_blocked"
 _REJECTED, _CANCELLED, _RELEASED = "admission_rejected", "admission_cancelled", "admission_released"
 
-ADMISSION_TABLE: Table[QueueState] = Table(
-    machine="AdmissionQueue",
-    states=QueueState,
-    initial=QueueState.IDLE,
-    inputs=(EnqueueRequest, AdmitRequests, FinishRequest, CancelRequest, Tick),
-    remote_inputs=(),
-    rows=[
-        # -- IDLE: nothing queued ------------------------------------------------------------
-        row(_Q.IDLE, EnqueueRequest, _Q.IDLE,
-            guard="exceeds_pool", emits=[_REJECTED], action="reject"),
-        row(_Q.IDLE, EnqueueRequest, _Q.QUEUED, action="enqueue"),
-        row(_Q.IDLE, AdmitRequests, _Q.IDLE),
-        row(_Q.IDLE, FinishRequest, _Q.IDLE, emits=[_RELEASED], action="finish"),
-        row(_Q.IDLE, Tick, _Q.IDLE),
-        # -- QUEUED: the head may fit --------------------------------------------------------
-        row(_Q.QUEUED, EnqueueRequest, _Q.QUEUED,
-            guard="exceeds_pool", emits=[_REJECTED], action="reject"),
-        row(_Q.QUEUED, EnqueueRequest, _Q.QUEUED, action="enqueue"),
-        row(_Q.QUEUED, AdmitRequests, _Q.IDLE,
-            guard="admits_whole_queue", emits=[_ADMITTED], action="admit_head_of_line"),
-        row(_Q.QUEUED, AdmitRequests, _Q.BLOCKED,
-            emits=[_ADMITTED, _BLOCKED], action="admit_head_of_line"),
-        row(_Q.QUEUED, FinishRequest, _Q.QUEUED, emits=[_RELEASED], action="finish"),
-        row(_Q.QUEUED, CancelRequest, _Q.IDLE,
-            guard="empties_queue", emits=[_CANCELLED], action="cancel"),
-        row(_Q.QUEUED, CancelRequest, _Q.QUEUED, emits=[_CANCELLED], action="cancel"),
-        row(_Q.QUEUED, Tick, _Q.QUEUED),
-        # -- BLOCKED: the head waits for pages; the tail waits behind it (FIFO) --------------
-        row(_Q.BLOCKED, EnqueueRequest, _Q.BLOCKED,
-            guard="exceeds_pool", emits=[_REJECTED], action="reject"),
-        row(_Q.BLOCKED, EnqueueRequest, _Q.BLOCKED, action="enqueue"),
-        row(_Q.BLOCKED, AdmitRequests, _Q.BLOCKED),
-        row(_Q.BLOCKED, FinishRequest, _Q.QUEUED, emits=[_RELEASED], action="finish"),
-        row(_Q.BLOCKED, CancelRequest, _Q.IDLE,
-            guard="empties_queue", emits=[_CANCELLED], action="cancel"),
-        row(_Q.BLOCKED, CancelRequest, _Q.QUEUED,
-            guard="cancels_head", emits=[_CANCELLED], action="cancel"),
-        row(_Q.BLOCKED, CancelRequest, _Q.BLOCKED, emits=[_CANCELLED], action="cancel"),
-        row(_Q.BLOCKED, Tick, _Q.BLOCKED),
-    ],
-)  # fmt: skip
-
 
 class AdmissionQueue(TableMachine[QueueState]):
     """The decode's FIFO admission queue over one KV pool. Drive it with :meth:`handle`."""
 
-    table = ADMISSION_TABLE
+    table: Table[QueueState]
 
     def __init__(self, budget: AdmissionBudget) -> None:
         self.key = 0
@@ -465,6 +423,52 @@ class AdmissionQueue(TableMachine[QueueState]):
             largest = decision.largest_growth_pages
             free = decision.free_pages_after
         return admissible, None
+
+
+_M = AdmissionQueue
+ADMISSION_TABLE: Table[QueueState] = Table(
+    machine="AdmissionQueue",
+    states=QueueState,
+    initial=QueueState.IDLE,
+    inputs=(EnqueueRequest, AdmitRequests, FinishRequest, CancelRequest, Tick),
+    remote_inputs=(),
+    rows=[
+        # -- IDLE: nothing queued ------------------------------------------------------------
+        row(_Q.IDLE, EnqueueRequest, _Q.IDLE,
+            guard=_M._guard_exceeds_pool, emits=[_REJECTED], action=_M._act_reject),
+        row(_Q.IDLE, EnqueueRequest, _Q.QUEUED, action=_M._act_enqueue),
+        row(_Q.IDLE, AdmitRequests, _Q.IDLE),
+        row(_Q.IDLE, FinishRequest, _Q.IDLE, emits=[_RELEASED], action=_M._act_finish),
+        row(_Q.IDLE, Tick, _Q.IDLE),
+        # -- QUEUED: the head may fit --------------------------------------------------------
+        row(_Q.QUEUED, EnqueueRequest, _Q.QUEUED,
+            guard=_M._guard_exceeds_pool, emits=[_REJECTED], action=_M._act_reject),
+        row(_Q.QUEUED, EnqueueRequest, _Q.QUEUED, action=_M._act_enqueue),
+        row(_Q.QUEUED, AdmitRequests, _Q.IDLE,
+            guard=_M._guard_admits_whole_queue, emits=[_ADMITTED],
+            action=_M._act_admit_head_of_line),
+        row(_Q.QUEUED, AdmitRequests, _Q.BLOCKED,
+            emits=[_ADMITTED, _BLOCKED], action=_M._act_admit_head_of_line),
+        row(_Q.QUEUED, FinishRequest, _Q.QUEUED, emits=[_RELEASED], action=_M._act_finish),
+        row(_Q.QUEUED, CancelRequest, _Q.IDLE,
+            guard=_M._guard_empties_queue, emits=[_CANCELLED], action=_M._act_cancel),
+        row(_Q.QUEUED, CancelRequest, _Q.QUEUED, emits=[_CANCELLED], action=_M._act_cancel),
+        row(_Q.QUEUED, Tick, _Q.QUEUED),
+        # -- BLOCKED: the head waits for pages; the tail waits behind it (FIFO) --------------
+        row(_Q.BLOCKED, EnqueueRequest, _Q.BLOCKED,
+            guard=_M._guard_exceeds_pool, emits=[_REJECTED], action=_M._act_reject),
+        row(_Q.BLOCKED, EnqueueRequest, _Q.BLOCKED, action=_M._act_enqueue),
+        row(_Q.BLOCKED, AdmitRequests, _Q.BLOCKED),
+        row(_Q.BLOCKED, FinishRequest, _Q.QUEUED, emits=[_RELEASED], action=_M._act_finish),
+        row(_Q.BLOCKED, CancelRequest, _Q.IDLE,
+            guard=_M._guard_empties_queue, emits=[_CANCELLED], action=_M._act_cancel),
+        row(_Q.BLOCKED, CancelRequest, _Q.QUEUED,
+            guard=_M._guard_cancels_head, emits=[_CANCELLED], action=_M._act_cancel),
+        row(_Q.BLOCKED, CancelRequest, _Q.BLOCKED, emits=[_CANCELLED], action=_M._act_cancel),
+        row(_Q.BLOCKED, Tick, _Q.BLOCKED),
+    ],
+)  # fmt: skip
+AdmissionQueue.table = ADMISSION_TABLE
 
 
 def _demand_of(enqueue: EnqueueRequest) -> RequestDemand:

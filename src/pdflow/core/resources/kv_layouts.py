@@ -53,26 +53,9 @@ class PeerLost(Input, frozen=True, tag="PeerLost"):
 
 _A = AnnouncementState
 
-ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
-    machine="LayoutAnnouncement",
-    states=AnnouncementState,
-    initial=AnnouncementState.UNANNOUNCED,
-    inputs=(Contact, AcceptArrived, PeerLost),
-    remote_inputs=(AcceptArrived,),
-    rows=[
-        row(_A.UNANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action="announce"),
-        # No answer yet: the announcement may have been lost with its socket; say it again.
-        row(_A.ANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action="announce"),
-        row(_A.ANNOUNCED, AcceptArrived, _A.ACCEPTED, action="record_session"),
-        row(_A.ANNOUNCED, PeerLost, _A.UNANNOUNCED),
-        row(_A.ACCEPTED, AcceptArrived, _A.ACCEPTED, action="record_session"),
-        row(_A.ACCEPTED, PeerLost, _A.UNANNOUNCED),
-    ],
-)
-
 
 class LayoutAnnouncement(TableMachine[AnnouncementState]):
-    table = ANNOUNCEMENT_TABLE
+    table: Table[AnnouncementState]
 
     def __init__(self, prefill: PeerId) -> None:
         self.prefill = prefill
@@ -86,6 +69,28 @@ class LayoutAnnouncement(TableMachine[AnnouncementState]):
     def _act_record_session(self, inp: Input, now: float) -> list[Output]:
         self.session_id = cast(AcceptArrived, inp).accepted.session_id
         return []
+
+
+_LA = LayoutAnnouncement
+ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
+    machine="LayoutAnnouncement",
+    states=AnnouncementState,
+    initial=AnnouncementState.UNANNOUNCED,
+    inputs=(Contact, AcceptArrived, PeerLost),
+    remote_inputs=(AcceptArrived,),
+    rows=[
+        row(
+            _A.UNANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action=_LA._act_announce
+        ),
+        # No answer yet: the announcement may have been lost with its socket; say it again.
+        row(_A.ANNOUNCED, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action=_LA._act_announce),
+        row(_A.ANNOUNCED, AcceptArrived, _A.ACCEPTED, action=_LA._act_record_session),
+        row(_A.ANNOUNCED, PeerLost, _A.UNANNOUNCED),
+        row(_A.ACCEPTED, AcceptArrived, _A.ACCEPTED, action=_LA._act_record_session),
+        row(_A.ACCEPTED, PeerLost, _A.UNANNOUNCED),
+    ],
+)
+LayoutAnnouncement.table = ANNOUNCEMENT_TABLE
 
 
 class LayoutAnnouncements:
@@ -139,24 +144,9 @@ class LayoutEvicted(Input, frozen=True, tag="LayoutEvicted"):
 
 _D = DecodeLayoutState
 
-DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
-    machine="DecodeLayout",
-    states=DecodeLayoutState,
-    initial=DecodeLayoutState.ABSENT,
-    inputs=(LayoutAnnounced, LayoutEvicted),
-    remote_inputs=(LayoutAnnounced,),
-    rows=[
-        row(_D.ABSENT, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
-            action="register"),
-        row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
-            action="register"),
-        row(_D.KNOWN, LayoutEvicted, _D.ABSENT),
-    ],
-)  # fmt: skip
-
 
 class DecodeLayout(TableMachine[DecodeLayoutState]):
-    table = DECODE_LAYOUT_TABLE
+    table: Table[DecodeLayoutState]
 
     def __init__(self, me: PeerId, session_id: str, decode_rank: int) -> None:
         self.me = me
@@ -171,6 +161,24 @@ class DecodeLayout(TableMachine[DecodeLayoutState]):
         self.announcement = announcement
         accepted = KvArgsAccepted(self.me, announcement.decode, self.session_id)
         return [SendMessage(announcement.decode, accepted)]
+
+
+_DL = DecodeLayout
+DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
+    machine="DecodeLayout",
+    states=DecodeLayoutState,
+    initial=DecodeLayoutState.ABSENT,
+    inputs=(LayoutAnnounced, LayoutEvicted),
+    remote_inputs=(LayoutAnnounced,),
+    rows=[
+        row(_D.ABSENT, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
+            action=_DL._act_register),
+        row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
+            action=_DL._act_register),
+        row(_D.KNOWN, LayoutEvicted, _D.ABSENT),
+    ],
+)  # fmt: skip
+DecodeLayout.table = DECODE_LAYOUT_TABLE
 
 
 def _decode_rank(peer: PeerId) -> tuple[str, int]:

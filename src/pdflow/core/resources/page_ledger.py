@@ -157,45 +157,6 @@ _P = RoomPagesState
 _FREED = "pages_freed"
 _QUARANTINED = "pages_quarantined"
 
-PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
-    machine="PageLedger",
-    states=RoomPagesState,
-    initial=RoomPagesState.FREE,
-    inputs=(
-        Reserve,
-        ReleaseAfterSuccess,
-        ReleaseUnpublished,
-        Fence,
-        AckArrived,
-        WriterDead,
-        SessionClosed,
-    ),
-    remote_inputs=(AckArrived,),
-    rows=[
-        # -- FREE: the instance holds nothing (unknown, or already released) ---------------------
-        row(_P.FREE, Reserve, _P.RESERVED, action="reserve"),
-        row(_P.FREE, AckArrived, _P.FREE),  # late, duplicate or for an unknown room: harmless
-        # -- RESERVED: the room owns its pages; writers may know them ---------------------------
-        row(_P.RESERVED, ReleaseAfterSuccess, _P.FREE, emits=[_FREED], action="free"),
-        row(_P.RESERVED, ReleaseUnpublished, _P.FREE, emits=[_FREED], action="free"),
-        row(_P.RESERVED, Fence, _P.FREE,
-            guard="no_writer_can_land", emits=[_FREED], action="free"),
-        row(_P.RESERVED, Fence, _P.FENCED, emits=[_QUARANTINED], action="quarantine"),
-        row(_P.RESERVED, AckArrived, _P.RESERVED),  # the fence precedes every ABORT: stale news
-        # -- FENCED: pages quarantined until every writer is cleared -----------------------------
-        row(_P.FENCED, AckArrived, _P.FREE,
-            guard="clears_last_writer", emits=[_FREED], action="ack_and_free"),
-        row(_P.FENCED, AckArrived, _P.FENCED, guard="owed_by_writer", action="record_ack"),
-        row(_P.FENCED, AckArrived, _P.FENCED),  # duplicate, or not a writer of this room
-        row(_P.FENCED, WriterDead, _P.FREE,
-            guard="all_writers_cleared", emits=[_FREED], action="free"),
-        row(_P.FENCED, WriterDead, _P.FENCED),
-        row(_P.FENCED, SessionClosed, _P.FREE,
-            guard="all_writers_cleared", emits=[_FREED], action="free"),
-        row(_P.FENCED, SessionClosed, _P.FENCED),
-    ],
-)  # fmt: skip
-
 
 class PagePool:
     """Page ownership shared by every room instance of one ledger."""
@@ -234,7 +195,7 @@ class WriterHealth:
 class RoomPages(TableMachine[RoomPagesState]):
     """The pages of one room instance. The ledger creates, routes to and forgets these."""
 
-    table = PAGE_LEDGER_TABLE
+    table: Table[RoomPagesState]
 
     def __init__(self, room: int, generation: int, pool: PagePool, health: WriterHealth) -> None:
         self.key = room
@@ -321,6 +282,49 @@ class RoomPages(TableMachine[RoomPagesState]):
         freed = PagesFreed(self.key, self.generation, self.pages)
         self.pages = ()
         return [freed]
+
+
+_M = RoomPages
+PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
+    machine="PageLedger",
+    states=RoomPagesState,
+    initial=RoomPagesState.FREE,
+    inputs=(
+        Reserve,
+        ReleaseAfterSuccess,
+        ReleaseUnpublished,
+        Fence,
+        AckArrived,
+        WriterDead,
+        SessionClosed,
+    ),
+    remote_inputs=(AckArrived,),
+    rows=[
+        # -- FREE: the instance holds nothing (unknown, or already released) ---------------------
+        row(_P.FREE, Reserve, _P.RESERVED, action=_M._act_reserve),
+        row(_P.FREE, AckArrived, _P.FREE),  # late, duplicate or for an unknown room: harmless
+        # -- RESERVED: the room owns its pages; writers may know them ---------------------------
+        row(_P.RESERVED, ReleaseAfterSuccess, _P.FREE, emits=[_FREED], action=_M._act_free),
+        row(_P.RESERVED, ReleaseUnpublished, _P.FREE, emits=[_FREED], action=_M._act_free),
+        row(_P.RESERVED, Fence, _P.FREE,
+            guard=_M._guard_no_writer_can_land, emits=[_FREED], action=_M._act_free),
+        row(_P.RESERVED, Fence, _P.FENCED, emits=[_QUARANTINED], action=_M._act_quarantine),
+        row(_P.RESERVED, AckArrived, _P.RESERVED),  # the fence precedes every ABORT: stale news
+        # -- FENCED: pages quarantined until every writer is cleared -----------------------------
+        row(_P.FENCED, AckArrived, _P.FREE,
+            guard=_M._guard_clears_last_writer, emits=[_FREED], action=_M._act_ack_and_free),
+        row(_P.FENCED, AckArrived, _P.FENCED, guard=_M._guard_owed_by_writer,
+            action=_M._act_record_ack),
+        row(_P.FENCED, AckArrived, _P.FENCED),  # duplicate, or not a writer of this room
+        row(_P.FENCED, WriterDead, _P.FREE,
+            guard=_M._guard_all_writers_cleared, emits=[_FREED], action=_M._act_free),
+        row(_P.FENCED, WriterDead, _P.FENCED),
+        row(_P.FENCED, SessionClosed, _P.FREE,
+            guard=_M._guard_all_writers_cleared, emits=[_FREED], action=_M._act_free),
+        row(_P.FENCED, SessionClosed, _P.FENCED),
+    ],
+)  # fmt: skip
+RoomPages.table = PAGE_LEDGER_TABLE
 
 
 class PageLedger:

@@ -144,49 +144,11 @@ _R = RingState
 _ASSIGNED = "staging_assigned"
 _WATERMARK = "watermark_advanced"
 
-STAGING_RING_TABLE: Table[RingState] = Table(
-    machine="StagingRing",
-    states=RingState,
-    initial=RingState.EMPTY,
-    inputs=(Assign, Free, FreeRoom, CheckReady),
-    remote_inputs=(Assign,),
-    rows=[
-        # -- EMPTY: nothing live; the head is at offset 0 of the current round -------------------
-        row(_R.EMPTY, Assign, _R.EMPTY,
-            guard="oversized", emits=["staging_oversized"], action="refuse_oversized"),
-        row(_R.EMPTY, Assign, _R.OCCUPIED, emits=[_ASSIGNED], action="assign"),
-        row(_R.EMPTY, Free, _R.EMPTY),  # late or duplicate free: harmless
-        row(_R.EMPTY, FreeRoom, _R.EMPTY),
-        # -- OCCUPIED: at least one live allocation ----------------------------------------------
-        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
-            guard="already_assigned", emits=[_ASSIGNED], action="repeat_assignment"),
-        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
-            guard="oversized", emits=["staging_oversized"], action="refuse_oversized"),
-        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
-            guard="tail_too_short", emits=[_ASSIGNED], action="wrap_and_assign"),
-        row(_R.OCCUPIED, Assign, _R.OCCUPIED, emits=[_ASSIGNED], action="assign"),
-        row(_R.OCCUPIED, Free, _R.EMPTY,
-            guard="frees_last", emits=[_WATERMARK], action="free_and_restart"),
-        row(_R.OCCUPIED, Free, _R.OCCUPIED,
-            guard="frees_oldest", emits=[_WATERMARK], action="free_and_advance"),
-        row(_R.OCCUPIED, Free, _R.OCCUPIED, guard="is_live", action="free"),
-        row(_R.OCCUPIED, Free, _R.OCCUPIED),  # late or duplicate free: harmless
-        row(_R.OCCUPIED, FreeRoom, _R.EMPTY,
-            guard="room_holds_all", emits=[_WATERMARK], action="free_room_and_restart"),
-        row(_R.OCCUPIED, FreeRoom, _R.OCCUPIED,
-            guard="room_holds_oldest", emits=[_WATERMARK], action="free_room_and_advance"),
-        row(_R.OCCUPIED, FreeRoom, _R.OCCUPIED, action="free_room"),
-        row(_R.OCCUPIED, CheckReady, _R.OCCUPIED,
-            guard="region_free", emits=["staging_ready"], action="report_ready"),
-        row(_R.OCCUPIED, CheckReady, _R.OCCUPIED, emits=["staging_deferred"], action="defer"),
-    ],
-)  # fmt: skip
-
 
 class StagingRing(TableMachine[RingState]):
     """The staging ring of one decode rank. Drive it with :meth:`handle`."""
 
-    table = STAGING_RING_TABLE
+    table: Table[RingState]
 
     def __init__(self, capacity: int) -> None:
         if capacity <= 0:
@@ -370,3 +332,48 @@ class StagingRing(TableMachine[RingState]):
         self.head = 0
         self.watermark_round, self.watermark_tail = self.round, 0
         return [WatermarkAdvanced(self.watermark_round, self.watermark_tail)]
+
+
+_M = StagingRing
+STAGING_RING_TABLE: Table[RingState] = Table(
+    machine="StagingRing",
+    states=RingState,
+    initial=RingState.EMPTY,
+    inputs=(Assign, Free, FreeRoom, CheckReady),
+    remote_inputs=(Assign,),
+    rows=[
+        # -- EMPTY: nothing live; the head is at offset 0 of the current round -------------------
+        row(_R.EMPTY, Assign, _R.EMPTY,
+            guard=_M._guard_oversized, emits=["staging_oversized"],
+            action=_M._act_refuse_oversized),
+        row(_R.EMPTY, Assign, _R.OCCUPIED, emits=[_ASSIGNED], action=_M._act_assign),
+        row(_R.EMPTY, Free, _R.EMPTY),  # late or duplicate free: harmless
+        row(_R.EMPTY, FreeRoom, _R.EMPTY),
+        # -- OCCUPIED: at least one live allocation ----------------------------------------------
+        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
+            guard=_M._guard_already_assigned, emits=[_ASSIGNED], action=_M._act_repeat_assignment),
+        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
+            guard=_M._guard_oversized, emits=["staging_oversized"],
+            action=_M._act_refuse_oversized),
+        row(_R.OCCUPIED, Assign, _R.OCCUPIED,
+            guard=_M._guard_tail_too_short, emits=[_ASSIGNED], action=_M._act_wrap_and_assign),
+        row(_R.OCCUPIED, Assign, _R.OCCUPIED, emits=[_ASSIGNED], action=_M._act_assign),
+        row(_R.OCCUPIED, Free, _R.EMPTY,
+            guard=_M._guard_frees_last, emits=[_WATERMARK], action=_M._act_free_and_restart),
+        row(_R.OCCUPIED, Free, _R.OCCUPIED,
+            guard=_M._guard_frees_oldest, emits=[_WATERMARK], action=_M._act_free_and_advance),
+        row(_R.OCCUPIED, Free, _R.OCCUPIED, guard=_M._guard_is_live, action=_M._act_free),
+        row(_R.OCCUPIED, Free, _R.OCCUPIED),  # late or duplicate free: harmless
+        row(_R.OCCUPIED, FreeRoom, _R.EMPTY,
+            guard=_M._guard_room_holds_all, emits=[_WATERMARK],
+            action=_M._act_free_room_and_restart),
+        row(_R.OCCUPIED, FreeRoom, _R.OCCUPIED,
+            guard=_M._guard_room_holds_oldest, emits=[_WATERMARK],
+            action=_M._act_free_room_and_advance),
+        row(_R.OCCUPIED, FreeRoom, _R.OCCUPIED, action=_M._act_free_room),
+        row(_R.OCCUPIED, CheckReady, _R.OCCUPIED,
+            guard=_M._guard_region_free, emits=["staging_ready"], action=_M._act_report_ready),
+        row(_R.OCCUPIED, CheckReady, _R.OCCUPIED, emits=["staging_deferred"], action=_M._act_defer),
+    ],
+)  # fmt: skip
+StagingRing.table = STAGING_RING_TABLE

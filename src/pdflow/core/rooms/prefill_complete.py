@@ -235,9 +235,6 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         self._act_forget(inp, now)
         return outputs
 
-    def _act_nothing(self, inp: Input, now: float) -> list[Output]:
-        return []
-
     # ---- helpers -------------------------------------------------------------------------------
     def _notify_ready(self) -> list[Output]:
         if self.endpoint is None or self.ready_notified:

@@ -60,102 +60,11 @@ _ABORT = "send.abort"
 _FENCE = "arm_fence"
 _FAIL_FENCED = [_FENCE, _ABORT, _CHANGED]
 
-RECEIVER_TABLE: Table[ReceiverState] = Table(
-    machine="ReceiverRoom",
-    states=ReceiverState,
-    initial=ReceiverState.BOOTSTRAPPING,
-    inputs=(
-        PeersResolved,
-        ResolveFailed,
-        ReadyArrived,
-        PublishPages,
-        SuccessArrived,
-        FailureArrived,
-        PeerDied,
-        AbortRequested,
-        ChecksumResult,
-        Tick,
-    ),
-    remote_inputs=(ReadyArrived, SuccessArrived, FailureArrived),
-    poll_of=RECEIVER_POLL.__getitem__,
-    rows=[
-        # -- BOOTSTRAPPING: resolving which prefill ranks hold this room --------------------------
-        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_READY,
-            guard="prefill_complete_policy", emits=["send.bootstrap"], action="resolve"),
-        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_PAGES,
-            emits=[_CHANGED], action="resolve"),
-        row(_R.BOOTSTRAPPING, ResolveFailed, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.BOOTSTRAPPING, AbortRequested, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.BOOTSTRAPPING, Tick, _R.FAILED,
-            guard="wait_expired", emits=[_CHANGED], action="fail_waiting_timeout"),
-        row(_R.BOOTSTRAPPING, Tick, _R.BOOTSTRAPPING),
-        # -- AWAITING_READY (prefill_complete): the prefill is computing -------------------------
-        row(_R.AWAITING_READY, ReadyArrived, _R.AWAITING_PAGES,
-            emits=[_CHANGED], action="restart_wait_clock"),
-        row(_R.AWAITING_READY, FailureArrived, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.AWAITING_READY, PeerDied, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.AWAITING_READY, AbortRequested, _R.FAILED,
-            emits=[_ABORT, _CHANGED], action="fail_and_abort"),
-        row(_R.AWAITING_READY, Tick, _R.FAILED,
-            guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
-        row(_R.AWAITING_READY, Tick, _R.AWAITING_READY),
-        # -- AWAITING_PAGES: the engine is reserving destination pages ---------------------------
-        row(_R.AWAITING_PAGES, PublishPages, _R.TRANSFERRING,
-            emits=["send.room_metadata", _CHANGED], action="publish"),
-        row(_R.AWAITING_PAGES, ReadyArrived, _R.AWAITING_PAGES),
-        row(_R.AWAITING_PAGES, FailureArrived, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.AWAITING_PAGES, PeerDied, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.AWAITING_PAGES, AbortRequested, _R.FAILED,
-            emits=[_ABORT, _CHANGED], action="fail_and_abort"),
-        row(_R.AWAITING_PAGES, Tick, _R.FAILED,
-            guard="wait_expired", emits=[_ABORT, _CHANGED], action="fail_waiting_timeout"),
-        row(_R.AWAITING_PAGES, Tick, _R.AWAITING_PAGES),
-        # -- TRANSFERRING: pages published, writers may be landing -------------------------------
-        row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
-            guard="completes_without_checksum", emits=[_CHANGED], action="fail_unverified"),
-        row(_R.TRANSFERRING, SuccessArrived, _R.VERIFYING,
-            guard="completes_with_checksums", emits=["verify_checksums"], action="verify"),
-        row(_R.TRANSFERRING, SuccessArrived, _R.SUCCESS,
-            guard="completes", emits=[_CHANGED], action="count_success"),
-        row(_R.TRANSFERRING, SuccessArrived, _R.TRANSFERRING, action="count_success"),
-        row(_R.TRANSFERRING, ReadyArrived, _R.TRANSFERRING),
-        row(_R.TRANSFERRING, FailureArrived, _R.FAILED, emits=_FAIL_FENCED, action="fail_fenced"),
-        row(_R.TRANSFERRING, PeerDied, _R.FAILED, emits=_FAIL_FENCED, action="fail_fenced"),
-        row(_R.TRANSFERRING, AbortRequested, _R.FAILED, emits=_FAIL_FENCED,
-            action="fail_fenced"),
-        row(_R.TRANSFERRING, Tick, _R.FAILED,
-            guard="transfer_expired", emits=_FAIL_FENCED, action="fail_transfer_timeout"),
-        row(_R.TRANSFERRING, Tick, _R.TRANSFERRING),
-        # -- VERIFYING: every writer reported Success; checking what landed ----------------------
-        row(_R.VERIFYING, ChecksumResult, _R.SUCCESS, guard="checksum_ok", emits=[_CHANGED]),
-        row(_R.VERIFYING, ChecksumResult, _R.FAILED, emits=[_CHANGED], action="fail_checksum"),
-        row(_R.VERIFYING, SuccessArrived, _R.VERIFYING),
-        row(_R.VERIFYING, ReadyArrived, _R.VERIFYING),
-        row(_R.VERIFYING, PeerDied, _R.VERIFYING),
-        row(_R.VERIFYING, AbortRequested, _R.FAILED, emits=[_CHANGED], action="fail"),
-        row(_R.VERIFYING, Tick, _R.VERIFYING),
-        # -- SUCCESS and FAILED: terminal; late news changes nothing -----------------------------
-        row(_R.SUCCESS, SuccessArrived, _R.SUCCESS),
-        row(_R.SUCCESS, ReadyArrived, _R.SUCCESS),
-        row(_R.SUCCESS, PeerDied, _R.SUCCESS),
-        row(_R.SUCCESS, AbortRequested, _R.SUCCESS),
-        row(_R.SUCCESS, Tick, _R.SUCCESS),
-        row(_R.FAILED, ReadyArrived, _R.FAILED),
-        row(_R.FAILED, SuccessArrived, _R.FAILED),
-        row(_R.FAILED, FailureArrived, _R.FAILED),
-        row(_R.FAILED, PublishPages, _R.FAILED),
-        row(_R.FAILED, PeerDied, _R.FAILED),
-        row(_R.FAILED, AbortRequested, _R.FAILED),
-        row(_R.FAILED, ChecksumResult, _R.FAILED),
-        row(_R.FAILED, Tick, _R.FAILED),
-    ],
-)  # fmt: skip
-
 
 class ReceiverRoom(TableMachine[ReceiverState]):
     """One room on one decode rank. Drive it with :meth:`handle`."""
 
-    table = RECEIVER_TABLE
+    table: Table[ReceiverState]
 
     def __init__(
         self,
@@ -406,6 +315,109 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             )
             for t in self.targets
         ]
+
+
+_M = ReceiverRoom
+RECEIVER_TABLE: Table[ReceiverState] = Table(
+    machine="ReceiverRoom",
+    states=ReceiverState,
+    initial=ReceiverState.BOOTSTRAPPING,
+    inputs=(
+        PeersResolved,
+        ResolveFailed,
+        ReadyArrived,
+        PublishPages,
+        SuccessArrived,
+        FailureArrived,
+        PeerDied,
+        AbortRequested,
+        ChecksumResult,
+        Tick,
+    ),
+    remote_inputs=(ReadyArrived, SuccessArrived, FailureArrived),
+    poll_of=RECEIVER_POLL.__getitem__,
+    rows=[
+        # -- BOOTSTRAPPING: resolving which prefill ranks hold this room --------------------------
+        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_READY,
+            guard=_M._guard_prefill_complete_policy, emits=["send.bootstrap"],
+            action=_M._act_resolve),
+        row(_R.BOOTSTRAPPING, PeersResolved, _R.AWAITING_PAGES,
+            emits=[_CHANGED], action=_M._act_resolve),
+        row(_R.BOOTSTRAPPING, ResolveFailed, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.BOOTSTRAPPING, AbortRequested, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.BOOTSTRAPPING, Tick, _R.FAILED,
+            guard=_M._guard_wait_expired, emits=[_CHANGED], action=_M._act_fail_waiting_timeout),
+        row(_R.BOOTSTRAPPING, Tick, _R.BOOTSTRAPPING),
+        # -- AWAITING_READY (prefill_complete): the prefill is computing -------------------------
+        row(_R.AWAITING_READY, ReadyArrived, _R.AWAITING_PAGES,
+            emits=[_CHANGED], action=_M._act_restart_wait_clock),
+        row(_R.AWAITING_READY, FailureArrived, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.AWAITING_READY, PeerDied, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.AWAITING_READY, AbortRequested, _R.FAILED,
+            emits=[_ABORT, _CHANGED], action=_M._act_fail_and_abort),
+        row(_R.AWAITING_READY, Tick, _R.FAILED,
+            guard=_M._guard_wait_expired, emits=[_ABORT, _CHANGED],
+            action=_M._act_fail_waiting_timeout),
+        row(_R.AWAITING_READY, Tick, _R.AWAITING_READY),
+        # -- AWAITING_PAGES: the engine is reserving destination pages ---------------------------
+        row(_R.AWAITING_PAGES, PublishPages, _R.TRANSFERRING,
+            emits=["send.room_metadata", _CHANGED], action=_M._act_publish),
+        row(_R.AWAITING_PAGES, ReadyArrived, _R.AWAITING_PAGES),
+        row(_R.AWAITING_PAGES, FailureArrived, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.AWAITING_PAGES, PeerDied, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.AWAITING_PAGES, AbortRequested, _R.FAILED,
+            emits=[_ABORT, _CHANGED], action=_M._act_fail_and_abort),
+        row(_R.AWAITING_PAGES, Tick, _R.FAILED,
+            guard=_M._guard_wait_expired, emits=[_ABORT, _CHANGED],
+            action=_M._act_fail_waiting_timeout),
+        row(_R.AWAITING_PAGES, Tick, _R.AWAITING_PAGES),
+        # -- TRANSFERRING: pages published, writers may be landing -------------------------------
+        row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
+            guard=_M._guard_completes_without_checksum, emits=[_CHANGED],
+            action=_M._act_fail_unverified),
+        row(_R.TRANSFERRING, SuccessArrived, _R.VERIFYING,
+            guard=_M._guard_completes_with_checksums, emits=["verify_checksums"],
+            action=_M._act_verify),
+        row(_R.TRANSFERRING, SuccessArrived, _R.SUCCESS,
+            guard=_M._guard_completes, emits=[_CHANGED], action=_M._act_count_success),
+        row(_R.TRANSFERRING, SuccessArrived, _R.TRANSFERRING, action=_M._act_count_success),
+        row(_R.TRANSFERRING, ReadyArrived, _R.TRANSFERRING),
+        row(_R.TRANSFERRING, FailureArrived, _R.FAILED, emits=_FAIL_FENCED,
+            action=_M._act_fail_fenced),
+        row(_R.TRANSFERRING, PeerDied, _R.FAILED, emits=_FAIL_FENCED, action=_M._act_fail_fenced),
+        row(_R.TRANSFERRING, AbortRequested, _R.FAILED, emits=_FAIL_FENCED,
+            action=_M._act_fail_fenced),
+        row(_R.TRANSFERRING, Tick, _R.FAILED,
+            guard=_M._guard_transfer_expired, emits=_FAIL_FENCED,
+            action=_M._act_fail_transfer_timeout),
+        row(_R.TRANSFERRING, Tick, _R.TRANSFERRING),
+        # -- VERIFYING: every writer reported Success; checking what landed ----------------------
+        row(_R.VERIFYING, ChecksumResult, _R.SUCCESS, guard=_M._guard_checksum_ok,
+            emits=[_CHANGED]),
+        row(_R.VERIFYING, ChecksumResult, _R.FAILED, emits=[_CHANGED],
+            action=_M._act_fail_checksum),
+        row(_R.VERIFYING, SuccessArrived, _R.VERIFYING),
+        row(_R.VERIFYING, ReadyArrived, _R.VERIFYING),
+        row(_R.VERIFYING, PeerDied, _R.VERIFYING),
+        row(_R.VERIFYING, AbortRequested, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
+        row(_R.VERIFYING, Tick, _R.VERIFYING),
+        # -- SUCCESS and FAILED: terminal; late news changes nothing -----------------------------
+        row(_R.SUCCESS, SuccessArrived, _R.SUCCESS),
+        row(_R.SUCCESS, ReadyArrived, _R.SUCCESS),
+        row(_R.SUCCESS, PeerDied, _R.SUCCESS),
+        row(_R.SUCCESS, AbortRequested, _R.SUCCESS),
+        row(_R.SUCCESS, Tick, _R.SUCCESS),
+        row(_R.FAILED, ReadyArrived, _R.FAILED),
+        row(_R.FAILED, SuccessArrived, _R.FAILED),
+        row(_R.FAILED, FailureArrived, _R.FAILED),
+        row(_R.FAILED, PublishPages, _R.FAILED),
+        row(_R.FAILED, PeerDied, _R.FAILED),
+        row(_R.FAILED, AbortRequested, _R.FAILED),
+        row(_R.FAILED, ChecksumResult, _R.FAILED),
+        row(_R.FAILED, Tick, _R.FAILED),
+    ],
+)  # fmt: skip
+ReceiverRoom.table = RECEIVER_TABLE
 
 
 def _reason_of(inp: Input) -> str:
