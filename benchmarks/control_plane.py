@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import statistics
 import tempfile
 import time
@@ -21,6 +22,7 @@ from collections.abc import Callable
 from typing import Any
 
 import anyio
+import structlog
 
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
@@ -126,7 +128,11 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=1,
                         help="run the load this many times (for a profiler; the last is timed)")
     parser.add_argument("--json", help="also write the result to this file")
+    parser.add_argument("--log", action="store_true",
+                        help="keep structlog's info lines (pdflow bench silences them too)")
     args = parser.parse_args()
+    if not args.log:
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     result = run(args.rooms, trace=not args.no_trace, batches=args.batches)
     if args.json:
         with open(args.json, "w") as out:

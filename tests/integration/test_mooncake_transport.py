@@ -316,3 +316,41 @@ async def test_one_process_rejects_misuse_with_clear_errors(
     await sender.aclose()
     with pytest.raises(TransportClosedError):
         sender.register_buffer(local.addr, 4096)
+
+
+async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 64 rooms' writes at once through 2 workers: they are coalesced into far fewer thread jobs
+    # (counted, not timed), every byte lands, and the one bad call fails without the others.
+    sender, receiver = engine_pair
+    rooms, page = 64, 4096
+    src, dst = LocalBuffer(rooms * page, seed=8), LocalBuffer(rooms * page, seed=9)
+    sender.register_buffer(src.addr, src.size)
+    receiver.register_buffer(dst.addr, dst.size)
+    jobs: list[int] = []
+    real = MooncakeTransport._write_settled
+
+    def counted(self: MooncakeTransport, calls: list[tuple[str, list[Op]]]) -> object:
+        jobs.append(len(calls))
+        return real(self, calls)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MooncakeTransport, "_write_settled", counted)
+    outcomes: dict[int, bool] = {}
+    bad = 17
+
+    async def write(room: int) -> None:
+        dst_addr = dst.addr + dst.size - 10 if room == bad else dst.addr + room * page
+        op = Op(src.addr + room * page, dst_addr, page)
+        outcomes[room] = (await sender.batch_write(receiver.session_id, [op])).ok
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for room in range(rooms):
+                tg.start_soon(write, room)
+    assert outcomes == {room: room != bad for room in range(rooms)}
+    assert sum(jobs) == rooms
+    assert len(jobs) < rooms // 4, f"{len(jobs)} worker jobs for {rooms} concurrent writes"
+    for room in range(rooms):
+        if room != bad:
+            assert dst.sha256(room * page, page) == src.sha256(room * page, page)

@@ -11,8 +11,12 @@ per call. Why not one `batch_transfer_sync_write` per batch:
   of 4096 x 4 KiB fails), and the window keeps us under it without splitting by guesswork;
 - measured on loopback it is as fast as the engine's batch call (see benchmarks/transport_raw).
 
-Engine calls block, so they run in worker threads under a `CapacityLimiter`. A worker is never
-abandoned on cancellation: cancelling `batch_write` waits for the engine to settle its ops.
+Engine calls block, so they run in worker threads under a `CapacityLimiter`; concurrent small
+`batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
+busy going into the next worker job (one thread hop, one submit/poll loop for many rooms'
+writes); a larger call gets a job of its own, so no small room waits behind its bytes. A worker
+is never abandoned on cancellation: cancelling `batch_write` waits for the engine to settle its
+ops.
 
 No receiver-side fence (`fence_is_real` is False). Over TCP the receiving engine checks a
 request's destination range against its registered buffers once, when the request header
@@ -43,6 +47,8 @@ from pdflow.transport.guarded import CheckedWrite, GuardedTransport
 SUPPORTED_PROTOCOLS = ("tcp", "rdma")
 _STATUS_COMPLETED = 1
 _STATUS_FAILED = -1
+# Calls up to this many bytes are coalesced into shared worker jobs; larger ones run alone.
+_COALESCE_MAX_BYTES = 1 << 20
 # Idle pause between status sweeps that saw no progress; short next to one 4 KiB op (~60 us).
 _POLL_PAUSE_S = 20e-6
 
@@ -76,6 +82,58 @@ def _is_batch_id(handle: int) -> bool:
     return 0 < handle < 2**64 - 1
 
 
+class _WriteCall:
+    """One ``batch_write`` waiting for (or in) a worker-thread job."""
+
+    def __init__(self, peer: str, writes: Sequence[CheckedWrite]) -> None:
+        self.peer = peer
+        self.writes = writes
+        self.taken = False
+        self.settled = anyio.Event()
+        self.outcome: TransferOutcome | None = None
+        self.error: Exception | None = None
+
+    def result(self) -> TransferOutcome:
+        if self.error is not None:
+            raise self.error
+        assert self.outcome is not None, "a settled call has an outcome or an error"
+        return self.outcome
+
+
+class _CallProgress:
+    """One call's ops inside a worker-thread job: what was submitted, landed, failed."""
+
+    def __init__(self, peer: str, writes: Sequence[CheckedWrite]) -> None:
+        self.peer = peer
+        self.writes = writes
+        self.next_index = 0
+        self.outstanding = 0
+        self.failed: list[int] = []
+        self.landed_ops = 0
+        self.landed_bytes = 0
+        self.seconds: float | None = None
+
+    def outcome(self, elapsed: float) -> TransferOutcome:
+        seconds = self.seconds if self.seconds is not None else elapsed
+        if not self.failed:
+            return TransferOutcome(ok=True, nbytes=self.landed_bytes, nops=self.landed_ops,
+                                   seconds=seconds)  # fmt: skip
+        first_index = min(self.failed)
+        first = self.writes[first_index]
+        return TransferOutcome(
+            ok=False,
+            nbytes=self.landed_bytes,
+            nops=self.landed_ops,
+            seconds=seconds,
+            error=(
+                f"{len(self.failed)} of {len(self.writes)} ops failed and "
+                f"{len(self.writes) - self.next_index} were not submitted; first failed op "
+                f"{first_index} wrote [{first.dst_addr:#x}, +{first.length}) at {self.peer}: "
+                "the peer is unreachable or that range is not registered there"
+            ),
+        )
+
+
 class MooncakeTransport(GuardedTransport):
     """A pdflow `Transport` over one Mooncake `TransferEngine`; build with `open()`."""
 
@@ -85,6 +143,10 @@ class MooncakeTransport(GuardedTransport):
         self._session_id = session_id
         self._config = config
         self._limiter = anyio.CapacityLimiter(config.max_concurrent_calls)
+        # batch_write calls not yet taken by a worker-thread job (see _engine_write).
+        self._queued: list[_WriteCall] = []
+        self._worker_freed = anyio.Event()
+        self._jobs_running = 0
 
     @classmethod
     def open(cls, config: MooncakeConfig | None = None) -> MooncakeTransport:
@@ -135,62 +197,113 @@ class MooncakeTransport(GuardedTransport):
             raise RegistrationError(f"Mooncake refused to unregister {addr:#x} (status {status})")
 
     async def _engine_write(self, peer: str, writes: Sequence[CheckedWrite]) -> TransferOutcome:
-        return await anyio.to_thread.run_sync(
-            self._write_settled, peer, writes, limiter=self._limiter, abandon_on_cancel=False
-        )
+        """Queue the call's writes; whichever caller finds a worker free takes every call
+        queued so far into one worker-thread job (one thread hop for many rooms' writes).
 
-    def _write_settled(self, peer: str, writes: Sequence[CheckedWrite]) -> TransferOutcome:
-        """Submit through a bounded window and poll until every submitted op is settled.
+        Once its writes are taken the caller waits shielded: cancelling it never returns
+        before the engine has settled them (the fence contract of ``batch_write``).
+        """
+        job = _WriteCall(peer, writes)
+        if sum(write.length for write in writes) > _COALESCE_MAX_BYTES:
+            # A large write gets a job of its own: small rooms never wait behind its bytes.
+            job.taken = True
+            await self._run_calls([job])
+            return job.result()
+        self._queued.append(job)
+        try:
+            while not job.taken:
+                if self._jobs_running < self._config.max_concurrent_calls:
+                    await self._run_queued()
+                else:
+                    await self._worker_freed.wait()
+        except BaseException:
+            if not job.taken:
+                self._queued.remove(job)
+                raise
+        with anyio.CancelScope(shield=True):
+            await job.settled.wait()
+        return job.result()
 
-        After the first failure no further op is submitted, but those already submitted are
-        still awaited: returning earlier would let them land after a `close_session`.
+    async def _run_queued(self) -> None:
+        calls, self._queued = self._queued, []
+        await self._run_calls(calls)
+
+    async def _run_calls(self, calls: list[_WriteCall]) -> None:
+        """One worker-thread job for these calls; each gets its outcome (or the job's error)."""
+        for call in calls:
+            call.taken = True
+        self._jobs_running += 1  # counted at once: the limiter is taken only inside run_sync
+        try:
+            with anyio.CancelScope(shield=True):  # taken writes are always seen through
+                outcomes = await anyio.to_thread.run_sync(
+                    self._write_settled, [(c.peer, c.writes) for c in calls],
+                    limiter=self._limiter, abandon_on_cancel=False,
+                )  # fmt: skip
+        except Exception as exc:
+            for call in calls:
+                call.error = exc
+        else:
+            for call, outcome in zip(calls, outcomes, strict=True):
+                call.outcome = outcome
+        finally:
+            self._jobs_running -= 1
+            for call in calls:
+                call.settled.set()
+            freed, self._worker_freed = self._worker_freed, anyio.Event()
+            freed.set()
+
+    def _write_settled(
+        self, calls: Sequence[tuple[str, Sequence[CheckedWrite]]]
+    ) -> list[TransferOutcome]:
+        """Submit every call's ops through one bounded window and poll until each submitted op
+        is settled; one outcome per call.
+
+        After a call's first failure none of its further ops is submitted, but those already
+        submitted are still awaited: returning earlier would let them land after a
+        `close_session`. The other calls carry on.
         """
         engine = self._engine
         window = self._config.max_outstanding_ops
-        pending: list[tuple[int, int]] = []  # (engine batch id, op index)
-        failed: list[int] = []
-        landed_ops = landed_bytes = next_index = 0
+        progress = [_CallProgress(peer, writes) for peer, writes in calls]
+        pending: list[tuple[int, _CallProgress, int]] = []  # (engine batch id, call, op index)
         started = time.perf_counter()
-        while pending or (next_index < len(writes) and not failed):
-            while next_index < len(writes) and len(pending) < window and not failed:
-                write = writes[next_index]
+        unsubmitted = [p for p in progress if p.writes]
+        while pending or unsubmitted:
+            while unsubmitted and len(pending) < window:
+                call = unsubmitted[0]
+                if call.failed:  # an op of it failed while polling: submit no more of it
+                    unsubmitted.pop(0)
+                    continue
+                write = call.writes[call.next_index]
                 handle = engine.transfer_submit_write(
-                    peer, write.src_addr, write.dst_addr, write.length
+                    call.peer, write.src_addr, write.dst_addr, write.length
                 )
                 if _is_batch_id(handle):
-                    pending.append((handle, next_index))
+                    pending.append((handle, call, call.next_index))
+                    call.outstanding += 1
                 else:
-                    failed.append(next_index)
-                next_index += 1
-            still_pending: list[tuple[int, int]] = []
-            for handle, index in pending:
+                    call.failed.append(call.next_index)
+                call.next_index += 1
+                if call.next_index >= len(call.writes) or call.failed:
+                    unsubmitted.pop(0)
+            still_pending: list[tuple[int, _CallProgress, int]] = []
+            for handle, call, index in pending:
                 status = engine.transfer_check_status(handle)
                 if status == _STATUS_COMPLETED:
-                    landed_ops += 1
-                    landed_bytes += writes[index].length
+                    call.landed_ops += 1
+                    call.landed_bytes += call.writes[index].length
                 elif status == _STATUS_FAILED:
-                    failed.append(index)
+                    call.failed.append(index)
                 else:  # waiting, or a timeout report while the op is still on the wire
-                    still_pending.append((handle, index))
+                    still_pending.append((handle, call, index))
+                    continue
+                call.outstanding -= 1
+                if call.outstanding == 0 and (call.failed or call.next_index >= len(call.writes)):
+                    call.seconds = time.perf_counter() - started
             if len(still_pending) == len(pending) and still_pending:
                 time.sleep(_POLL_PAUSE_S)
             pending = still_pending
-        seconds = time.perf_counter() - started
-        if not failed:
-            return TransferOutcome(ok=True, nbytes=landed_bytes, nops=landed_ops, seconds=seconds)
-        first = writes[min(failed)]
-        return TransferOutcome(
-            ok=False,
-            nbytes=landed_bytes,
-            nops=landed_ops,
-            seconds=seconds,
-            error=(
-                f"{len(failed)} of {len(writes)} ops failed and {len(writes) - next_index} were "
-                f"not submitted; first failed op {min(failed)} wrote [{first.dst_addr:#x}, "
-                f"+{first.length}) at {peer}: the peer is unreachable or that range is not "
-                "registered there"
-            ),
-        )
+        return [call.outcome(time.perf_counter() - started) for call in progress]
 
     async def _engine_shutdown(self) -> None:
         # Dropping the last reference runs the engine's destructor, which joins its threads
