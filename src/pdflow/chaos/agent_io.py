@@ -3,10 +3,11 @@ stderr (the harness sends each process's stderr to its own log file)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -14,6 +15,9 @@ import structlog
 
 Handler = Callable[[dict[str, Any]], Awaitable[None]]
 FORGET_TIMEOUT_S = 20.0
+MUTANT_VARIABLE = "PDFLOW_CHAOS_MUTANT"
+"""Names a deliberately broken build of an agent (see decode_agent), for showing the checker
+goes red."""
 
 
 class RoomRank(Protocol):
@@ -59,10 +63,26 @@ async def serve_commands(handlers: dict[str, Handler]) -> None:
         tasks.cancel_scope.cancel()
 
 
+def describe(exc: BaseException) -> str:
+    """The exception, or for a group the exceptions inside it."""
+    if isinstance(exc, BaseExceptionGroup):
+        return "; ".join(describe(inner) for inner in exc.exceptions)
+    return f"{type(exc).__name__}: {exc}"
+
+
+async def clear_quietly(ranks: Sequence[Any], room: int) -> None:
+    """After a refused call: clear the room wherever it is still open, so its id can be used
+    again once it is forgotten (what an engine does when a request errors)."""
+    for rank in ranks:
+        if rank.poll(room) is not None:
+            with contextlib.suppress(Exception):
+                await rank.clear(room)
+
+
 async def _guarded(handler: Handler, command: dict[str, Any]) -> None:
     try:
         await handler(command)
     except Exception as exc:  # one command's failure is reported, the process keeps serving
-        error = f"{type(exc).__name__}: {exc}"
+        error = describe(exc)
         emit(event="error", op=command["op"], room=command.get("room"),
              generation=command.get("generation"), error=error)  # fmt: skip

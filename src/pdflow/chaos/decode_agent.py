@@ -30,7 +30,14 @@ from typing import Any
 import anyio
 import structlog
 
-from pdflow.chaos.agent_io import configure_logging, emit, forgotten, serve_commands
+from pdflow.chaos.agent_io import (
+    MUTANT_VARIABLE,
+    clear_quietly,
+    configure_logging,
+    emit,
+    forgotten,
+    serve_commands,
+)
 from pdflow.chaos.kv_pattern import broken_canaries, mismatch, pages_for, paint_canary, rank_caches
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
@@ -41,7 +48,6 @@ from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.chaos.decode")
 
-MUTANT_VARIABLE = "PDFLOW_CHAOS_MUTANT"
 FREE_ON_HOLD = "free_on_hold"
 NOOP_FENCE = "noop_fence"
 
@@ -168,6 +174,13 @@ async def main(options: dict[str, Any]) -> None:
             return taken
 
         async def room(cmd: dict[str, Any]) -> None:
+            try:
+                await serve_room(cmd)
+            except Exception:
+                await clear_quietly(node.ranks, cmd["room"])
+                raise
+
+        async def serve_room(cmd: dict[str, Any]) -> None:
             room_id, generation = cmd["room"], cmd["generation"]
             ranks = node.ranks
             for rank in ranks:

@@ -16,7 +16,14 @@ from typing import Any
 
 import anyio
 
-from pdflow.chaos.agent_io import configure_logging, emit, forgotten, serve_commands
+from pdflow.chaos.agent_io import (
+    clear_quietly,
+    configure_logging,
+    describe,
+    emit,
+    forgotten,
+    serve_commands,
+)
 from pdflow.chaos.kv_pattern import fill, pages_for, rank_caches
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
@@ -98,7 +105,8 @@ async def main(options: dict[str, Any]) -> None:
                     results[index] = await run_rank(node.ranks[index], cache, kv, pools[index],
                                                     cmd)  # fmt: skip
                 except Exception as exc:  # a refused call fails this rank's side of the room
-                    results[index] = ("Refused", f"{type(exc).__name__}: {exc}")
+                    results[index] = ("Refused", describe(exc))
+                    await clear_quietly([node.ranks[index]], cmd["room"])
 
             async def abort_later(delay: float) -> None:
                 await anyio.sleep(delay)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import msgspec
 
+from pdflow.chaos.agent_io import MUTANT_VARIABLE
 from pdflow.chaos.checker import Violation, ended_incarnations
 from pdflow.chaos.run import RunRecord
 
@@ -22,6 +23,14 @@ _FAULT_COLOUR = {
     "partition": "#1565c0", "oneway": "#00838f", "kill": "#6a1b9a", "pause": "#5d4037",
     "registry": "#ad1457", "slow": "#9e9d24",
 }  # fmt: skip
+
+
+def reproduce_command(run: RunRecord) -> str:
+    options = run.options
+    mutant = f"{MUTANT_VARIABLE}={run.mutant} " if run.mutant else ""
+    return (f"{mutant}pdflow chaos --seed {options.seed} --duration {options.duration_s:g} "
+            f"--nemesis {','.join(options.nemesis) or 'none'} --rate {options.rate_per_s:g}"
+            + ("" if options.namespaces else " --loopback"))
 
 
 def summary_rows(run: RunRecord, violations: list[Violation]) -> list[tuple[str, str]]:
@@ -100,6 +109,8 @@ pre{{font-size:11px;background:#f6f6f6;padding:6px;overflow-x:auto}}
 .legend span{{display:inline-block;margin-right:12px;font-size:12px}}
 </style></head><body>
 <h1>pdflow chaos: seed {run.options.seed}, {len(violations)} violations</h1>
+<p>Reproduce: <code>{html.escape(reproduce_command(run))}</code> (the schedule is in
+<code>schedule.json</code>, the whole history in <code>result.json</code>)</p>
 <table>{rows}</table>
 <h2>Faults and rooms on one time axis</h2>
 {_legend()}

@@ -6,6 +6,7 @@ Everything is torn down on every exit path: processes killed, namespaces deleted
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -18,6 +19,7 @@ import anyio
 import msgspec
 import structlog
 
+from pdflow.chaos.agent_io import MUTANT_VARIABLE
 from pdflow.chaos.nemesis import KINDS, Applied, Nemesis, plan_faults
 from pdflow.chaos.netns import FAULT_MEANS, NETWORK_FAULTS, Network, kill_pid, open_network
 from pdflow.chaos.procs import Agent, trace_files
@@ -78,6 +80,7 @@ class RunRecord(msgspec.Struct, kw_only=True):
     replays: list[ReplayResult]
     workload_end: float
     wall_s: float
+    mutant: str = ""
 
 
 class RunClock:
@@ -252,6 +255,7 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
         faults=nemesis.applied, attempts=router.attempts, shed=router.shed, events=events,
         lives={a.name: a.lives for a in cluster.agents}, final_state=final_state,
         replays=replays, workload_end=workload_end, wall_s=time.monotonic() - started,
+        mutant=os.environ.get(MUTANT_VARIABLE, ""),
     )  # fmt: skip
 
 

@@ -13,7 +13,7 @@ from rich.table import Table
 from pdflow.chaos.checker import attach_timelines, check
 from pdflow.chaos.netns import remove_owned
 from pdflow.chaos.procs import StartFailed, kill_started
-from pdflow.chaos.report import summary_rows, write_html, write_result
+from pdflow.chaos.report import reproduce_command, summary_rows, write_html, write_result
 from pdflow.chaos.run import ChaosOptions, run_chaos
 
 
@@ -59,8 +59,7 @@ def run_and_report(options: ChaosOptions) -> int:
     if len(violations) > 20:
         console.print(f"... {len(violations) - 20} more in {result}")
     console.print(f"schedule: {out / 'schedule.json'}  result: {result}  page: {page}")
-    console.print(f"reproduce: pdflow chaos --seed {options.seed} --duration "
-                  f"{options.duration_s:g} --nemesis {','.join(options.nemesis) or 'none'}")
+    console.print(f"reproduce: {reproduce_command(run)}")
     return 1 if violations else 0
 
 
