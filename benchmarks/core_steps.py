@@ -257,7 +257,7 @@ def _prefill_rooms_transferring(rooms: int, pages_per_room: int) -> float:
             )
             prefill.handle(OpenRoom(room, GENERATION), 1.0)
             prefill.handle(Received(decode_metadata(wire)), 1.0)
-            prefill.handle(RoomCall(room, InitTransfer(pages_per_room)), 1.0)
+            prefill.handle(RoomCall(room, InitTransfer(pages_per_room, aux_index=room)), 1.0)
             prefill.handle(RoomCall(room, SendChunk(pages, is_last=True)), 1.0)
 
     per_room = _bytes_per_room(open_rooms, rooms)

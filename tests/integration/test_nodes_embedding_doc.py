@@ -22,4 +22,5 @@ def test_the_embedding_example_runs() -> None:
     result: dict[str, Any] = anyio.run(namespace["main"], backend="asyncio")  # type: ignore[arg-type]
     assert result["status"] == "Success"
     assert result["free_pages"] == 64
+    assert result["first_token"] == 1234, "the aux row landed in the decode's slot by Success"
     assert 'pdflow_rooms_total{outcome="success"} 1.0' in result["metrics"]

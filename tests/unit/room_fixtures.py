@@ -1,6 +1,7 @@
 """Room builders for the unit tests: the simulator's cell drives (pdflow.sim.cells)."""
 
 from pdflow.sim.cells import (
+    AUX,
     DECODE,
     DECODE_B,
     GEN,
@@ -22,6 +23,7 @@ from pdflow.sim.cells import (
 )
 
 __all__ = [
+    "AUX",
     "DECODE",
     "DECODE_B",
     "GEN",

@@ -72,10 +72,10 @@ def test_ready_signal_then_pages_then_success() -> None:
     assert decode.summary(9).poll is KVPoll.WaitingForInput  # type: ignore[union-attr]
     published = decode.handle(PublishPages(9, (1, 2), 0), 6.0)
     deliver(published, prefill, 6.1)
-    prefill.handle(RoomCall(9, InitTransfer(2)), 6.2)
+    prefill.handle(RoomCall(9, InitTransfer(2, aux_index=0)), 6.2)
     chunk = prefill.handle(RoomCall(9, SendChunk((4, 5), True)), 6.2)
     write = next(o for o in chunk.outputs if isinstance(o, StartTransfer))
-    done = prefill.handle(TransferCompleted(9, 1, write.seq, True), 6.3)
+    done = prefill.handle(TransferCompleted(9, 1, write.seq, True, aux=b"row"), 6.3)
     deliver(done, decode, 6.4)
     assert decode.summary(9).poll is KVPoll.Success  # type: ignore[union-attr]
     assert prefill.summary(9).poll is KVPoll.Success  # type: ignore[union-attr]

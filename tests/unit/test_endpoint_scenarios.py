@@ -100,7 +100,7 @@ def published_decode(
     d = decode()
     d.handle(OpenReceiver(room, gen, BOOT), 0.0)
     d.handle(TopologyKnown(info(prefill_peer)), 0.0)
-    step = d.handle(PublishPages(room, pages, aux_index=0), 0.0)
+    step = d.handle(PublishPages(room, pages, aux_index=None), 0.0)
     (metadata,) = sent(step, RoomMetadata)
     return d, metadata
 
@@ -184,7 +184,7 @@ def test_prefill_restart_serves_new_rooms_and_drops_old_incarnation_messages() -
     d.handle(ClearRoom(1), 5.0)
     d.handle(OpenReceiver(2, 1, BOOT), 6.0)
     d.handle(TopologyKnown(info(PREFILL_B)), 6.0)
-    step = d.handle(PublishPages(2, (2, 3), aux_index=0), 6.0)
+    step = d.handle(PublishPages(2, (2, 3), aux_index=None), 6.0)
     (metadata,) = sent(step, RoomMetadata)
     assert metadata.prefill == PREFILL_B
     # ...and a status of the old incarnation for it is refused, never counted as Success.
@@ -226,7 +226,7 @@ def test_room_reuse_late_messages_of_an_earlier_use_never_touch_the_new_one() ->
     d.handle(ClearRoom(1), 1.0)
     # Generation 1's pages (0, 1) stay quarantined; generation 2 gets other pages.
     d.handle(OpenReceiver(1, 2, BOOT), 2.0)
-    d.handle(PublishPages(1, (2, 3), aux_index=0), 2.0)
+    d.handle(PublishPages(1, (2, 3), aux_index=None), 2.0)
     late_status = d.handle(Received(StatusReport_success(PREFILL_A, room=1, gen=1)), 3.0)
     assert [o for o in late_status.outputs if isinstance(o, Dropped)]
     assert d.rooms[1].poll is KVPoll.Transferring

@@ -64,7 +64,7 @@ def success(endpoint: DecodeEndpoint, room: int, now: float) -> Step:
 def test_staged_room_publishes_one_region_and_finishes_after_the_scatter() -> None:
     endpoint = decode_endpoint(capacity_pages=8)
     opened(endpoint, 1)
-    step = endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
+    step = endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
     [placed] = [o for o in step.outputs if isinstance(o, StagingPlaced)]
     assert placed.nbytes == 3 * PAGE_BYTES
     metadata = [m for m in sent(step) if isinstance(m, RoomMetadata)]
@@ -82,8 +82,8 @@ def test_a_busy_ring_defers_publication_until_space_frees() -> None:
     endpoint = decode_endpoint(capacity_pages=4)
     opened(endpoint, 1)
     opened(endpoint, 2)
-    endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
-    deferred = endpoint.handle(PublishPages(2, (20, 21), 1), 1.0)
+    endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
+    deferred = endpoint.handle(PublishPages(2, (20, 21), None), 1.0)
     assert not [m for m in sent(deferred) if isinstance(m, RoomMetadata)]
     assert endpoint.summary(2).poll is KVPoll.WaitingForInput  # type: ignore[union-attr]
     success(endpoint, 1, 2.0)
@@ -95,7 +95,7 @@ def test_a_busy_ring_defers_publication_until_space_frees() -> None:
 def test_an_oversized_room_fails_with_a_clear_reason_and_frees_its_pages() -> None:
     endpoint = decode_endpoint(capacity_pages=2)
     opened(endpoint, 1)
-    step = endpoint.handle(PublishPages(1, (10, 11, 12), 0), 1.0)
+    step = endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
     summary = endpoint.summary(1)
     assert summary is not None and summary.poll is KVPoll.Failed
     assert "oversized" in summary.reason and "enlarge the staging pool" in summary.reason
@@ -106,7 +106,7 @@ def test_an_oversized_room_fails_with_a_clear_reason_and_frees_its_pages() -> No
 def test_a_fenced_room_keeps_its_staging_region_until_every_writer_acks() -> None:
     endpoint = decode_endpoint(capacity_pages=8)
     opened(endpoint, 1)
-    endpoint.handle(PublishPages(1, (10, 11), 0), 1.0)
+    endpoint.handle(PublishPages(1, (10, 11), None), 1.0)
     endpoint.handle(RoomCall(1, AbortRequested("client went away")), 1.5)
     endpoint.handle(ClearRoom(1), 1.6)
     assert endpoint.staging is not None and len(endpoint.staging.snapshot().live) == 1

@@ -39,7 +39,7 @@ def test_finding3_writer_without_checksum_fails_the_room_closed() -> None:
     d = checking_decode()
     d.handle(OpenReceiver(1, 1, BOOT), 0.0)
     d.handle(TopologyKnown(info(PREFILL_A)), 0.0)  # a prefill that did not declare checksums
-    (metadata,) = sent(d.handle(PublishPages(1, (0, 1), aux_index=0), 0.0), RoomMetadata)
+    (metadata,) = sent(d.handle(PublishPages(1, (0, 1), aux_index=None), 0.0), RoomMetadata)
     step = d.handle(success(None), 1.0)
     for verify in (o for o in step.outputs if isinstance(o, VerifyChecksums)):
         # What the shell answers when it is asked to check nothing: every digest matched.
@@ -55,7 +55,7 @@ def test_a_writer_with_its_checksum_is_still_verified() -> None:
     d = checking_decode()
     d.handle(OpenReceiver(1, 1, BOOT), 0.0)
     d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
-    d.handle(PublishPages(1, (0, 1), aux_index=0), 0.0)
+    d.handle(PublishPages(1, (0, 1), aux_index=None), 0.0)
     (verify,) = [o for o in d.handle(success(77), 1.0).outputs if isinstance(o, VerifyChecksums)]
     assert verify.expected == ((PREFILL_A, 77),)
     d.handle(ChecksumChecked(1, 1, True), 1.1)

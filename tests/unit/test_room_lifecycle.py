@@ -25,17 +25,21 @@ from pdflow.core.protocol.outputs import (
     SendMessage,
     StartTransfer,
     StatusChanged,
+    StoreAux,
     VerifyChecksums,
 )
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.core.rooms.receiver_room import ReceiverState
 from pdflow.core.rooms.sender_room import SenderState
 from tests.unit.room_fixtures import (
+    AUX,
     DECODE,
     DECODE_B,
+    GEN,
     PREFILL,
     PREFILL_B,
     PUBLISH,
+    ROOM,
     abort,
     completed,
     metadata,
@@ -64,20 +68,54 @@ def test_early_policy_happy_path() -> None:
     [md] = sent(step, RoomMetadata)
     assert polls(step) == [KVPoll.Transferring]
     assert polls(sender.handle(MetadataArrived(md), 2.1)) == [KVPoll.WaitingForInput]
-    sender.handle(InitTransfer(3), 3.0)
+    sender.handle(InitTransfer(3, aux_index=5), 3.0)
     first = sender.handle(SendChunk((7, 8), False), 3.0)
     [write1] = [o for o in first.outputs if isinstance(o, StartTransfer)]
     assert write1.dst_pages == (100, 101) and not write1.is_last
+    assert write1.src_aux_index is None, "the aux row travels with the last chunk only"
     last = sender.handle(SendChunk((9,), True), 3.1)
     [write2] = [o for o in last.outputs if isinstance(o, StartTransfer)]
     assert write2.dst_pages == (102,) and write2.is_last and write2.aux_index == 3
+    assert write2.src_aux_index == 5
     assert sender.handle(completed(write1.seq, checksum=5), 3.2).outputs == ()
-    done = sender.handle(completed(write2.seq, checksum=6), 3.3)
+    done = sender.handle(completed(write2.seq, checksum=6, aux=AUX), 3.3)
     [status] = sent(done, StatusReport)
-    assert status.status is KVPoll.Success and status.checksum == 11
+    assert status.status is KVPoll.Success and status.checksum == 11 and status.aux == AUX
     assert sender.poll is KVPoll.Success
-    final = receiver.handle(SuccessArrived(status.prefill, status.checksum), 3.4)
+    final = receiver.handle(SuccessArrived(status.prefill, status.checksum, status.aux), 3.4)
     assert polls(final) == [KVPoll.Success] and receiver.poll is KVPoll.Success
+    # The row is in the decode's slot before the Success the same step reports.
+    assert [type(o).__name__ for o in final.outputs] == ["StoreAux", "StatusChanged"]
+    assert final.outputs[0] == StoreAux(ROOM, GEN, 3, AUX)
+
+
+def test_a_room_with_an_aux_slot_fails_without_its_aux_row() -> None:
+    receiver = new_receiver()
+    receiver.handle(resolved(), 1.0)
+    receiver.handle(PUBLISH, 2.0)
+    step = receiver.handle(SuccessArrived(PREFILL), 3.0)
+    assert polls(step) == [KVPoll.Failed]
+    assert not [o for o in step.outputs if isinstance(o, StoreAux)]
+    assert "aux row" in receiver.reason and "init_transfer" in receiver.reason
+
+
+def test_an_aux_row_of_the_wrong_size_fails_the_room() -> None:
+    receiver = new_receiver()
+    receiver.aux_row_bytes = len(AUX) + 1
+    receiver.handle(resolved(), 1.0)
+    receiver.handle(PUBLISH, 2.0)
+    assert polls(receiver.handle(SuccessArrived(PREFILL, aux=AUX), 3.0)) == [KVPoll.Failed]
+    assert f"{len(AUX)}-byte aux row" in receiver.reason
+
+
+def test_the_prefill_refuses_init_without_the_aux_row_its_decode_expects() -> None:
+    receiver, sender = new_receiver(), new_sender()
+    receiver.handle(resolved(), 1.0)
+    [md] = sent(receiver.handle(PUBLISH, 2.0), RoomMetadata)
+    sender.handle(MetadataArrived(md), 2.1)
+    with pytest.raises(InvalidInput, match="aux_index"):
+        sender.handle(InitTransfer(3), 3.0)
+    assert sender.num_pages is None, "a refused call changes nothing"
 
 
 def test_prefill_complete_policy_happy_path() -> None:
@@ -91,11 +129,11 @@ def test_prefill_complete_policy_happy_path() -> None:
     assert polls(receiver.handle(ReadyArrived(PREFILL), 60.0)) == [KVPoll.WaitingForInput]
     [md] = sent(receiver.handle(PUBLISH, 61.0), RoomMetadata)
     sender.handle(MetadataArrived(md), 61.0)
-    sender.handle(InitTransfer(3), 61.0)
+    sender.handle(InitTransfer(3, aux_index=0), 61.0)
     [write] = [o for o in sender.handle(SendChunk((1, 2, 3), True), 61.0).outputs
                if isinstance(o, StartTransfer)]
-    [status] = sent(sender.handle(completed(write.seq), 62.0), StatusReport)
-    receiver.handle(SuccessArrived(status.prefill), 62.0)
+    [status] = sent(sender.handle(completed(write.seq, aux=AUX), 62.0), StatusReport)
+    receiver.handle(SuccessArrived(status.prefill, aux=status.aux), 62.0)
     assert receiver.poll is KVPoll.Success and sender.poll is KVPoll.Success
 
 
@@ -181,10 +219,10 @@ def test_success_needs_the_last_distinct_peer_and_duplicates_do_not_count() -> N
     receiver = new_receiver()
     receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
     receiver.handle(PUBLISH, 0.0)
-    receiver.handle(SuccessArrived(PREFILL), 1.0)
-    receiver.handle(SuccessArrived(PREFILL), 1.5)
+    receiver.handle(SuccessArrived(PREFILL, aux=AUX), 1.0)
+    receiver.handle(SuccessArrived(PREFILL, aux=AUX), 1.5)
     assert receiver.poll is KVPoll.Transferring, "a duplicate report counts once"
-    receiver.handle(SuccessArrived(PREFILL_B), 2.0)
+    receiver.handle(SuccessArrived(PREFILL_B, aux=AUX), 2.0)
     assert receiver.poll is KVPoll.Success
 
 
@@ -196,7 +234,7 @@ def test_sender_waits_for_every_required_decode_peer() -> None:
     assert sender.poll is KVPoll.Bootstrapping, "the same decode peer twice is one peer"
     sender.handle(MetadataArrived(metadata(DECODE_B, required=2)), 0.2)
     assert sender.poll is KVPoll.WaitingForInput
-    sender.handle(InitTransfer(4), 1.0)
+    sender.handle(InitTransfer(4, aux_index=0), 1.0)
     step = sender.handle(SendChunk((1, 2, 3, 4), True), 1.0)
     writes = [o for o in step.outputs if isinstance(o, StartTransfer)]
     assert {w.peer for w in writes} == {DECODE, DECODE_B}
@@ -211,7 +249,7 @@ def test_terminal_states_are_sticky() -> None:
     receiver = new_receiver()
     receiver.handle(resolved(), 0.0)
     receiver.handle(PUBLISH, 0.0)
-    receiver.handle(SuccessArrived(PREFILL), 1.0)
+    receiver.handle(SuccessArrived(PREFILL, aux=AUX), 1.0)
     with pytest.raises(RemoteProtocolError):
         receiver.handle(FailureArrived(PREFILL, "a failure after Success is a peer bug"), 1.5)
     receiver.handle(AbortRequested("too late"), 2.0)
@@ -224,7 +262,7 @@ def test_checksum_mismatch_fails_closed() -> None:
     receiver = new_receiver(verify=True)
     receiver.handle(resolved(), 0.0)
     receiver.handle(PUBLISH, 0.0)
-    receiver.handle(SuccessArrived(PREFILL, 1234), 1.0)
+    receiver.handle(SuccessArrived(PREFILL, 1234, AUX), 1.0)
     assert receiver.poll is KVPoll.Transferring, "Success waits for verification"
     receiver.handle(ChecksumResult(False, "page 101 differs"), 1.1)
     assert receiver.poll is KVPoll.Failed and "page 101 differs" in receiver.reason
@@ -237,8 +275,8 @@ def test_finding3_missing_checksum_fails_closed() -> None:
     receiver = new_receiver(require=True)
     receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
     receiver.handle(PUBLISH, 0.0)
-    assert receiver.handle(SuccessArrived(PREFILL, 1234), 1.0).outputs == ()
-    step = receiver.handle(SuccessArrived(PREFILL_B), 1.1)
+    assert receiver.handle(SuccessArrived(PREFILL, 1234, AUX), 1.0).outputs == ()
+    step = receiver.handle(SuccessArrived(PREFILL_B, aux=AUX), 1.1)
     assert receiver.poll is KVPoll.Failed
     assert not any(isinstance(o, VerifyChecksums) for o in step.outputs)
     assert receiver.reason.startswith("KV checksum missing")
@@ -251,8 +289,8 @@ def test_staged_room_without_required_checksums_still_verifies_what_it_got() -> 
     receiver = new_receiver(verify=True)
     receiver.handle(resolved(PREFILL, PREFILL_B), 0.0)
     receiver.handle(PUBLISH, 0.0)
-    receiver.handle(SuccessArrived(PREFILL, 1234), 1.0)
-    (verify,) = receiver.handle(SuccessArrived(PREFILL_B), 1.1).outputs
+    receiver.handle(SuccessArrived(PREFILL, 1234, AUX), 1.0)
+    (verify,) = receiver.handle(SuccessArrived(PREFILL_B, aux=AUX), 1.1).outputs
     assert isinstance(verify, VerifyChecksums) and verify.expected == ((PREFILL, 1234),)
     assert receiver.state is ReceiverState.VERIFYING
 
@@ -263,7 +301,7 @@ def test_abort_drains_before_ack_and_acks_every_peer_once() -> None:
     sender = new_sender()
     sender.handle(MetadataArrived(metadata(DECODE, required=2)), 0.0)
     sender.handle(MetadataArrived(metadata(DECODE_B, required=2)), 0.0)
-    sender.handle(InitTransfer(4), 0.0)
+    sender.handle(InitTransfer(4, aux_index=0), 0.0)
     writes = [o for o in sender.handle(SendChunk((1, 2), False), 0.0).outputs
               if isinstance(o, StartTransfer)]
     step = sender.handle(abort(DECODE), 1.0)
@@ -283,7 +321,7 @@ def test_bad_chunks_are_refused_without_change() -> None:
     sender.handle(MetadataArrived(metadata()), 0.0)
     with pytest.raises(LocalProtocolError):
         sender.handle(SendChunk((1,), False), 0.0)
-    sender.handle(InitTransfer(2), 0.0)
+    sender.handle(InitTransfer(2, aux_index=0), 0.0)
     with pytest.raises(InvalidInput, match="exactly the chunk reaching num_pages is last"):
         sender.handle(SendChunk((1, 2), False), 0.0)
     with pytest.raises(InvalidInput):

@@ -106,7 +106,7 @@ def draining_prefill(room: int = 3) -> tuple[PrefillEndpoint, int]:
     p = prefill()
     p.handle(OpenRoom(room, 1), 0.0)
     p.handle(Received(metadata(room, 1)), 0.0)
-    p.handle(RoomCall(room, InitTransfer(2)), 0.0)
+    p.handle(RoomCall(room, InitTransfer(2, aux_index=0)), 0.0)
     step = p.handle(RoomCall(room, SendChunk((10, 11), is_last=True)), 0.0)
     (write,) = [o for o in step.outputs if isinstance(o, StartTransfer)]
     assert polls(p.handle(RoomCall(room, AbortRequested("engine gave up")), 1.0)) == [KVPoll.Failed]
@@ -184,7 +184,7 @@ def test_abort_for_a_newer_generation_is_final_while_the_older_one_is_open() -> 
     p.handle(ClearRoom(3), 3.0)
     assert polls(p.handle(OpenRoom(3, 2), 4.0)) == [KVPoll.Failed]
     p.handle(Received(metadata(3, 2)), 5.0)
-    p.handle(RoomCall(3, InitTransfer(2)), 5.0)
+    p.handle(RoomCall(3, InitTransfer(2, aux_index=0)), 5.0)
     step = p.handle(RoomCall(3, SendChunk((10, 11), is_last=True)), 5.0)
     assert not [o for o in step.outputs if isinstance(o, StartTransfer)]
 

@@ -39,6 +39,7 @@ from pdflow.core.protocol.outputs import (
     SendMessage,
     StartTransfer,
     StatusChanged,
+    StoreAux,
     VerifyChecksums,
 )
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
@@ -89,6 +90,9 @@ class EffectNames:
     def verify_checksums(self, request: VerifyChecksums) -> str:
         return "verify_checksums"
 
+    def store_aux(self, aux: StoreAux) -> str:
+        return "store_aux"
+
     def note_staging(self, placed: StagingPlaced) -> str:
         return "note_staging"
 
@@ -115,6 +119,7 @@ DECODE_EFFECTS: dict[Output, str] = {
     NeedTopology(BOOT): "fetch_topology",
     CloseSession(PEER): "close_session",
     VerifyChecksums(1, 1, ((PEER, 5),)): "verify_checksums",
+    StoreAux(1, 1, 2, b"row"): "store_aux",
     StagingPlaced(1, 1, 0, 64): "note_staging",
     PagesFreed(1, 1, (3,)): "release_pages",
     PagesQuarantined(1, 1, (3,), (PEER,)): "hold_pages",
@@ -177,7 +182,7 @@ def test_a_checksum_answer_for_a_cleared_room_is_dropped_not_refused() -> None:
     d = DecodeEndpoint(config)
     d.handle(OpenReceiver(1, 1, BOOT), 0.0)
     d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
-    d.handle(PublishPages(1, (0, 1), aux_index=0), 0.0)
+    d.handle(PublishPages(1, (0, 1), aux_index=None), 0.0)
     report = StatusReport(1, 1, KVPoll.Success, PREFILL_A, DECODE, checksum=5)
     assert any(isinstance(o, VerifyChecksums) for o in d.handle(Received(report), 1.0).outputs)
     d.handle(RoomCall(1, AbortRequested("engine gave up")), 2.0)

@@ -10,7 +10,7 @@ question: they call the node's rank handles and react to its events.
 from __future__ import annotations
 
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import anyio
 import anyio.to_thread
@@ -18,19 +18,21 @@ import msgspec
 
 from pdflow.core.dataplane.layout import KvDtype, KvLayout
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer, decode, prefill_sharded
 from pdflow.io.kv_buffers import RankKv
 from pdflow.io.node_common import NodeEvent, PagesReleased
-from pdflow.io.node_decode import DecodeNode
+from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 
 CHUNK_PAGES = 2
 """Pages per chunk: small, so every room's transfer is really chunked."""
 
 
-def rank_kv(cache: PagedKVCache) -> RankKv:
-    """Describe a demo cache to pdflow: ``[layer][K,V][page][token][head][dim]`` float32."""
+def rank_kv(cache: PagedKVCache, aux: AuxRows) -> RankKv:
+    """Describe a demo cache to pdflow: ``[layer][K,V][page][token][head][dim]`` float32, and
+    the rank's aux rows."""
     geometry = cache.geometry
     base, size = cache.base_ptr, cache.buffer_nbytes
     layout = KvLayout(
@@ -42,7 +44,7 @@ def rank_kv(cache: PagedKVCache) -> RankKv:
         k_addrs=tuple(base + (2 * layer) * size for layer in range(geometry.n_layers)),
         v_addrs=tuple(base + (2 * layer + 1) * size for layer in range(geometry.n_layers)),
     )
-    return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads)
+    return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads, aux.buffer)
 
 
 class RoomOutcome(msgspec.Struct):
@@ -62,9 +64,11 @@ class PrefillEngine:
     """Prefill instance: computes a prompt's KV into TP=2 shards and sends it through pdflow."""
 
     def __init__(self, model: TinyTransformer, caches: Sequence[PagedKVCache],
-                 node: PrefillNode) -> None:  # fmt: skip
+                 aux: Sequence[AuxRows], node: PrefillNode) -> None:  # fmt: skip
         self.model = model
         self.caches = list(caches)
+        self.aux = list(aux)
+        """One aux buffer per rank, as SGLang's metadata buffers (every rank fills its own)."""
         self.node = node
         self.compute_lock = anyio.Lock()  # one forward pass at a time, like one GPU
         self.page_space = anyio.Condition()
@@ -76,6 +80,7 @@ class PrefillEngine:
                 await self.page_space.wait()
             pages = [cache.allocator.allocate(num_pages) for cache in self.caches]
         ranks = self.node.ranks
+        rows = [aux.allocate() for aux in self.aux]
         try:
             for rank in ranks:
                 await rank.open_room(room, generation)
@@ -83,14 +88,16 @@ class PrefillEngine:
                 first = await anyio.to_thread.run_sync(
                     prefill_sharded, self.model, list(prompt), self.caches, pages
                 )
+            for aux, row in zip(self.aux, rows, strict=True):
+                aux.write(row, first, room)
             # Both ranks wait for the decode's pages (WaitingForInput), then send in chunks.
             statuses = [await rank.wait(room) for rank in ranks]
             failed = [s for s in statuses if s.poll is KVPoll.Failed]
             kv_bytes, transfer_s = 0, 0.0
             if not failed:
                 async with anyio.create_task_group() as tasks:
-                    for rank, rank_pages in zip(ranks, pages, strict=True):
-                        tasks.start_soon(self._send, rank, room, rank_pages)
+                    for rank, rank_pages, row in zip(ranks, pages, rows, strict=True):
+                        tasks.start_soon(self._send, rank, room, rank_pages, row)
                 final = [await rank.wait(room, terminal=True) for rank in ranks]
                 failed = [s for s in final if s.poll is KVPoll.Failed]
                 for rank in ranks:
@@ -107,6 +114,8 @@ class PrefillEngine:
         finally:
             for cache, rank_pages in zip(self.caches, pages, strict=True):
                 cache.allocator.free(rank_pages)
+            for aux, row in zip(self.aux, rows, strict=True):
+                aux.free(row)
             with anyio.CancelScope(shield=True):
                 async with self.page_space:
                     self.page_space.notify_all()
@@ -118,8 +127,8 @@ class PrefillEngine:
                 await rank.abort(room, reason)
 
     @staticmethod
-    async def _send(rank: PrefillRank, room: int, pages: list[int]) -> None:
-        await rank.init_transfer(room, len(pages))
+    async def _send(rank: PrefillRank, room: int, pages: list[int], aux_row: int) -> None:
+        await rank.init_transfer(room, len(pages), aux_index=aux_row)
         for start in range(0, len(pages), CHUNK_PAGES):
             chunk = pages[start : start + CHUNK_PAGES]
             await rank.send_chunk(room, chunk, is_last=start + CHUNK_PAGES >= len(pages))
@@ -128,9 +137,11 @@ class PrefillEngine:
 class DecodeEngine:
     """Decode instance: reserves pages, receives the KV through pdflow, generates tokens."""
 
-    def __init__(self, model: TinyTransformer, cache: PagedKVCache, node: DecodeNode) -> None:
+    def __init__(self, model: TinyTransformer, cache: PagedKVCache, aux: AuxRows,
+                 node: DecodeNode) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
+        self.aux = aux
         self.node = node
         self.page_space = anyio.Condition()
 
@@ -147,8 +158,7 @@ class DecodeEngine:
                 self.page_space.notify_all()
 
     async def serve(self, room: int, generation: int, bootstrap: str, prompt_len: int,
-                    max_new: int, first_token: Callable[[], Awaitable[int | None]],
-                    abort_after_publish: float | None = None,
+                    max_new: int, abort_after_publish: float | None = None,
                     on_published: Callable[[], None] | None = None) -> RoomOutcome:  # fmt: skip
         rank = self.node.ranks[0]
         opened = time.perf_counter()
@@ -161,7 +171,18 @@ class DecodeEngine:
         # pages left cover the largest growth of any admitted request (sglang#30033).
         await rank.admit(room, input_len=prompt_len, max_new=max_new)
         pages = await self._allocate(self.cache.geometry.pages_for(prompt_len))
-        await rank.publish_pages(room, pages)
+        aux_row = self.aux.allocate()
+        try:
+            return await self._receive(room, generation, rank, pages, aux_row, opened, prompt_len,
+                                       max_new, abort_after_publish, on_published)  # fmt: skip
+        finally:
+            self.aux.free(aux_row)
+
+    async def _receive(self, room: int, generation: int, rank: DecodeRank, pages: list[int],
+                       aux_row: int, opened: float, prompt_len: int, max_new: int,
+                       abort_after_publish: float | None,
+                       on_published: Callable[[], None] | None) -> RoomOutcome:  # fmt: skip
+        await rank.publish_pages(room, pages, aux_index=aux_row)
         handshake_s = time.perf_counter() - opened
         if on_published is not None:
             on_published()
@@ -172,12 +193,13 @@ class DecodeEngine:
         if status.poll is KVPoll.Failed:
             await rank.clear(room)  # pages come back through PagesReleased, after the fence
             return RoomOutcome(KVPoll.Failed, status.reason, handshake_s=handshake_s)
-        token = await first_token()
+        # The first token came with the KV: pdflow put the prefill's aux row in our slot.
+        token, row_room = self.aux.read(aux_row)
         ttft_s = time.perf_counter() - opened
-        if token is None:
+        if row_room != room:
             await rank.clear(room)
             rank.finish_request(room, generation)
-            return RoomOutcome(KVPoll.Failed, "the prefill reported no first token")
+            return RoomOutcome(KVPoll.Failed, f"aux row belongs to room {row_room}, not {room}")
         extra: list[int] = []
 
         def allocate_more(count: int) -> list[int]:

@@ -15,6 +15,7 @@ import anyio
 import anyio.to_thread
 
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.engines import DecodeEngine, PrefillEngine, RoomOutcome, rank_kv
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer
@@ -23,6 +24,9 @@ from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import Settings
 from pdflow.transport import InProcessFabric
 from pdflow.transport.base import Transport
+
+AUX_ROWS = 64
+"""Aux rows per rank: more than the requests one demo instance has in flight."""
 
 
 class TransportFactory:
@@ -85,6 +89,7 @@ class PrefillInstance:
                  staging_slot_bytes: int) -> None:  # fmt: skip
         self.model = model
         self.caches = list(caches)
+        self.aux = [AuxRows(AUX_ROWS) for _ in self.caches]
         self.settings = settings
         self.transports = transports
         self.bootstrap = bootstrap
@@ -113,14 +118,15 @@ class PrefillInstance:
     async def _serve(self) -> None:
         async with (
             self.transports.open() as transport,
-            PrefillNode(ranks=[rank_kv(c) for c in self.caches], transport=transport,
+            PrefillNode(ranks=[rank_kv(c, a) for c, a in zip(self.caches, self.aux, strict=True)],
+                        transport=transport,
                         bootstrap=self.bootstrap, settings=self.settings,
                         staging_slot_bytes=self.staging_slot_bytes) as node,
             anyio.create_task_group() as tasks,
         ):  # fmt: skip
             self.bootstrap = node.bootstrap
             self.incarnation = node.incarnation
-            self._engine = PrefillEngine(self.model, self.caches, node)
+            self._engine = PrefillEngine(self.model, self.caches, self.aux, node)
             self._tasks = tasks
             self.ready.set()
             await anyio.sleep_forever()
@@ -155,13 +161,14 @@ class PrefillInstance:
 async def decode_instance(model: TinyTransformer, cache: PagedKVCache, settings: Settings,
                           transports: TransportFactory,
                           staging_bytes: int) -> AsyncIterator[DecodeEngine]:  # fmt: skip
+    aux = AuxRows(AUX_ROWS)
     async with (
         transports.open() as transport,
-        DecodeNode(ranks=[rank_kv(cache)], transport=transport, settings=settings,
+        DecodeNode(ranks=[rank_kv(cache, aux)], transport=transport, settings=settings,
                    staging_bytes=staging_bytes) as node,
         anyio.create_task_group() as tasks,
     ):  # fmt: skip
-        engine = DecodeEngine(model, cache, node)
+        engine = DecodeEngine(model, cache, aux, node)
         tasks.start_soon(engine.watch_events)
         yield engine
         tasks.cancel_scope.cancel()

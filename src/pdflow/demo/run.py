@@ -2,7 +2,8 @@
 
 For each request the router picks a bootstrap room and a generation, starts the decode (which
 reserves pages and publishes them through pdflow) and the prefill (which computes the prompt's
-KV with the tiny model and sends it, staged, through pdflow), relays the first token, and checks
+KV with the tiny model and sends it, staged, through pdflow, with the first token in the
+request's aux row, which pdflow lands in the decode's aux slot: the router only routes), and checks
 that the decode's tokens equal a single-process run of the same model. A failed attempt is
 retried on the same room id with the next generation, so room reuse is exercised too.
 """
@@ -160,17 +161,13 @@ class Router:
         prefill = self.prefill
         prefill_result = prefill.submit(record.room, generation, prompt)
 
-        async def first_token() -> int | None:
-            result = await prefill_result.get()
-            return result.first_token if result.poll is KVPoll.Success else None
-
         kill_now = None
         if record.index == self.kill_request and generation == 0 and self.spawn is not None:
             spawn = self.spawn
             kill_now = lambda: spawn(self.kill_and_restart)  # noqa: E731
         decoded = await self.decode.serve(
             record.room, generation, prefill.bootstrap, len(prompt), self.options.max_new,
-            first_token, abort_after_publish=abort_at, on_published=kill_now,
+            abort_after_publish=abort_at, on_published=kill_now,
         )
         if decoded.poll is KVPoll.Failed and not prefill_result.done.is_set():
             # The decode side gave up: do not let the prefill wait out its bootstrap timer.

@@ -25,6 +25,7 @@ import msgspec
 
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
 from pdflow.core.dataplane.layout import (
+    AuxBuffer,
     HeadRange,
     KvDtype,
     KvLayout,
@@ -32,6 +33,7 @@ from pdflow.core.dataplane.layout import (
     rank_head_range,
 )
 from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
+from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.protocol.messages import KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.backend import load_optional
@@ -41,12 +43,14 @@ from pdflow.dataplane.pure import PythonExecutor
 
 
 class RankKv(msgspec.Struct, frozen=True):
-    """One rank's KV: its layout and its place among the TP ranks."""
+    """One rank's KV: its layout and its place among the TP ranks, and the engine's aux buffer
+    (where each request's first token and metadata row live), if it hands one to pdflow."""
 
     layout: KvLayout
     tp_size: int
     tp_rank: int
     total_kv_heads: int
+    aux: AuxBuffer | None = None
 
     @property
     def heads(self) -> HeadRange:
@@ -190,6 +194,28 @@ def default_executor() -> Executor:
     """Host-memory checksums: numpy when installed (no torch import on this path), else Python."""
     numpy = load_optional("numpy")
     return PythonExecutor() if numpy is None else NumpyExecutor(numpy)
+
+
+# ---- aux rows ------------------------------------------------------------------------------------
+def aux_buffer_of(kv: RankKv, what: str) -> AuxBuffer:
+    """The rank's aux buffer, or a clear error for an engine that named an aux index without one."""
+    if kv.aux is None:
+        raise InvalidInput(
+            f"{what} names an aux index but this rank has no aux buffer; give its RankKv an "
+            "AuxBuffer (aux=) or pass aux_index=None"
+        )
+    return kv.aux
+
+
+def read_aux_row(aux: AuxBuffer, index: int) -> bytes:
+    """Host memory: the row's bytes as they are now."""
+    return ctypes.string_at(aux.row_addr(index), aux.row_bytes)
+
+
+def write_aux_row(aux: AuxBuffer, index: int, data: bytes) -> None:
+    if len(data) != aux.row_bytes:
+        raise InvalidInput(f"an aux row holds {aux.row_bytes} bytes, got {len(data)}")
+    ctypes.memmove(aux.row_addr(index), data, len(data))
 
 
 # ---- host memory -------------------------------------------------------------------------------

@@ -44,7 +44,7 @@ from pdflow.core.endpoints.endpoint_io import (
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import AnyMessage, PeerId
-from pdflow.core.protocol.outputs import VerifyChecksums
+from pdflow.core.protocol.outputs import StoreAux, VerifyChecksums
 from pdflow.core.resources.admission import (
     CLIP_MAX_NEW_TOKENS,
     NUM_RESERVED_DECODE_TOKENS,
@@ -64,11 +64,13 @@ from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.heartbeat import run_heartbeat
 from pdflow.io.kv_buffers import (
     RankKv,
+    aux_buffer_of,
     default_executor,
     exchanged_span,
     kv_digest,
     staged_slices,
     staging_page_bytes,
+    write_aux_row,
     writer_region,
 )
 from pdflow.io.node_common import (
@@ -132,7 +134,11 @@ class DecodeRank:
 
     async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,
                             decode_prefix_len: int = 0) -> None:  # fmt: skip
-        """Give the room its destination pages (free ones: see PagesReleased)."""
+        """Give the room its destination pages (free ones: see PagesReleased). ``aux_index``:
+        the request's row in this rank's aux buffer, filled with the prefill's aux row before
+        the room reports Success."""
+        if aux_index is not None:
+            aux_buffer_of(self.kv, "publish_pages").row(aux_index)
         await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len))
         self._node.room_pages[(self.rank, room)] = tuple(pages)
         clock = self._host.clocks.get(room)
@@ -229,6 +235,11 @@ class DecodeRankEffects(RankEffects):
     async def verify_checksums(self, request: VerifyChecksums) -> None:
         node, host = self.node, self.host
         node.spawn(lambda: node.verify(host, request))
+
+    async def store_aux(self, aux: StoreAux) -> None:
+        # The core checked the row's size against the rank's aux buffer when it accepted it.
+        kv = self.node.rank_of(self.host).kv
+        write_aux_row(aux_buffer_of(kv, "a Success"), aux.aux_index, aux.data)
 
     async def note_staging(self, placed: StagingPlaced) -> None:
         self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
@@ -341,6 +352,7 @@ class DecodeNode(NodeLifecycle):
             staging_capacity=self.staging_bytes,
             staging_page_bytes=staging_page_bytes(layout),
             kv_layout=layout, staging_addr=self._staging_addr(rank_kv.tp_rank),
+            aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
@@ -391,6 +403,9 @@ class DecodeNode(NodeLifecycle):
         # One channel per rank, in step order: the core's KvArgs precedes the messages it
         # announces.
         await self._channels[host.rank].send(to.address, message, msg_id)
+
+    def rank_of(self, host: EndpointHost) -> DecodeRank:
+        return self.ranks[self._hosts.index(host)]
 
     def update_quarantine(self) -> None:
         """Refresh the quarantine gauges: O(ranks) per release, never a walk over the rooms."""

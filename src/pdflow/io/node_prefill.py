@@ -52,10 +52,12 @@ from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.kv_buffers import (
     RankKv,
     TransferPlanner,
+    aux_buffer_of,
     default_executor,
     exchanged_span,
     kv_digest,
     peer_heads,
+    read_aux_row,
     staged_slices,
     writer_region,
 )
@@ -101,8 +103,13 @@ class PrefillRank:
         self._node.limits[self.rank].early.opened(room)
         self._host.clocks[room] = RoomClock(anyio.current_time())
 
-    async def init_transfer(self, room: int, num_pages: int) -> None:
-        await self._host.call(RoomCall(room, InitTransfer(num_pages)))
+    async def init_transfer(self, room: int, num_pages: int, aux_index: int | None = None) -> None:
+        """``aux_index``: the request's row in this rank's aux buffer; the engine fills it (first
+        token, ...) before the last chunk, and pdflow moves it into the decode's aux slot."""
+        if aux_index is not None:
+            aux_buffer_of(self._node.rank_kv[self._node.rank_index(self.rank)],
+                          "init_transfer").row(aux_index)  # fmt: skip
+        await self._host.call(RoomCall(room, InitTransfer(num_pages, aux_index)))
 
     async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool) -> None:
         await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last)))
@@ -316,6 +323,9 @@ class PrefillNode(NodeLifecycle):
     def _dispatcher(self, host: EndpointHost) -> Dispatch:
         return partial(carry_out_prefill, PrefillRankEffects(self, host))
 
+    def rank_index(self, tp_rank: int) -> int:
+        return [r.tp_rank for r in self.rank_kv].index(tp_rank)
+
     def channel_of(self, host: EndpointHost) -> ControlChannel:
         return self.runtime.channels[self._hosts.index(host)]
 
@@ -359,7 +369,12 @@ class PrefillNode(NodeLifecycle):
             clock.add_transfer(outcome.seconds, outcome.nbytes)
         if not outcome.ok:
             return failed(outcome.error or "transfer failed")
-        return TransferCompleted(start.room, start.generation, start.seq, True, "", checksum)
+        aux = None
+        if start.src_aux_index is not None:
+            # Read after the KV writes: the engine filled the row before the last chunk.
+            kv = self.rank_kv[self.rank_index(host.rank)]
+            aux = read_aux_row(aux_buffer_of(kv, "the last chunk"), start.src_aux_index)
+        return TransferCompleted(start.room, start.generation, start.seq, True, "", checksum, aux)
 
     @staticmethod
     def _gather(executor: Executor, pages: tuple[StagedSlices, ...]) -> None:

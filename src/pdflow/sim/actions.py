@@ -211,7 +211,7 @@ def _prefill_progress(world: World, choice: tuple[int, int], hint: int) -> None:
         world.mark_complete(process, room)
     elif call == "init":
         job.initialized = True
-        world.feed(process, RoomCall(room, InitTransfer(job.request.num_pages)))
+        world.feed(process, RoomCall(room, InitTransfer(job.request.num_pages, aux_index=room % 8)))
     else:
         remaining = job.request.num_pages - job.next_page
         size = 1 + hint % remaining
@@ -287,7 +287,8 @@ def _report(world: World, wid: int, ok: bool, reason: str) -> None:
     if process is None:
         return
     checksum = write.checksum if ok and world.shape.prefill_checksums else None
-    done = TransferCompleted(write.room, write.generation, write.seq, ok, reason, checksum)
+    aux = write.aux if ok else None
+    done = TransferCompleted(write.room, write.generation, write.seq, ok, reason, checksum, aux)
     world.feed(process, done)
 
 

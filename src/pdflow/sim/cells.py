@@ -86,11 +86,17 @@ def abort(decode: PeerId = DECODE) -> AbortArrived:
     return AbortArrived(Abort(room=ROOM, generation=GEN, decode=decode, prefill=PREFILL))
 
 
+AUX = b"first-token-row!"
+"""The sample room's aux row (the prefill engine's; the decode's slot 3 gets it)."""
+
+
 def completed(
-    seq: int, ok: bool = True, reason: str = "", checksum: int | None = None
+    seq: int, ok: bool = True, reason: str = "", checksum: int | None = None,
+    aux: bytes | None = None,
 ) -> TransferCompleted:
-    """The transport's answer to the sample room's write ``seq``."""
-    return TransferCompleted(ROOM, GEN, seq, ok, reason, checksum)
+    """The transport's answer to the sample room's write ``seq`` (and, for a last chunk, the
+    aux row the shell read)."""
+    return TransferCompleted(ROOM, GEN, seq, ok, reason, checksum, aux)
 
 
 def new_sender(policy: AllocationPolicy = AllocationPolicy.EARLY, now: float = 0.0) -> SenderRoom:
@@ -103,15 +109,15 @@ def sender_in(state: SenderState) -> SenderRoom:
         SenderState.BOOTSTRAPPING: [MetadataArrived(metadata(required=2))],
         SenderState.WAITING_FOR_INPUT: [MetadataArrived(metadata())],
         SenderState.TRANSFERRING: [
-            MetadataArrived(metadata()), InitTransfer(4), SendChunk((1, 2), False),
+            MetadataArrived(metadata()), InitTransfer(4, aux_index=0), SendChunk((1, 2), False),
             SendChunk((3,), False),
         ],
         SenderState.SUCCESS: [
-            MetadataArrived(metadata()), InitTransfer(1), SendChunk((1,), True),
+            MetadataArrived(metadata()), InitTransfer(1, aux_index=0), SendChunk((1,), True),
             completed(0),
         ],
         SenderState.DRAINING: [
-            MetadataArrived(metadata()), InitTransfer(4), SendChunk((1, 2), False),
+            MetadataArrived(metadata()), InitTransfer(4, aux_index=0), SendChunk((1, 2), False),
             SendChunk((3,), False), abort(),
         ],
         SenderState.FAILED: [MetadataArrived(metadata()), AbortRequested("test")],
@@ -126,14 +132,14 @@ def sender_samples(room: SenderRoom) -> dict[str, list[Input]]:
     """For each input name, setup steps (same state) followed by the input under test."""
     first_seq = min(room.outstanding, default=0)
     needs_init = room.num_pages is None and room.state is SenderState.WAITING_FOR_INPUT
-    init: list[Input] = [InitTransfer(4)] if needs_init else []
+    init: list[Input] = [InitTransfer(4, aux_index=0)] if needs_init else []
     pages = room.num_pages if room.num_pages is not None else 4
     chunk = SendChunk((9,), room.next_page + 1 == pages)
     return {
         "MetadataArrived": [MetadataArrived(metadata(DECODE_B, required=2))]
         if room.state is SenderState.BOOTSTRAPPING
         else [MetadataArrived(metadata())],
-        "InitTransfer": [InitTransfer(4)],
+        "InitTransfer": [InitTransfer(4, aux_index=0)],
         "SendChunk": [*init, chunk],
         "TransferCompleted": [completed(first_seq)],
         "AbortArrived": [abort()],
@@ -169,8 +175,8 @@ def receiver_in(state: ReceiverState) -> ReceiverRoom:
         ReceiverState.AWAITING_READY: [resolved()],
         ReceiverState.AWAITING_PAGES: [resolved()],
         ReceiverState.TRANSFERRING: [resolved(PREFILL, PREFILL_B), PUBLISH],
-        ReceiverState.VERIFYING: [resolved(), PUBLISH, SuccessArrived(PREFILL, 5)],
-        ReceiverState.SUCCESS: [resolved(), PUBLISH, SuccessArrived(PREFILL)],
+        ReceiverState.VERIFYING: [resolved(), PUBLISH, SuccessArrived(PREFILL, 5, AUX)],
+        ReceiverState.SUCCESS: [resolved(), PUBLISH, SuccessArrived(PREFILL, aux=AUX)],
         ReceiverState.FAILED: [ResolveFailed("test")],
     }
     for inp in recipes[state]:
@@ -185,7 +191,7 @@ def receiver_samples(room: ReceiverRoom) -> dict[str, list[Input]]:
         "ResolveFailed": [ResolveFailed("registry said 404")],
         "ReadyArrived": [ReadyArrived(PREFILL)],
         "PublishPages": [PUBLISH],
-        "SuccessArrived": [SuccessArrived(PREFILL)],
+        "SuccessArrived": [SuccessArrived(PREFILL, aux=AUX)],
         "FailureArrived": [FailureArrived(PREFILL, "boom")],
         "PeerDied": [PeerDied(PREFILL)],
         "AbortRequested": [AbortRequested("test")],
@@ -230,6 +236,10 @@ def room_cell_coverage() -> Counter[Transition]:
     _record(reached, verifying.fire(ChecksumResult(False, "checksum mismatch"), 2.0)[1])
     # A decode that requires checksums, and a writer that sent none.
     receiver = new_receiver(require=True)
+    for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
+        _record(reached, receiver.fire(inp, 2.0)[1])
+    # A writer that sent no aux row into a room that published an aux slot.
+    receiver = new_receiver()
     for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
         _record(reached, receiver.fire(inp, 2.0)[1])
     return reached

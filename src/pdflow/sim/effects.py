@@ -13,7 +13,13 @@ from typing import TYPE_CHECKING
 
 from pdflow.core.endpoints.endpoint_io import CloseSession, Dropped, RoomRemoved, StagingPlaced
 from pdflow.core.protocol.messages import AnyMessage, PeerId
-from pdflow.core.protocol.outputs import Output, StartTransfer, StatusChanged, VerifyChecksums
+from pdflow.core.protocol.outputs import (
+    Output,
+    StartTransfer,
+    StatusChanged,
+    StoreAux,
+    VerifyChecksums,
+)
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
 from pdflow.sim.network import Envelope
@@ -73,6 +79,11 @@ class DecodeSimEffects(SimEffects):
 
     def verify_checksums(self, request: VerifyChecksums) -> None:
         self.world.queue_local(self.process, "checksum", request)
+
+    def store_aux(self, aux: StoreAux) -> None:
+        job = self.process.jobs.get(aux.room)
+        if job is not None and job.request.generation == aux.generation:
+            job.aux = aux.data
 
     def note_staging(self, placed: StagingPlaced) -> None:
         """The fake transport writes pages directly; the world configures no staging ring."""

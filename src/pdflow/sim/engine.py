@@ -87,6 +87,8 @@ class ReceiverJob:
     """resolving -> queued -> admitted (pages published) -> finished; or cancelled."""
     poll: KVPoll = KVPoll.Bootstrapping
     pages: tuple[int, ...] = ()
+    aux: bytes | None = None
+    """What the shell stored in the request's aux slot."""
 
 
 @dataclass

@@ -33,7 +33,7 @@ from pdflow.core.protocol.inputs import SendChunk
 from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
 from pdflow.core.resources.page_ledger import RoomPagesState
-from pdflow.sim.transport import source_content
+from pdflow.sim.transport import aux_content, source_content
 
 if TYPE_CHECKING:
     from pdflow.sim.engine import DecodeProcess, PrefillProcess
@@ -55,6 +55,7 @@ INVARIANTS = (
     "sides_agree",
     "success_bytes_exact",
     "checksums_fail_closed",
+    "aux_before_success",
     "chunks_partition",
     "drain_before_ack",
     "abort_is_final",
@@ -380,6 +381,15 @@ class Monitor:
                 "success_needs_all_peers",
                 f"{process.name}: room {room_id}/{gen} succeeded with "
                 f"{len(room.succeeded)} of {len(writers)} writers",
+            )
+        published = room.published
+        if published is not None and published.aux_index is not None and (
+            job.aux != aux_content(room_id, gen)
+        ):
+            self.fail(
+                "aux_before_success",
+                f"{process.name}: room {room_id}/{gen} succeeded but its aux slot holds "
+                f"{job.aux!r}, not the room's aux row",
             )
         for peer in room.succeeded:
             outcome = self.prefill_outcomes.get((peer, room_id, gen))

@@ -31,6 +31,11 @@ def source_content(room: int, generation: int, writer_rank: int, page_index: int
     return hashlib.blake2b(key, digest_size=SEGMENT_BYTES).digest()
 
 
+def aux_content(room: int, generation: int) -> bytes:
+    """The aux row a prefill engine holds for a room instance (the same on every rank)."""
+    return hashlib.blake2b(f"aux/{room}/{generation}".encode(), digest_size=16).digest()
+
+
 def segment_checksum(data: bytes | bytearray) -> int:
     return zlib.crc32(bytes(data))
 
@@ -53,6 +58,8 @@ class Write:
     dst_pages: tuple[int, ...]
     segment: int
     data: tuple[bytes, ...]
+    aux: bytes | None = None
+    """A last chunk's aux row, read from the engine's row when the write was issued."""
     landed: bool = False
 
     @property

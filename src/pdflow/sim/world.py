@@ -86,7 +86,7 @@ from pdflow.sim.faults import FaultPlan
 from pdflow.sim.invariants import Monitor
 from pdflow.sim.network import Envelope, Network
 from pdflow.sim.tracing import TraceWriter
-from pdflow.sim.transport import FakeTransport, Write, source_content
+from pdflow.sim.transport import FakeTransport, Write, aux_content, source_content
 from pdflow.trace.observe import room_summaries, touched_rooms
 
 BOOTSTRAP = "10.0.9.1:8998"
@@ -532,6 +532,9 @@ class World:
                 dst_pages=start.dst_pages,
                 segment=writers.index(process.rank),
                 data=data,
+                aux=None
+                if start.src_aux_index is None
+                else aux_content(start.room, start.generation),
             )
         )
 

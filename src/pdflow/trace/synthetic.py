@@ -202,8 +202,11 @@ class SyntheticWorld:
     def _transfer(self, output: StartTransfer, now: float) -> None:
         ok = self.scripts[output.room - 1] != "fail"
         duration = 0.0005 * max(len(output.src_pages), 1)
+        # The shell reads the engine's aux row for a last chunk (here: the room id, 8 bytes).
+        aux = output.room.to_bytes(8, "little") if ok and output.src_aux_index is not None else None
         done = TransferCompleted(
-            output.room, output.generation, output.seq, ok, "" if ok else "injected link failure"
+            output.room, output.generation, output.seq, ok, "" if ok else "injected link failure",
+            aux=aux,
         )
         self._at(now + duration, PREFILL_ID, done)
 
@@ -228,7 +231,7 @@ class SyntheticWorld:
 
     def _send_chunks(self, room: int, now: float) -> None:
         chunks = 1 + room % 2
-        self._at(now, PREFILL_ID, RoomCall(room, InitTransfer(PAGES_PER_ROOM)))
+        self._at(now, PREFILL_ID, RoomCall(room, InitTransfer(PAGES_PER_ROOM, aux_index=room % 64)))
         per_chunk = PAGES_PER_ROOM // chunks
         for index in range(chunks):
             pages = tuple(range(index * per_chunk, (index + 1) * per_chunk))

@@ -280,6 +280,34 @@ class AuxRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
         return (self.row,)
 
 
+class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """An engine's aux (metadata) buffer: ``num_rows`` rows of ``row_bytes`` from ``base_addr``.
+
+    A request owns one row (its aux index) holding what the decode needs before it may run the
+    request: the first output token, its logprobs, the bootstrap room it belongs to.
+    """
+
+    base_addr: int
+    row_bytes: int
+    num_rows: int
+
+    def __post_init__(self) -> None:
+        if self.base_addr < 0:
+            raise InvalidInput(f"AuxBuffer.base_addr must be >= 0, got {self.base_addr}")
+        _require_positive(row_bytes=self.row_bytes, num_rows=self.num_rows)
+
+    def row(self, index: int) -> AuxRow:
+        """The row ``index``, refused with a clear error when it is outside the buffer."""
+        if not 0 <= index < self.num_rows:
+            raise InvalidInput(
+                f"aux index {index} is outside this rank's aux buffer [0, {self.num_rows})"
+            )
+        return AuxRow(index, self.row_bytes)
+
+    def row_addr(self, index: int) -> int:
+        return self.base_addr + self.row(index).row * self.row_bytes
+
+
 class FullSequencePages(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
     """Per-page state covering the whole sequence (DSA indexer keys, block scales, ...)."""
 

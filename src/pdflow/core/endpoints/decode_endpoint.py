@@ -216,6 +216,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             # A staged room is finished by the shell (scatter, then checksums) before Success.
             verify_checksums=self.staging is not None,
             require_checksums=cfg.verify_checksums,
+            aux_row_bytes=cfg.aux_row_bytes,
         )  # fmt: skip
         self.rooms[room_id] = room
         self.room_bootstrap[room_id] = inp.bootstrap
@@ -235,7 +236,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         if message.status is KVPoll.WaitingForInput:
             translated = ReadyArrived(message.prefill)
         elif message.status is KVPoll.Success:
-            translated = SuccessArrived(message.prefill, message.checksum)
+            translated = SuccessArrived(message.prefill, message.checksum, message.aux)
         elif message.status is KVPoll.Failed:
             translated = FailureArrived(message.prefill, message.reason)
         else:

@@ -27,6 +27,7 @@ from pdflow.core.protocol.outputs import (
     SendMessage,
     StartTransfer,
     StatusChanged,
+    StoreAux,
     VerifyChecksums,
 )
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
@@ -52,6 +53,7 @@ DecodeOutput = (
     | NeedTopology
     | CloseSession
     | VerifyChecksums
+    | StoreAux
     | StagingPlaced
     | PagesFreed
     | PagesQuarantined
@@ -112,6 +114,11 @@ class DecodeEffects(EndpointEffects[R], Protocol[R]):
         """Recompute what each writer wrote into the room's pages; answer ChecksumChecked."""
         ...
 
+    def store_aux(self, aux: StoreAux) -> R:
+        """Write the room's aux row into the engine's aux slot; done before the Success status
+        of the same step is reported, so the engine reads it once it sees Success."""
+        ...
+
     def note_staging(self, placed: StagingPlaced) -> R:
         """Remember the room's staging region (scattered into its pages before verifying)."""
         ...
@@ -154,6 +161,8 @@ def carry_out_decode(effects: DecodeEffects[R], output: Output, msg_id: str | No
             return effects.close_session(output)
         case VerifyChecksums():
             return effects.verify_checksums(output)
+        case StoreAux():
+            return effects.store_aux(output)
         case StagingPlaced():
             return effects.note_staging(output)
         case PagesFreed():

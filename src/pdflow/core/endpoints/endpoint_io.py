@@ -210,6 +210,9 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     message to it; None announces nothing (a core driven without a data plane)."""
     staging_addr: int | None = None
     """Base address of the staging ring, announced with the layout."""
+    aux_row_bytes: int = 0
+    """Bytes of one row of the engine's aux buffer; a Success carrying a row of another size
+    fails the room (0: not checked)."""
 
 
 DecodeEndpointInput = (

@@ -28,9 +28,15 @@ class MetadataArrived(Input, frozen=True, tag="MetadataArrived"):
 
 
 class InitTransfer(Input, frozen=True, tag="InitTransfer"):
-    """The engine admitted the room for sending: it will send ``num_pages`` pages."""
+    """The engine admitted the room for sending: it will send ``num_pages`` pages.
+
+    ``aux_index`` is the room's row in the engine's aux (metadata) buffer: the first output
+    token and whatever else the decode needs before it may run the request. The shell reads it
+    after the last chunk's writes and the row travels on the Success report (docs/architecture.md).
+    """
 
     num_pages: int
+    aux_index: int | None = None
 
 
 class SendChunk(Input, frozen=True, tag="SendChunk"):
@@ -52,6 +58,8 @@ class TransferCompleted(Input, frozen=True, tag="TransferCompleted"):
     ok: bool
     reason: str = ""
     checksum: int | None = None
+    aux: bytes | None = None
+    """For a last chunk that named a source aux row: that row's bytes, read after the writes."""
 
 
 class AbortArrived(Input, frozen=True, tag="AbortArrived"):
@@ -104,6 +112,7 @@ class ReadyArrived(Input, frozen=True, tag="ReadyArrived"):
 class SuccessArrived(Input, frozen=True, tag="SuccessArrived"):
     prefill: PeerId
     checksum: int | None = None
+    aux: bytes | None = None
 
 
 class FailureArrived(Input, frozen=True, tag="FailureArrived"):

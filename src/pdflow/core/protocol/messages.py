@@ -70,6 +70,8 @@ class StatusReport(Message, frozen=True, tag="status"):
     decode: PeerId
     reason: str = ""
     checksum: int | None = None
+    aux: bytes | None = None
+    """With Success: the room's aux row (first token, logprobs, ...), for the decode's aux slot."""
 
 
 class Abort(Message, frozen=True, tag="abort"):

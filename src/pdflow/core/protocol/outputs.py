@@ -38,6 +38,9 @@ class StartTransfer(Output, frozen=True, tag="start_transfer"):
     """Index of the chunk's first page within the room (its place in a staging region)."""
     room_pages: int = 0
     """How many pages the decode published for the room."""
+    src_aux_index: int | None = None
+    """Last chunk only: the engine's aux row the shell reads once the writes are done and hands
+    back in ``TransferCompleted.aux``."""
 
 
 class StatusChanged(Output, frozen=True, tag="status_changed"):
@@ -62,6 +65,16 @@ class VerifyChecksums(Output, frozen=True, tag="verify_checksums"):
     room: int
     generation: int
     expected: tuple[tuple[PeerId, int], ...]
+
+
+class StoreAux(Output, frozen=True, tag="store_aux"):
+    """Decode: write the room's aux row into the engine's aux slot ``aux_index`` (before the
+    Success it precedes is reported)."""
+
+    room: int
+    generation: int
+    aux_index: int
+    data: bytes
 
 
 def emit_name(output: Output) -> str:

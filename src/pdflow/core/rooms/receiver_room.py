@@ -30,7 +30,13 @@ from pdflow.core.protocol.inputs import (
     Tick,
 )
 from pdflow.core.protocol.messages import Abort, BootstrapRequest, PeerId, RoomMetadata
-from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage, VerifyChecksums
+from pdflow.core.protocol.outputs import (
+    ArmFence,
+    Output,
+    SendMessage,
+    StoreAux,
+    VerifyChecksums,
+)
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 
@@ -59,6 +65,7 @@ _CHANGED = STATUS_CHANGED
 _ABORT = "send.abort"
 _FENCE = "arm_fence"
 _FAIL_FENCED = [_FENCE, _ABORT, _CHANGED]
+_AUX = "store_aux"
 
 
 class ReceiverRoom(TableMachine[ReceiverState]):
@@ -78,6 +85,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         verify_checksums: bool = False,
         require_checksums: bool = False,
         session_id: str = "",
+        aux_row_bytes: int = 0,
     ) -> None:
         self.key = room
         self.generation = generation
@@ -97,6 +105,10 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.required_responses = 0
         self.required_dst_info_num = 1
         self.succeeded: dict[PeerId, int | None] = {}
+        self.aux_row_bytes = aux_row_bytes
+        """Size of the engine's aux rows (0: not checked)."""
+        self.aux: bytes | None = None
+        """The room's aux row: the first a writer's Success carried."""
         self.published: PublishPages | None = None
         self.reason = ""
         self.wait_deadline: float | None = now + timeouts.waiting_timeout
@@ -173,6 +185,9 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             and bool(self._unchecksummed(cast(SuccessArrived, inp)))
         )
 
+    def _guard_completes_without_aux(self, inp: Input, now: float) -> bool:
+        return self._completes(inp) and bool(self._aux_problem(cast(SuccessArrived, inp)))
+
     def _guard_completes_with_checksums(self, inp: Input, now: float) -> bool:
         return self.verify_checksums and self._completes(inp)
 
@@ -239,6 +254,25 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         success = cast(SuccessArrived, inp)
         if success.prefill in self.writers:
             self.succeeded.setdefault(success.prefill, success.checksum)
+            if self.aux is None:
+                self.aux = success.aux
+        return []
+
+    def _act_succeed(self, inp: Input, now: float) -> list[Output]:
+        self._act_count_success(inp, now)
+        return self._act_store_aux(inp, now)
+
+    def _act_store_aux(self, inp: Input, now: float) -> list[Output]:
+        """The aux row goes into the engine's slot in the step that reports Success, before it."""
+        published = self.published
+        if published is None or published.aux_index is None or self.aux is None:
+            return []
+        return [StoreAux(self.key, self.generation, published.aux_index, self.aux)]
+
+    def _act_fail_missing_aux(self, inp: Input, now: float) -> list[Output]:
+        problem = self._aux_problem(cast(SuccessArrived, inp))
+        self._act_count_success(inp, now)
+        self.reason = f"aux row unusable: {problem}"
         return []
 
     def _act_verify(self, inp: Input, now: float) -> list[Output]:
@@ -289,6 +323,27 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return []
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _aux_problem(self, success: SuccessArrived) -> str:
+        """Why the room's aux row (counting this report) cannot fill its slot; empty if it can."""
+        published = self.published
+        if published is None or published.aux_index is None:
+            return ""
+        aux = self.aux
+        if aux is None and success.prefill in self.writers:
+            aux = success.aux
+        if aux is None:
+            return (
+                f"the decode published aux slot {published.aux_index} but no prefill rank sent "
+                "an aux row (the prefill engine passes the room's aux_index to init_transfer "
+                "and its shell reads that row after the last chunk)"
+            )
+        if self.aux_row_bytes and len(aux) != self.aux_row_bytes:
+            return (
+                f"the prefill sent a {len(aux)}-byte aux row but this decode's rows hold "
+                f"{self.aux_row_bytes} bytes; both engines must use the same aux row format"
+            )
+        return ""
+
     def _unchecksummed(self, success: SuccessArrived) -> list[PeerId]:
         """Writers whose Success (counting this one) carried no checksum."""
         reported = dict(self.succeeded)
@@ -375,11 +430,14 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
             guard=_M._guard_completes_without_checksum, emits=[_CHANGED],
             action=_M._act_fail_unverified),
+        row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
+            guard=_M._guard_completes_without_aux, emits=[_CHANGED],
+            action=_M._act_fail_missing_aux),
         row(_R.TRANSFERRING, SuccessArrived, _R.VERIFYING,
             guard=_M._guard_completes_with_checksums, emits=["verify_checksums"],
             action=_M._act_verify),
         row(_R.TRANSFERRING, SuccessArrived, _R.SUCCESS,
-            guard=_M._guard_completes, emits=[_CHANGED], action=_M._act_count_success),
+            guard=_M._guard_completes, emits=[_AUX, _CHANGED], action=_M._act_succeed),
         row(_R.TRANSFERRING, SuccessArrived, _R.TRANSFERRING, action=_M._act_count_success),
         row(_R.TRANSFERRING, ReadyArrived, _R.TRANSFERRING),
         row(_R.TRANSFERRING, FailureArrived, _R.FAILED, emits=_FAIL_FENCED,
@@ -393,7 +451,7 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.TRANSFERRING, Tick, _R.TRANSFERRING),
         # -- VERIFYING: every writer reported Success; checking what landed ----------------------
         row(_R.VERIFYING, ChecksumResult, _R.SUCCESS, guard=_M._guard_checksum_ok,
-            emits=[_CHANGED]),
+            emits=[_AUX, _CHANGED], action=_M._act_store_aux),
         row(_R.VERIFYING, ChecksumResult, _R.FAILED, emits=[_CHANGED],
             action=_M._act_fail_checksum),
         row(_R.VERIFYING, SuccessArrived, _R.VERIFYING),

@@ -81,6 +81,9 @@ class SenderRoom(TableMachine[SenderState]):
         self.peers: dict[PeerId, RoomMetadata] = {}
         self.required_dst: int | None = None
         self.num_pages: int | None = None
+        self.aux_index: int | None = None
+        self.aux_rows: dict[PeerId, bytes] = {}
+        """Each peer's aux row, as the shell read it after that peer's last chunk."""
         self.next_page = 0
         self.last_submitted = False
         self.outstanding: dict[int, PeerId] = {}
@@ -154,6 +157,14 @@ class SenderRoom(TableMachine[SenderState]):
             raise LocalProtocolError(f"room {self.key}: InitTransfer was already called")
         if inp.num_pages < 0:
             raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
+        if inp.aux_index is not None and inp.aux_index < 0:
+            raise InvalidInput(f"aux_index must be >= 0, got {inp.aux_index}")
+        for md in self.peers.values():
+            if md.aux_index is not None and not md.is_dummy and inp.aux_index is None:
+                raise InvalidInput(
+                    f"room {self.key}: decode peer {md.decode.address} expects an aux row "
+                    f"(its aux slot {md.aux_index}); pass the room's aux_index to init_transfer"
+                )
         for md in self.peers.values():
             if not md.is_dummy and len(md.dst_pages) < inp.num_pages:
                 raise InvalidInput(
@@ -223,7 +234,9 @@ class SenderRoom(TableMachine[SenderState]):
         return []
 
     def _act_init(self, inp: Input, now: float) -> list[Output]:
-        self.num_pages = cast(InitTransfer, inp).num_pages
+        init = cast(InitTransfer, inp)
+        self.num_pages = init.num_pages
+        self.aux_index = init.aux_index
         return []
 
     def _act_send_chunk(self, inp: Input, now: float) -> list[Output]:
@@ -252,6 +265,9 @@ class SenderRoom(TableMachine[SenderState]):
                     staging_offset=md.staging_offset,
                     page_start=start,
                     room_pages=len(md.dst_pages),
+                    src_aux_index=(
+                        self.aux_index if chunk.is_last and md.aux_index is not None else None
+                    ),
                 )
             )
         return outputs
@@ -260,6 +276,8 @@ class SenderRoom(TableMachine[SenderState]):
         done = cast(TransferCompleted, inp)
         peer = self.outstanding.pop(done.seq)
         self._fold_checksum(peer, done.checksum)
+        if done.aux is not None:
+            self.aux_rows[peer] = done.aux
         return []
 
     def _act_succeed(self, inp: Input, now: float) -> list[Output]:
@@ -274,6 +292,7 @@ class SenderRoom(TableMachine[SenderState]):
                     prefill=self.me,
                     decode=peer,
                     checksum=self.checksums.get(peer),
+                    aux=self.aux_rows.get(peer),
                 ),
             )
             for peer in self._writable_peers()
