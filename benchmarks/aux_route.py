@@ -50,7 +50,7 @@ MODES = ("kv_only", "status", "write")
 class HostAux:
     def __init__(self, rows: int, row_bytes: int) -> None:
         self.memory = (ctypes.c_uint8 * (rows * row_bytes))()
-        self.buffer = AuxBuffer(ctypes.addressof(self.memory), row_bytes, rows)
+        self.buffer = AuxBuffer.single(ctypes.addressof(self.memory), row_bytes, rows)
 
 
 class AuxWritePlanner(TransferPlanner):
@@ -65,7 +65,7 @@ class AuxWritePlanner(TransferPlanner):
             return ops
         src, dst = buffers
         row = start.room % src.num_rows
-        return (*ops, WriteOp(src.row_addr(row), dst.row_addr(row), src.row_bytes))
+        return (*ops, WriteOp(src.row_ranges(row)[0][0], dst.row_ranges(row)[0][0], src.row_bytes))
 
 
 async def _measure(rooms: int, repeats: int, row_bytes: int,
@@ -87,8 +87,8 @@ async def _measure(rooms: int, repeats: int, row_bytes: int,
         DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
     ):  # fmt: skip
         # The write route needs both aux buffers registered, as SGLang registers aux_data_ptrs.
-        p_transport.register_buffer(p_aux.buffer.base_addr, pages * row_bytes)
-        d_transport.register_buffer(d_aux.buffer.base_addr, pages * row_bytes)
+        p_transport.register_buffer(p_aux.buffer.addrs[0], pages * row_bytes)
+        d_transport.register_buffer(d_aux.buffer.addrs[0], pages * row_bytes)
         p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
 
         async def room_pair(room: int, mode: str) -> None:
@@ -119,8 +119,8 @@ async def _measure(rooms: int, repeats: int, row_bytes: int,
         async def batch(first: int, mode: str) -> float:
             AuxWritePlanner.route[0] = (p_aux.buffer, d_aux.buffer) if mode == "write" else None
             for row in range(pages):  # the engine's rows, distinct per room
-                ctypes.memset(p_aux.buffer.row_addr(row), (first + row) % 251, row_bytes)
-            ctypes.memset(d_aux.buffer.base_addr, 0, pages * row_bytes)
+                ctypes.memset(p_aux.buffer.row_ranges(row)[0][0], (first + row) % 251, row_bytes)
+            ctypes.memset(d_aux.buffer.addrs[0], 0, pages * row_bytes)
             started = time.perf_counter()
             async with anyio.create_task_group() as tasks:
                 for room in range(first, first + rooms):
@@ -129,8 +129,8 @@ async def _measure(rooms: int, repeats: int, row_bytes: int,
             if mode != "kv_only":
                 for room in range(first, first + rooms):
                     row = room % pages
-                    landed = ctypes.string_at(d_aux.buffer.row_addr(row), row_bytes)
-                    if landed != ctypes.string_at(p_aux.buffer.row_addr(row), row_bytes):
+                    landed = ctypes.string_at(d_aux.buffer.row_ranges(row)[0][0], row_bytes)
+                    if landed != ctypes.string_at(p_aux.buffer.row_ranges(row)[0][0], row_bytes):
                         raise RuntimeError(f"{mode}: room {room}'s aux row did not land")
             return seconds
 

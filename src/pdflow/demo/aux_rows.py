@@ -23,7 +23,7 @@ class AuxRows:
 
     def __init__(self, num_rows: int) -> None:
         self._memory = (ctypes.c_uint8 * (num_rows * AUX_ROW.size))()
-        self.buffer = AuxBuffer(ctypes.addressof(self._memory), AUX_ROW.size, num_rows)
+        self.buffer = AuxBuffer.single(ctypes.addressof(self._memory), AUX_ROW.size, num_rows)
         self._free = list(range(num_rows))
 
     def allocate(self) -> int:

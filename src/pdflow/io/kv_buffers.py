@@ -208,14 +208,17 @@ def aux_buffer_of(kv: RankKv, what: str) -> AuxBuffer:
 
 
 def read_aux_row(aux: AuxBuffer, index: int) -> bytes:
-    """Host memory: the row's bytes as they are now."""
-    return ctypes.string_at(aux.row_addr(index), aux.row_bytes)
+    """Host memory: the row's bytes as they are now (its item in every aux buffer, in order)."""
+    return b"".join(ctypes.string_at(addr, length) for addr, length in aux.row_ranges(index))
 
 
 def write_aux_row(aux: AuxBuffer, index: int, data: bytes) -> None:
     if len(data) != aux.row_bytes:
         raise InvalidInput(f"an aux row holds {aux.row_bytes} bytes, got {len(data)}")
-    ctypes.memmove(aux.row_addr(index), data, len(data))
+    offset = 0
+    for addr, length in aux.row_ranges(index):
+        ctypes.memmove(addr, data[offset : offset + length], length)
+        offset += length
 
 
 # ---- host memory -------------------------------------------------------------------------------

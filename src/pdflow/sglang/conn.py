@@ -291,7 +291,7 @@ class PdflowKVSender(BaseKVSender):
         self.num_pages, self.aux_index, self.init_time = int(num_kv_indices), aux_index, time.time()
 
         async def init_transfer() -> None:
-            await rank.init_transfer(room, self.num_pages)
+            await rank.init_transfer(room, self.num_pages, self.aux_index)
 
         self.kv_mgr.run(room, init_transfer)
 

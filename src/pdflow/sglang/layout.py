@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.core.dataplane.layout import KvDtype, KvLayout
+from pdflow.core.dataplane.layout import AuxBuffer, KvDtype, KvLayout
 from pdflow.io.kv_buffers import RankKv
 
 # What the backend needs before it can serve each refused feature (docs/sglang.md).
@@ -58,7 +58,25 @@ def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, is_mla: bool) -> RankKv:
         k_addrs=tuple(ptrs[:layers]), v_addrs=tuple(ptrs[layers:]),
     )  # fmt: skip
     return RankKv(layout, tp_size=tp_size, tp_rank=int(kv_args.engine_rank),
-                  total_kv_heads=int(kv_args.total_kv_head_num))  # fmt: skip
+                  total_kv_heads=int(kv_args.total_kv_head_num),
+                  aux=aux_buffer_from_kv_args(kv_args))  # fmt: skip
+
+
+def aux_buffer_from_kv_args(kv_args: Any) -> AuxBuffer | None:
+    """SGLang's metadata buffers (``aux_data_ptrs``/``_lens``/``_item_lens``, one item per
+    request index in each) as pdflow's aux buffers; None when SGLang gave none."""
+    ptrs = [int(p) for p in getattr(kv_args, "aux_data_ptrs", None) or []]
+    if not ptrs:
+        return None
+    lens = [int(n) for n in kv_args.aux_data_lens]
+    items = [int(n) for n in kv_args.aux_item_lens]
+    rows = {length // item for length, item in zip(lens, items, strict=True)}
+    if len(rows) != 1:
+        raise UnsupportedByPdflow(
+            f"SGLang's aux buffers hold different numbers of rows ({sorted(rows)}); pdflow "
+            "indexes every aux buffer with the request's one aux index"
+        )
+    return AuxBuffer(tuple(ptrs), tuple(items), rows.pop())
 
 
 def refuse_unsupported(kv_args: Any, *, is_mla: bool) -> None:

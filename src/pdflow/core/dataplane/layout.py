@@ -281,31 +281,54 @@ class AuxRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
 
 
 class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """An engine's aux (metadata) buffer: ``num_rows`` rows of ``row_bytes`` from ``base_addr``.
+    """An engine's aux (metadata) buffers, indexed alike: buffer ``b`` holds ``num_rows`` items
+    of ``item_lens[b]`` bytes from ``addrs[b]`` (SGLang's ``aux_data_ptrs`` / ``aux_item_lens``:
+    output ids, logprobs, the bootstrap room, ...).
 
-    A request owns one row (its aux index) holding what the decode needs before it may run the
-    request: the first output token, its logprobs, the bootstrap room it belongs to.
+    A request owns one index; its aux row is the concatenation of its item in every buffer, in
+    buffer order: what the decode needs before it may run the request.
     """
 
-    base_addr: int
-    row_bytes: int
+    addrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
     num_rows: int
 
     def __post_init__(self) -> None:
-        if self.base_addr < 0:
-            raise InvalidInput(f"AuxBuffer.base_addr must be >= 0, got {self.base_addr}")
-        _require_positive(row_bytes=self.row_bytes, num_rows=self.num_rows)
+        if not self.addrs or len(self.addrs) != len(self.item_lens):
+            raise InvalidInput(
+                f"AuxBuffer needs one item length per buffer, got {len(self.addrs)} addresses "
+                f"and {len(self.item_lens)} item lengths"
+            )
+        if any(addr < 0 for addr in self.addrs):
+            raise InvalidInput("AuxBuffer addresses must be >= 0")
+        _require_positive(num_rows=self.num_rows)
+        for length in self.item_lens:
+            _require_positive(item_len=length)
+
+    @classmethod
+    def single(cls, base_addr: int, row_bytes: int, num_rows: int) -> AuxBuffer:
+        """One buffer of ``num_rows`` rows of ``row_bytes``."""
+        return cls((base_addr,), (row_bytes,), num_rows)
+
+    @property
+    def row_bytes(self) -> int:
+        return sum(self.item_lens)
 
     def row(self, index: int) -> AuxRow:
-        """The row ``index``, refused with a clear error when it is outside the buffer."""
+        """The row ``index``, refused with a clear error when it is outside the buffers."""
         if not 0 <= index < self.num_rows:
             raise InvalidInput(
-                f"aux index {index} is outside this rank's aux buffer [0, {self.num_rows})"
+                f"aux index {index} is outside this rank's aux buffers [0, {self.num_rows})"
             )
         return AuxRow(index, self.row_bytes)
 
-    def row_addr(self, index: int) -> int:
-        return self.base_addr + self.row(index).row * self.row_bytes
+    def row_ranges(self, index: int) -> tuple[tuple[int, int], ...]:
+        """``(address, length)`` of the row's item in every buffer, in buffer order."""
+        row = self.row(index).row
+        return tuple(
+            (addr + row * length, length)
+            for addr, length in zip(self.addrs, self.item_lens, strict=True)
+        )
 
 
 class FullSequencePages(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
