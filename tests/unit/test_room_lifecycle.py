@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
@@ -116,6 +117,17 @@ def test_the_prefill_refuses_init_without_the_aux_row_its_decode_expects() -> No
     with pytest.raises(InvalidInput, match="aux_index"):
         sender.handle(InitTransfer(3), 3.0)
     assert sender.num_pages is None, "a refused call changes nothing"
+
+
+def test_the_sender_tells_the_engine_the_decodes_prefix_and_its_peers_must_agree() -> None:
+    sender = new_sender()
+    first = msgspec.structs.replace(metadata(DECODE, required=2), decode_prefix_len=32)
+    sender.handle(MetadataArrived(first), 1.0)
+    assert sender.decode_prefix_len == 32
+    other = msgspec.structs.replace(metadata(DECODE_B, required=2), decode_prefix_len=16)
+    with pytest.raises(RemoteProtocolError, match="disagree on decode_prefix_len"):
+        sender.handle(MetadataArrived(other), 1.1)
+    assert set(sender.peers) == {DECODE}, "the refused metadata changed nothing"
 
 
 def test_prefill_complete_policy_happy_path() -> None:

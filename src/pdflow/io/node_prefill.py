@@ -23,7 +23,12 @@ import structlog
 
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
-from pdflow.core.dataplane.planning import StagedSlices, WriteOp
+from pdflow.core.dataplane.planning import (
+    StagedSlices,
+    WriteOp,
+    pages_after_prefix,
+    partition_chunks,
+)
 from pdflow.core.endpoints.effects import carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
@@ -110,6 +115,30 @@ class PrefillRank:
             aux_buffer_of(self._node.rank_kv[self._node.rank_index(self.rank)],
                           "init_transfer").row(aux_index)  # fmt: skip
         await self._host.call(RoomCall(room, InitTransfer(num_pages, aux_index)))
+
+    def decode_prefix_len(self, room: int) -> int:
+        """Tokens the decode already holds for this room (known from WaitingForInput on)."""
+        summary = self._host.endpoint.summary(room)
+        return 0 if summary is None else summary.decode_prefix_len
+
+    async def send_sequence(self, room: int, pages: Sequence[int], *, num_tokens: int,
+                            chunk_tokens: int, aux_index: int | None = None) -> int:  # fmt: skip
+        """Send a sequence's KV (``pages[i]`` holds its tokens ``[i, i + 1) * page_size``) in
+        chunks of at most ``chunk_tokens``, skipping the pages the decode already holds
+        (its ``decode_prefix_len``); returns how many pages were sent. Call at WaitingForInput."""
+        page_size = self._node.rank_kv[self._node.rank_index(self.rank)].layout.page_size
+        prefix = self.decode_prefix_len(room)
+        send = pages_after_prefix(num_tokens, prefix, page_size)
+        if len(pages) < send.stop:
+            raise InvalidInput(
+                f"room {room}: {num_tokens} tokens fill {send.stop} pages but {len(pages)} given"
+            )
+        chunks = partition_chunks(num_tokens, page_size, chunk_tokens, prefix)
+        to_send = list(pages[send.start : send.stop])
+        await self.init_transfer(room, len(to_send), aux_index)
+        for chunk in chunks:
+            await self.send_chunk(room, to_send[chunk.start : chunk.stop], chunk.is_last)
+        return len(to_send)
 
     async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool) -> None:
         await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last)))

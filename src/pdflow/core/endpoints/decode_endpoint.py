@@ -363,6 +363,13 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self, inp: PublishPages, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
         room = self._known_room(inp.room)
+        page_size = self.config.page_size
+        if inp.decode_prefix_len < 0 or inp.decode_prefix_len % page_size:
+            raise InvalidInput(
+                f"room {inp.room}: decode_prefix_len {inp.decode_prefix_len} is not a "
+                f"non-negative multiple of page_size {page_size}; a cached prefix ends on a page "
+                "boundary (publish pages for the tokens after it)"
+            )
         if room.state is ReceiverState.FAILED:
             # Failed before its pages were exposed: no writer knows them, hand them back now.
             self._room_input(room, inp, now, out, fired)

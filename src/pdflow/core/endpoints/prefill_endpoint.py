@@ -76,6 +76,8 @@ class SenderSummary(msgspec.Struct, frozen=True):
     outstanding: int
     peers: int
     reason: str
+    decode_prefix_len: int = 0
+    """Tokens of the sequence the decode already holds; send only the pages after them."""
 
 
 class PrefillSnapshot(msgspec.Struct, frozen=True):
@@ -299,7 +301,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def _summary(self, room: SenderRoom) -> SenderSummary:
         return SenderSummary(
             room.key, room.generation, room.state.name, room.poll, len(room.outstanding),
-            len(room.peers), room.reason,
+            len(room.peers), room.reason, room.decode_prefix_len,
         )  # fmt: skip
 
     def snapshot(self) -> PrefillSnapshot:

@@ -105,6 +105,13 @@ class SenderRoom(TableMachine[SenderState]):
         """No write of this room can still land anywhere."""
         return not self.outstanding
 
+    @property
+    def decode_prefix_len(self) -> int:
+        """Tokens the decode already holds (its cached prefix): the engine sends only the pages
+        after them (``planning.partition_chunks``); 0 until a writing peer's metadata came."""
+        writers = [md for md in self.peers.values() if not md.is_dummy]
+        return writers[0].decode_prefix_len if writers else 0
+
     def timer_at(self) -> float | None:
         return self.bootstrap_deadline if self.state is SenderState.BOOTSTRAPPING else None
 
@@ -142,6 +149,14 @@ class SenderRoom(TableMachine[SenderState]):
                 f"room {self.key}: decode peers disagree on required_dst_info_num "
                 f"({self.required_dst} vs {md.required_dst_info_num})"
             )
+        writers = [p for p in self.peers.values() if not p.is_dummy]
+        if not md.is_dummy and writers and md.decode_prefix_len != writers[0].decode_prefix_len:
+            raise RemoteProtocolError(
+                f"room {self.key}: decode peers disagree on decode_prefix_len "
+                f"({writers[0].decode_prefix_len} vs {md.decode_prefix_len})"
+            )
+        if md.decode_prefix_len < 0:
+            raise RemoteProtocolError(f"decode_prefix_len must be >= 0, got {md.decode_prefix_len}")
         known = md.decode in self.peers
         full = self.required_dst is not None and len(self.peers) >= self.required_dst
         if not known and full and self.state not in (SenderState.DRAINING, SenderState.FAILED):
