@@ -35,7 +35,7 @@ from tests.property.frame_strategies import (
     fuzz_settings,
 )
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 FD_BOUND = 16
 RSS_BOUND = 48 << 20

@@ -22,7 +22,7 @@ from tests.integration.test_fuzz_node import open_fds
 from tests.integration.test_hostile_input import rss_bytes
 from tests.property.frame_strategies import FUZZ_EXAMPLES, errors_only, fuzz_settings
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
 TOKEN = "fuzz-registry-token"
 ANSWERS = {200, 307, 400, 401, 404, 405, 413, 415, 503}
