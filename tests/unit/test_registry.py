@@ -167,6 +167,7 @@ CONSISTENT: list[tuple[str, Any, str]] = [
      "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
     ("protocol_version", 2, "Inconsistent pdflow protocol versions"),
     ("checksum", True, "Inconsistent prefill KV checksum settings"),
+    ("is_mla", True, "Inconsistent prefill attention kinds"),
 ]
 
 

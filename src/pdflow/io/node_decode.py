@@ -20,7 +20,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
-from pdflow.core.cluster.registry import declared_checksum
+from pdflow.core.cluster.registry import declared_checksum, declared_is_mla
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
@@ -450,15 +450,20 @@ class DecodeNode(NodeLifecycle):
                         unique = prefill_unique_rank(parallel, tp_rank=tp, pp_rank=pp, cp_rank=cp)
                         peer = PeerId(f"{found.rank_ip}:{found.rank_port}",
                                       found.incarnation or "", unique)  # fmt: skip
-                        self._writer_heads[peer] = rank_head_range(
-                            1 if self.is_mla else total_heads, server.attn_tp_size, tp
-                        )
                         ranks.append(RegisteredPrefillRank(dp, cp, tp, pp, peer))
+        # The prefill's own attention kind, as its ranks registered it: the endpoint refuses a
+        # mismatch. A prefill that declared none (SGLang's) is taken to match this decode.
+        declared = declared_is_mla(answers)
+        is_mla = self.is_mla if declared is None else declared
+        for registered in ranks:
+            self._writer_heads[registered.peer] = rank_head_range(
+                1 if is_mla else total_heads, server.attn_tp_size, registered.tp
+            )
         return PrefillInfo(
             bootstrap=bootstrap, tp_size=server.attn_tp_size, cp_size=server.attn_cp_size,
             pp_size=server.pp_size, dp_size=server.dp_size, page_size=server.page_size,
             kv_cache_dtype=server.kv_cache_dtype, policy=server.decode_allocation_policy,
-            ranks=tuple(ranks), is_mla=self.is_mla,
+            ranks=tuple(ranks), is_mla=is_mla,
             follow_bootstrap_room=server.follow_bootstrap_room,
             checksum=declared_checksum(answers),
         )  # fmt: skip

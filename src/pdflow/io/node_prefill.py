@@ -225,6 +225,7 @@ class PrefillNode(NodeLifecycle):
         staging_slot_bytes: int = 0,
         transfer_lanes: int = 4,
         started_at: float | None = None,
+        is_mla: bool = False,
     ) -> None:
         if not ranks:
             raise ValueError("a prefill node needs at least one rank")
@@ -234,6 +235,8 @@ class PrefillNode(NodeLifecycle):
         self.transport = transport
         self.bootstrap = bootstrap
         self.serve_bootstrap = serve_bootstrap
+        self.is_mla = is_mla
+        """MLA KV (one latent head): registered, so a decode of the other kind is refused."""
         self.incarnation = incarnation or draw_incarnation()
         # Wall clock, not monotonic: it orders this life against a predecessor that may have
         # run on another host (the registry refuses the older one's registrations, 409).
@@ -322,6 +325,7 @@ class PrefillNode(NodeLifecycle):
                     decode_allocation_policy=self.settings.allocation_policy,
                     incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
                     started_at=self.started_at, checksum=self.settings.checksum,
+                    is_mla=self.is_mla,
                 ))  # fmt: skip
 
     async def _release(self) -> None:

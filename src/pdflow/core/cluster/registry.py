@@ -75,6 +75,9 @@ class RegisterRank(Input, frozen=True, tag="RegisterRank"):
     the order of two process lives of one rank. Optional (SGLang sends none)."""
     checksum: bool | None = None
     """Whether this prefill sends KV checksums with its Success reports; None: not declared."""
+    is_mla: bool | None = None
+    """Whether this prefill's KV is MLA (one latent head; one writer per decode rank, the other
+    TP ranks dummies); None: not declared (SGLang sends none)."""
     token: str | None = None
     """From the HTTP header, never from the body."""
 
@@ -134,8 +137,16 @@ class CheckHealth(Input, frozen=True, tag="CheckHealth"):
 def declared_checksum(ranks: Iterable[PrefillRankInfo]) -> bool | None:
     """The prefill instance's checksum setting from its rank answers: None unless every rank
     declared the same one (the registry keeps declared settings consistent)."""
-    declared = {rank.checksum for rank in ranks}
-    return declared.pop() if len(declared) == 1 else None
+    return _declared({rank.checksum for rank in ranks})
+
+
+def declared_is_mla(ranks: Iterable[PrefillRankInfo]) -> bool | None:
+    """The prefill instance's attention kind (MLA or not) from its rank answers, likewise."""
+    return _declared({rank.is_mla for rank in ranks})
+
+
+def _declared(values: set[bool | None]) -> bool | None:
+    return values.pop() if len(values) == 1 else None
 
 
 def route_query(
@@ -210,6 +221,7 @@ class PrefillRankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     protocol_version: int | None = None
     started_at: float | None = None
     checksum: bool | None = None
+    is_mla: bool | None = None
 
 
 class RegistrySnapshot(msgspec.Struct, frozen=True):
@@ -311,6 +323,7 @@ _CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
     ("dsv41_spec_layout", "DeepSeek-V4.1 DSpark PD layout differs across prefill ranks"),
     ("protocol_version", "Inconsistent pdflow protocol versions"),
     ("checksum", "Inconsistent prefill KV checksum settings (PDFLOW_CHECKSUM)"),
+    ("is_mla", "Inconsistent prefill attention kinds (MLA on some ranks only)"),
 )
 _MAX_PORT = 65535
 
@@ -426,7 +439,7 @@ class Registry(TableMachine[RegistryState]):
             self.superseded.add(held.incarnation)
         self.ranks[reg.rank_key] = PrefillRankInfo(
             reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version, reg.started_at,
-            reg.checksum,
+            reg.checksum, reg.is_mla,
         )
         return [Reply(200, OK)]
 

@@ -301,7 +301,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"decode {cfg.policy.value}; configure both sides alike"
             )
         if info.is_mla != cfg.is_mla:
-            return "attention kind mismatch (MLA on one side only)"
+            kinds = {True: "MLA", False: "MHA/GQA"}
+            return (
+                f"attention kind mismatch: the prefill at {info.bootstrap} registered "
+                f"{kinds[info.is_mla]} KV, this decode holds {kinds[cfg.is_mla]}; the two "
+                "instances must serve the same model"
+            )
         if cfg.verify_checksums and info.checksum is False:
             return (
                 f"checksum mismatch: this decode requires KV checksums but the prefill at "
