@@ -121,10 +121,7 @@ class SenderRoom(TableMachine[SenderState]):
             self._validate_metadata(inp.metadata)
         elif isinstance(inp, InitTransfer):
             self._validate_init(inp)
-        elif isinstance(inp, SendChunk) and self.state in (
-            SenderState.WAITING_FOR_INPUT,
-            SenderState.TRANSFERRING,
-        ):
+        elif isinstance(inp, SendChunk) and self._chunk_expected():
             self._validate_chunk(inp)
         elif isinstance(inp, TransferCompleted) and inp.seq not in self.outstanding:
             raise LocalProtocolError(
@@ -166,10 +163,9 @@ class SenderRoom(TableMachine[SenderState]):
             )
 
     def _validate_init(self, inp: InitTransfer) -> None:
-        if self.state is not SenderState.WAITING_FOR_INPUT:
+        # A second InitTransfer is refused by the table (guard first_init), not here.
+        if self.state is not SenderState.WAITING_FOR_INPUT or self.num_pages is not None:
             return
-        if self.num_pages is not None:
-            raise LocalProtocolError(f"room {self.key}: InitTransfer was already called")
         if inp.num_pages < 0:
             raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
         if inp.aux_index is not None and inp.aux_index < 0:
@@ -188,13 +184,15 @@ class SenderRoom(TableMachine[SenderState]):
                     "send fewer pages (check decode_prefix_len) or abort the room"
                 )
 
+    def _chunk_expected(self) -> bool:
+        """InitTransfer was called and the last chunk not sent yet (states that take chunks)."""
+        taking = self.state in (SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING)
+        return taking and self.num_pages is not None and not self.last_submitted
+
     def _validate_chunk(self, inp: SendChunk) -> None:
-        if self.num_pages is None:
-            raise LocalProtocolError(
-                f"room {self.key}: SendChunk before InitTransfer", hint="call InitTransfer first"
-            )
-        if self.last_submitted:
-            raise LocalProtocolError(f"room {self.key}: chunk after the last chunk")
+        # A chunk before InitTransfer or after the last one is refused by the table (guard
+        # chunk_expected); only the chunk's own bounds are checked here.
+        assert self.num_pages is not None
         end = self.next_page + len(inp.src_pages)
         if end > self.num_pages:
             raise InvalidInput(
@@ -215,8 +213,15 @@ class SenderRoom(TableMachine[SenderState]):
     def _guard_bootstrap_expired(self, inp: Input, now: float) -> bool:
         return self.bootstrap_deadline is not None and now >= self.bootstrap_deadline
 
-    def _guard_finishes_without_writes(self, inp: Input, now: float) -> bool:
-        return cast(SendChunk, inp).is_last and not self._writable_peers() and not self.outstanding
+    def _guard_first_init(self, inp: InitTransfer, now: float) -> bool:
+        return self.num_pages is None
+
+    def _guard_chunk_expected(self, inp: SendChunk, now: float) -> bool:
+        return self._chunk_expected()
+
+    def _guard_finishes_without_writes(self, inp: SendChunk, now: float) -> bool:
+        done = inp.is_last and not self._writable_peers() and not self.outstanding
+        return self._chunk_expected() and done
 
     def _guard_write_failed_others_pending(self, inp: Input, now: float) -> bool:
         return not cast(TransferCompleted, inp).ok and len(self.outstanding) > 1
@@ -414,6 +419,11 @@ SENDER_TABLE: Table[SenderState] = Table(
     ),
     remote_inputs=(MetadataArrived, AbortArrived),
     poll_of=SENDER_POLL.__getitem__,
+    hints={
+        "InitTransfer": "call InitTransfer once per room, when it polls WaitingForInput",
+        "SendChunk": "call InitTransfer first, then send chunks in order until the one marked "
+        "last",
+    },
     rows=[
         # -- BOOTSTRAPPING: collecting destination metadata --------------------------------------
         row(_S.BOOTSTRAPPING, MetadataArrived, _S.WAITING_FOR_INPUT,
@@ -431,11 +441,12 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.BOOTSTRAPPING, Tick, _S.BOOTSTRAPPING),
         # -- WAITING_FOR_INPUT: every destination known, waiting for the engine -------------------
         row(_S.WAITING_FOR_INPUT, MetadataArrived, _S.WAITING_FOR_INPUT, action=_M._act_add_peer),
-        row(_S.WAITING_FOR_INPUT, InitTransfer, _S.WAITING_FOR_INPUT, action=_M._act_init),
+        row(_S.WAITING_FOR_INPUT, InitTransfer, _S.WAITING_FOR_INPUT,
+            guard=_M._guard_first_init, action=_M._act_init),
         row(_S.WAITING_FOR_INPUT, SendChunk, _S.SUCCESS,
             guard=_M._guard_finishes_without_writes, emits=[_CHANGED], action=_M._act_send_chunk),
         row(_S.WAITING_FOR_INPUT, SendChunk, _S.TRANSFERRING,
-            emits=[_START, _CHANGED], action=_M._act_send_chunk),
+            guard=_M._guard_chunk_expected, emits=[_START, _CHANGED], action=_M._act_send_chunk),
         row(_S.WAITING_FOR_INPUT, AbortArrived, _S.FAILED,
             emits=[_ACK, _STATUS, _CHANGED], action=_M._act_fail_quiescent_on_abort),
         row(_S.WAITING_FOR_INPUT, AbortRequested, _S.FAILED,
@@ -446,7 +457,8 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.TRANSFERRING, MetadataArrived, _S.TRANSFERRING, action=_M._act_add_peer),
         row(_S.TRANSFERRING, SendChunk, _S.SUCCESS,
             guard=_M._guard_finishes_without_writes, emits=[_CHANGED], action=_M._act_send_chunk),
-        row(_S.TRANSFERRING, SendChunk, _S.TRANSFERRING, emits=[_START], action=_M._act_send_chunk),
+        row(_S.TRANSFERRING, SendChunk, _S.TRANSFERRING,
+            guard=_M._guard_chunk_expected, emits=[_START], action=_M._act_send_chunk),
         row(_S.TRANSFERRING, TransferCompleted, _S.DRAINING,
             guard=_M._guard_write_failed_others_pending, emits=[_STATUS, _CHANGED],
             action=_M._act_fail_on_write_error),
