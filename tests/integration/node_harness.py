@@ -205,6 +205,18 @@ class DecodeEngine:
                 problems.append(f"rank {rank.rank}: engine free list has {len(self.free[index])}")
         return problems
 
+    async def settled_leak_report(self, within: float = 5.0) -> list[str]:
+        """The leak report once the engine has taken the PagesReleased events already sent.
+
+        The node frees pages in its ledger before its event stream hands the news to this
+        engine, so a report taken at once can count pages that are merely in transit. A page
+        really lost stays missing after the bounded wait.
+        """
+        with anyio.move_on_after(within):
+            while self.leak_report():
+                await anyio.sleep(0.02)
+        return self.leak_report()
+
     def order_of(self, kind: type, **match: Any) -> list[int]:
         return [i for i, e in enumerate(self.events) if isinstance(e, kind)
                 and all(getattr(e, k) == v for k, v in match.items())]  # fmt: skip

@@ -63,7 +63,7 @@ async def test_concurrent_rooms_succeed_verified_without_leaks(
                 assert engine.corrupt == []
                 assert engine.verified == count * decode_tp
                 assert all(r == ["Success"] * 2 for r in prefill.rooms.values()), prefill.rooms
-                assert engine.leak_report() == []
+                assert await engine.settled_leak_report() == []
                 metrics = node.runtime.metrics
                 assert (
                     metrics.value("pdflow_rooms_total", {"outcome": "success"}) == count * decode_tp

@@ -59,7 +59,7 @@ async def test_decode_waits_through_503_until_the_prefill_registers(tmp_path: an
                         await anyio.sleep(0.02)
             assert outcome == ["Success"]
             assert engine.corrupt == []
-            assert engine.leak_report() == []
+            assert await engine.settled_leak_report() == []
         tasks.cancel_scope.cancel()
 
 
