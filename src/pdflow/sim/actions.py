@@ -231,7 +231,7 @@ def _engine_race(world: World, choice: tuple[int, int], hint: int) -> None:
     if not job.computed or job.last_sent or hint % 3 == 0:
         call = PrefillCompleted()
     elif not job.initialized:
-        call = InitTransfer(job.request.num_pages)
+        call = InitTransfer(job.request.num_pages, aux_index=room % 8)
     else:
         remaining = job.request.num_pages - job.next_page
         size = 1 + hint % remaining

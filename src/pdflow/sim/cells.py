@@ -296,7 +296,7 @@ def slot_cell_coverage() -> Counter[Transition]:
     endpoint = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, timeouts=TIMEOUTS))
     feed(OpenRoom(3, 1))
     feed(meta(3, 1))
-    feed(RoomCall(3, InitTransfer(2)))
+    feed(RoomCall(3, InitTransfer(2, aux_index=0)))
     feed(RoomCall(3, SendChunk((1,), False)))
     feed(RoomCall(3, SendChunk((2,), True)))
     feed(RoomCall(3, AbortRequested("engine gave up")))
