@@ -20,7 +20,7 @@ from pdflow.chaos.kv_pattern import (
 from pdflow.chaos.nemesis import KINDS, plan_faults
 from pdflow.chaos.session import summarize
 from pdflow.chaos.workload import plan_workload
-from pdflow.cli.chaos_cmd import parse_kinds
+from pdflow.cli.chaos_cmd import parse_abort_sides, parse_kinds
 
 PREFILLS, DECODES = ("prefill-0", "prefill-1"), ("decode-0", "decode-1")
 
@@ -60,6 +60,12 @@ def test_the_workload_is_seeded_bounded_and_reuses_rooms_and_aborts_from_both_si
     fresh = [r.room for r in plan]  # the id a reuse falls back to while its room is busy
     assert len(fresh) == len(set(fresh))
     assert len(plan_workload(5, 60.0, 2, 2, max_requests=10)) == 10
+    # Leaving a side out changes only who aborts, never the rest of the plan.
+    prefill_only = plan_workload(5, 60.0, 2, 2, rate_per_s=3.0, max_requests=400,
+                                 abort_sides=("prefill",))  # fmt: skip
+    assert {r.abort_side for r in prefill_only} == {None, "prefill"}
+    assert [(r.at, r.room, r.tokens) for r in prefill_only] == [(r.at, r.room, r.tokens)
+                                                                 for r in plan]  # fmt: skip
 
 
 def test_a_write_into_a_free_page_breaks_its_canary_and_only_its_own() -> None:
@@ -88,6 +94,9 @@ def test_unknown_nemesis_kinds_are_refused_with_the_choices() -> None:
     assert parse_kinds("none") == ()
     with pytest.raises(ValueError, match=r"unknown nemesis kind.*choose from partition"):
         parse_kinds("kill,flood")
+    assert parse_abort_sides("prefill") == ("prefill",) and parse_abort_sides("none") == ()
+    with pytest.raises(ValueError, match="choose from decode, prefill"):
+        parse_abort_sides("client")
 
 
 def test_summarize_reads_result_files_and_fails_when_any_run_found_a_violation(

@@ -29,7 +29,8 @@ def reproduce_command(run: RunRecord) -> str:
     options = run.options
     mutant = f"{MUTANT_VARIABLE}={run.mutant} " if run.mutant else ""
     return (f"{mutant}pdflow chaos --seed {options.seed} --duration {options.duration_s:g} "
-            f"--nemesis {','.join(options.nemesis) or 'none'} --rate {options.rate_per_s:g}"
+            f"--nemesis {','.join(options.nemesis) or 'none'} --rate {options.rate_per_s:g} "
+            f"--aborts {','.join(options.aborts) or 'none'}"
             + ("" if options.namespaces else " --loopback"))
 
 

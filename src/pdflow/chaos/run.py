@@ -23,7 +23,7 @@ from pdflow.chaos.agent_io import MUTANT_VARIABLE
 from pdflow.chaos.nemesis import KINDS, Applied, Nemesis, plan_faults
 from pdflow.chaos.netns import FAULT_MEANS, NETWORK_FAULTS, Network, kill_pid, open_network
 from pdflow.chaos.procs import Agent, trace_files
-from pdflow.chaos.workload import Attempt, PlannedRequest, Router, plan_workload
+from pdflow.chaos.workload import ABORT_SIDES, Attempt, PlannedRequest, Router, plan_workload
 
 log = structlog.get_logger("pdflow.chaos")
 
@@ -51,6 +51,7 @@ class ChaosOptions(msgspec.Struct, frozen=True):
     out_dir: str = "out/chaos"
     rate_per_s: float = 3.0
     namespaces: bool = True
+    aborts: tuple[str, ...] = ABORT_SIDES
     num_pages: int = 1024
 
 
@@ -205,7 +206,7 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
     schedule = plan_faults(options.seed, options.duration_s, kinds, PREFILLS, DECODES,
                            DEAD_AFTER_S)  # fmt: skip
     plan = plan_workload(options.seed, options.duration_s, len(PREFILLS), len(DECODES),
-                         options.rate_per_s)  # fmt: skip
+                         options.rate_per_s, abort_sides=options.aborts)  # fmt: skip
     (out / "schedule.json").write_bytes(msgspec.json.encode(
         {"seed": options.seed, "faults": schedule, "requests": plan}))  # fmt: skip
     say(f"schedule written first: {len(schedule)} faults, {len(plan)} requests -> "

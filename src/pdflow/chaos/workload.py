@@ -82,27 +82,36 @@ class Attempt(msgspec.Struct, kw_only=True):
         return "failed"
 
 
+ABORT_SIDES = ("decode", "prefill")
+
+
 def plan_workload(seed: int, duration_s: float, prefills: int, decodes: int,
-                  rate_per_s: float = 3.0,
-                  max_requests: int = 2000) -> list[PlannedRequest]:  # fmt: skip
+                  rate_per_s: float = 3.0, max_requests: int = 2000,
+                  abort_sides: tuple[str, ...] = ABORT_SIDES) -> list[PlannedRequest]:  # fmt: skip
     rng = random.Random(f"workload-{seed}")
     plan: list[PlannedRequest] = []
     used_rooms: set[int] = set()
     at = 0.5
     while at < duration_s and len(plan) < max_requests:
         index = len(plan)
-        abort_side = rng.choices([None, "decode", "prefill"], weights=[8, 1, 1])[0]
+        drawn = rng.choices([None, *ABORT_SIDES], weights=[8, 1, 1])[0]
         reuse = rng.random() < 0.25 and index >= 4
         room = rng.randrange(1, 2**48)
         while room in used_rooms:
             room = rng.randrange(1, 2**48)
         used_rooms.add(room)
+        # Draws in a fixed order whichever sides may abort, so leaving a side out changes only
+        # who aborts, never the rest of the plan.
+        tokens = rng.choice([16, 48, 64, 130, 256, 500])
+        prefill, decode = rng.randrange(prefills), rng.randrange(decodes)
+        chunk_pages = rng.choice([1, 2, 4])
+        abort_after = round(rng.uniform(0.0, 0.05), 4) if drawn else None
+        reuse_of = rng.randrange(max(0, index - 30), index - 3) if reuse else None
+        abort_side = drawn if drawn in abort_sides else None
         plan.append(PlannedRequest(
-            index=index, at=round(at, 3), tokens=rng.choice([16, 48, 64, 130, 256, 500]),
-            prefill=rng.randrange(prefills), decode=rng.randrange(decodes),
-            chunk_pages=rng.choice([1, 2, 4]), abort_side=abort_side,
-            abort_after=round(rng.uniform(0.0, 0.05), 4) if abort_side else None,
-            reuse_of=rng.randrange(max(0, index - 30), index - 3) if reuse else None, room=room,
+            index=index, at=round(at, 3), tokens=tokens, prefill=prefill, decode=decode,
+            chunk_pages=chunk_pages, abort_side=abort_side,
+            abort_after=abort_after if abort_side else None, reuse_of=reuse_of, room=room,
         ))  # fmt: skip
         at += rng.expovariate(rate_per_s)
     return plan

@@ -30,6 +30,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        help=f"comma-separated fault kinds (default all: {','.join(KINDS)}); "
                             "'none' for no faults")
     chaos.add_argument("--rate", type=float, default=3.0, help="requests per second (default 3)")
+    chaos.add_argument("--aborts", default="decode,prefill",
+                       help="which sides abort about one request in ten each: decode,prefill "
+                            "(default), one of them, or 'none'")
     chaos.add_argument("--out", default="out/chaos", help="where everything goes")
     chaos.add_argument("--loopback", action="store_true",
                        help="do not create namespaces (network faults are then skipped)")
@@ -51,6 +54,18 @@ def parse_kinds(text: str) -> tuple[str, ...]:
     return kinds
 
 
+def parse_abort_sides(text: str) -> tuple[str, ...]:
+    from pdflow.chaos.workload import ABORT_SIDES
+
+    if text.strip() == "none":
+        return ()
+    sides = tuple(s.strip() for s in text.split(",") if s.strip())
+    unknown = [s for s in sides if s not in ABORT_SIDES]
+    if unknown or not sides:
+        raise ValueError(f"--aborts {text!r}: choose from {', '.join(ABORT_SIDES)} or 'none'")
+    return sides
+
+
 def run(args: argparse.Namespace) -> int:
     from pdflow.chaos.run import ChaosOptions
     from pdflow.chaos.session import run_and_report, summarize
@@ -59,6 +74,7 @@ def run(args: argparse.Namespace) -> int:
         return summarize(args.summarize)
     try:
         kinds = parse_kinds(args.nemesis)
+        aborts = parse_abort_sides(args.aborts)
     except ValueError as exc:
         print(f"pdflow chaos: {exc}", file=sys.stderr)
         return 2
@@ -68,5 +84,5 @@ def run(args: argparse.Namespace) -> int:
         return 2
     options = ChaosOptions(seed=args.seed, duration_s=args.duration, nemesis=kinds,
                            out_dir=args.out, rate_per_s=args.rate,
-                           namespaces=not args.loopback)  # fmt: skip
+                           namespaces=not args.loopback, aborts=aborts)  # fmt: skip
     return run_and_report(options)
