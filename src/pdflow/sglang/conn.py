@@ -192,7 +192,12 @@ class PdflowKVManager(BaseKVManager):
             return True
         if bootstrap_addr not in self._topology_pending:
             self._topology_pending.add(bootstrap_addr)
-            self.loop.portal.start_task_soon(self._fetch_topology, bootstrap_addr)
+
+            async def fetch_topology() -> None:
+                await self._fetch_topology(bootstrap_addr)
+
+            self.loop.spawn(fetch_topology, lambda exc: log.warning(
+                "prefill_topology_fetch_failed", bootstrap=bootstrap_addr, error=str(exc)))
         return False
 
     async def _fetch_topology(self, bootstrap_addr: str) -> None:

@@ -7,8 +7,11 @@ loop in a daemon thread (anyio's blocking portal) and offers two ways in:
 * :meth:`LoopThread.submit` queues a coroutine call and returns immediately. Calls run one at a
   time in submission order, so a room's ``open``, ``init_transfer`` and chunks reach the core in
   the order the scheduler made them; a call that raises is reported to its ``on_error``.
+* :meth:`LoopThread.spawn` starts a coroutine call as its own task, beside the command queue
+  (for waits that must not hold up the queue, like a topology fetch); returns immediately.
 * :meth:`LoopThread.call` blocks until a coroutine finishes: only for start-up and shutdown,
-  never from the scheduler's per-request path.
+  never from the scheduler's per-request path. (The portal's own ``start_task_soon`` also waits
+  for the loop to take the task, so the scheduler's path never uses it.)
 """
 
 from __future__ import annotations
@@ -47,6 +50,7 @@ class LoopThread:
         self._commands: MemoryObjectSendStream[Command] = send
         self._portal.start_task_soon(self._run_commands, receive)
         self._closed = threading.Event()
+        self._spawned: set[asyncio.Task[None]] = set()
 
     @property
     def portal(self) -> BlockingPortal:
@@ -63,6 +67,28 @@ class LoopThread:
             return
         self._loop.call_soon_threadsafe(self._commands.send_nowait, (fn, on_error))
 
+    def spawn(self, fn: Callable[[], Awaitable[None]], on_error: ErrorHandler) -> None:
+        """Run ``fn()`` as its own task on the loop; returns at once."""
+        if self._closed.is_set():
+            on_error(RuntimeError(f"{self.name}: the pdflow loop is shut down"))
+            return
+        self._loop.call_soon_threadsafe(self._start_task, fn, on_error)
+
+    def _start_task(self, fn: Callable[[], Awaitable[None]], on_error: ErrorHandler) -> None:
+        async def guarded() -> None:
+            try:
+                await fn()
+            except Exception as exc:
+                on_error(exc)
+
+        task = self._loop.create_task(guarded())
+        self._spawned.add(task)
+        task.add_done_callback(self._spawned.discard)
+
+    async def _cancel_spawned(self) -> None:
+        for task in list(self._spawned):
+            task.cancel()
+
     async def _run_commands(self, receive: MemoryObjectReceiveStream[Command]) -> None:
         async with receive:
             async for fn, on_error in receive:
@@ -76,6 +102,7 @@ class LoopThread:
             return
         self._closed.set()
         try:
+            self._portal.call(self._cancel_spawned)
             self._portal.call(self._commands.aclose)
         finally:
             self._portal_cm.__exit__(None, None, None)
