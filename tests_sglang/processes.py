@@ -28,7 +28,7 @@ class DriverProcess:
     """One ``driver.py`` process; its ``DRIVER`` events are collected as they come."""
 
     def __init__(self, role: str, *args: str, env: dict[str, str] | None = None,
-                 log_dir: Path) -> None:  # fmt: skip
+                 log_dir: Path, python: str = sys.executable) -> None:  # fmt: skip
         self.role = role
         self.events: list[dict[str, Any]] = []
         self._inbox: queue.Queue[dict[str, Any]] = queue.Queue()
@@ -37,7 +37,7 @@ class DriverProcess:
         self._log = self.log_path.open("w")
         read_fd, write_fd = os.pipe()
         self.proc = subprocess.Popen(
-            [sys.executable, str(DRIVER), role, *args, "--events-fd", str(write_fd)],
+            [python, str(DRIVER), role, *args, "--events-fd", str(write_fd)],
             stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True,
             env={**os.environ, **(env or {})}, pass_fds=(write_fd,),
         )  # fmt: skip
@@ -48,6 +48,7 @@ class DriverProcess:
     def _read(self) -> None:
         for line in self._event_pipe:
             event = json.loads(line)
+            event["received_at"] = time.monotonic()  # for latencies measured by the caller
             self.events.append(event)
             self._inbox.put(event)
 

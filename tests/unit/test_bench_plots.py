@@ -18,6 +18,19 @@ def _control_rows() -> dict[str, object]:
     }
 
 
+def _sglang_rows() -> dict[str, object]:
+    def system(rate: float, p99: float) -> dict[str, float]:
+        return {"rooms_per_s": rate, "p99_ms": p99, "p50_ms": p99 / 2}
+
+    rows = [{"shape": "256x4K", "concurrency": c, "pdflow": system(100.0 + c, 300.0),
+             "sglang": system(150.0 + c, 200.0), "rooms_per_s_ratio": 0.7, "p99_ratio": 0.66}
+            for c in (16, 64, 256)]  # fmt: skip
+    rows += [{"shape": shape, "concurrency": n, "pdflow": system(20.0, 900.0),
+              "sglang": system(18.0, 950.0), "rooms_per_s_ratio": 1.1, "p99_ratio": 1.05}
+             for shape, n in (("64x1M", 64), ("4x64M", 4))]  # fmt: skip
+    return {"results": rows}
+
+
 def _scale_rows() -> dict[str, object]:
     rows = [{"concurrency": c, "rooms_per_second": 400.0 - c / 100, "p99_ms": 900.0}
             for c in (1000, 4000, 16000)]  # fmt: skip
@@ -73,6 +86,7 @@ def test_every_suite_figure_is_written_and_decodes(tmp_path: Path) -> None:
     report = BenchReport(quick=True, started="now", machine={})
     report.suites = [
         SuiteResult("control", "ok", data=_control_rows()),
+        SuiteResult("sglang", "ok", data=_sglang_rows()),
         SuiteResult("scale", "ok", data=_scale_rows()),
         SuiteResult("data", "ok", data=_data_rows()),
         SuiteResult("hetero", "ok", data=hetero),

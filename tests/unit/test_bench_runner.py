@@ -61,3 +61,16 @@ def test_a_failing_suite_is_recorded_with_its_error(monkeypatch: pytest.MonkeyPa
         "RuntimeError: engine on fire",
         [],
     )
+
+
+def test_without_sglang_the_side_by_side_suite_says_so_and_the_rest_runs(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Any
+) -> None:
+    missing = tmp_path / "no-venv" / "bin" / "python"
+    monkeypatch.setenv("PDFLOW_SGLANG_PYTHON", str(missing))
+    report = run_bench(["sglang", "core"], quick=True, progress=lambda line: None)
+    sglang, core = report.suites
+    assert sglang.status == "not available", sglang
+    assert "SGLang is not installed" in sglang.detail
+    assert "scripts/setup_sglang.sh" in sglang.detail
+    assert core.status == "ok" and core.checks

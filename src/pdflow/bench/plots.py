@@ -26,6 +26,7 @@ from pdflow.bench.runner import (
 
 FILE_NAMES = {
     "control": "control_plane.png",
+    "sglang": "sglang_side_by_side.png",
     "scale": "room_scale.png",
     "data": "data_plane.png",
     "hetero": "hetero_tp.png",
@@ -128,6 +129,39 @@ def _control(plt: Any, data: dict[str, Any]) -> Any:
     figure.suptitle(
         "Control plane vs SGLang 0.5.23 (its anchor at 256 rooms, measured on this machine class)"
     )
+    return figure
+
+
+def _sglang(plt: Any, data: dict[str, Any]) -> Any:
+    """Both systems on one chart: rooms/s and p99 against concurrent 4 KiB rooms, and the
+    rooms/s ratio per shape."""
+    rows = data["results"]
+    small = sorted((r for r in rows if r["shape"] == "256x4K"), key=lambda r: r["concurrency"])
+    figure, (rate, latency, ratio) = plt.subplots(1, 3, figsize=(16, 4.8))
+    for axis, key, title in ((rate, "rooms_per_s", "rooms/s (higher is better)"),
+                             (latency, "p99_ms", "create→Success p99, ms (lower is better)")):
+        xs = [r["concurrency"] for r in small]
+        for index, (system, label) in enumerate((("pdflow", "pdflow"),
+                                                 ("sglang", "SGLang 0.5.23"))):
+            ys = [r[system][key] for r in small]
+            axis.plot(xs, ys, "o-", color=_COLORS[index], label=label)
+            _note_points(axis, xs, ys, [f"{y:.0f}" for y in ys])
+        _log2_axis(axis, xs or [1], "concurrent rooms (4 KiB each)")
+        axis.set_title(title)
+        axis.set_ylim(0, max([1.0] + [r[s][key] for r in small for s in ("pdflow", "sglang")])
+                      * 1.3)  # fmt: skip
+        axis.grid(True, alpha=0.3)
+        axis.legend(loc="upper left")
+    headline = [r for r in rows if r["shape"] != "256x4K" or r is (small[-1] if small else None)]
+    labels = [f"{r['concurrency']} x {r['shape'].split('x')[1]}" for r in headline]
+    values = [r["rooms_per_s_ratio"] for r in headline]
+    _bars(ratio, labels, values, [f"{v:.2f}x" for v in values], reference=CONTROL_RATIO_TARGET)
+    _target_line(ratio, CONTROL_RATIO_TARGET, f"target {CONTROL_RATIO_TARGET:g}x (4 KiB)")
+    _target_line(ratio, 1.0, "target 1x (1 MiB, 64 MiB)")
+    ratio.set_title("rooms/s, pdflow ÷ SGLang")
+    ratio.legend(loc="upper right")
+    figure.suptitle("pdflow vs SGLang 0.5.23's own Mooncake managers, same run, two processes "
+                    "each (median of the batches)")
     return figure
 
 
@@ -263,6 +297,7 @@ def _core(plt: Any, data: dict[str, Any]) -> Any:
 
 _FIGURES: dict[str, Callable[[Any, dict[str, Any]], Any]] = {
     "control": _control,
+    "sglang": _sglang,
     "scale": _scale,
     "data": _data,
     "hetero": _hetero,

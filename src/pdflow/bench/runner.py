@@ -36,7 +36,7 @@ from typing import Any
 Progress = Callable[[str], None]
 
 MIB = 1 << 20
-SUITES = ("control", "scale", "data", "hetero", "core")
+SUITES = ("control", "sglang", "scale", "data", "hetero", "core")
 
 # Anchors and targets, from the performance-targets reference.
 SGLANG_ROOMS_PER_S = 393.0  # 256 concurrent 4 KiB rooms, median of 3
@@ -46,6 +46,10 @@ CONTROL_LOADS = (16, 64, 256, 512)
 CONTROL_QUICK_LOADS = (16, 64)
 CONTROL_KEYS = ("rooms_per_s", "handshake_p50_ms", "handshake_p99_ms")
 CONTROL_RATIO_TARGET = 2.0
+SGLANG_SHAPES = ("256x4K", "64x1M", "4x64M")
+SGLANG_QUICK_SHAPES = ("256x4K",)
+SGLANG_LOADS_4K = (16, 64, 256)
+SGLANG_BIG_SHAPES_TARGET = 1.0  # 64 x 1 MiB and 4 x 64 MiB: at least SGLang's rooms/s
 SCALE_LOADS = (1000, 4000, 16000)
 SCALE_QUICK_LOADS = (100, 400)
 SCALE_REPEATS = 3
@@ -210,6 +214,34 @@ def control_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list
     return {"results": rows}, checks
 
 
+def sglang_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Check]]:
+    """SGLang's own Mooncake managers and pdflow's nodes, two processes each, same run."""
+    module = load_benchmark("sglang_side_by_side")
+    try:
+        result = _call_run(
+            module, progress, shapes=SGLANG_QUICK_SHAPES if quick else SGLANG_SHAPES,
+            repeats=1 if quick else 3, loads_4k=(64,) if quick else SGLANG_LOADS_4K,
+        )  # fmt: skip
+    except module.SglangUnavailable as exc:
+        raise SuiteUnavailable(str(exc)) from None
+    rows = _rows(result, "sglang_side_by_side.run", ("shape", "concurrency", "pdflow", "sglang"))
+    baseline = f"SGLang 0.5.23's own Mooncake managers, same run, median of {result['repeats']}"
+    checks = []
+    for row in rows:
+        load = f"{row['concurrency']} x {row['shape'].split('x')[1]}"
+        control_bound = row["shape"] == "256x4K"
+        if control_bound and row["concurrency"] != CONTROL_CONCURRENCY and not quick:
+            continue  # the chart shows the other loads; the target is at 256 rooms
+        target = CONTROL_RATIO_TARGET if control_bound else SGLANG_BIG_SHAPES_TARGET
+        checks.append(Check("sglang", f"rooms/s pdflow / SGLang, {load}",
+                            row["rooms_per_s_ratio"], "x", target, baseline=baseline))  # fmt: skip
+        if control_bound:
+            checks.append(Check("sglang", f"p99 create->Success SGLang / pdflow, {load}",
+                                row["p99_ratio"], "x", CONTROL_RATIO_TARGET,
+                                baseline=baseline))  # fmt: skip
+    return result, checks
+
+
 def scale_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Check]]:
     """The control-plane batch at thousands of concurrent rooms: per-room cost must not grow."""
     module = load_benchmark("control_plane")
@@ -360,6 +392,7 @@ def core_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Ch
 
 SUITE_RUNNERS: dict[str, Callable[[bool, Progress], tuple[dict[str, Any], list[Check]]]] = {
     "control": control_suite,
+    "sglang": sglang_suite,
     "scale": scale_suite,
     "data": data_suite,
     "hetero": hetero_suite,
