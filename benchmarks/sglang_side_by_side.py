@@ -127,7 +127,9 @@ class _Pair:
         """``rooms`` rooms opened at once by the decode; rooms/s and create->Success latency."""
         base, self.next_base = self.next_base, self.next_base + rooms
         started = time.monotonic()
-        self.decode.command(cmd="batch", count=rooms, base=base, bootstrap_port=self.port)
+        # Room ids run on from batch to batch, as the prefill numbers its KV patterns.
+        self.decode.command(cmd="batch", count=rooms, base=base, bootstrap_port=self.port,
+                            first_index=base - 1000)  # fmt: skip
         done = self.decode.wait_for("batch_done", timeout=BATCH_S, base=base)
         finished = [e for e in self.decode.seen("receiver_success")
                     if base <= e["room"] < base + rooms]  # fmt: skip

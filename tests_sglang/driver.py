@@ -417,11 +417,12 @@ class DecodeDriver:
                                      for r in self.batch_rooms))  # fmt: skip
 
     # -- commands ---------------------------------------------------------------------------------
-    def batch(self, count: int, base: int, bootstrap_port: int) -> None:
+    def batch(self, count: int, base: int, bootstrap_port: int, first_index: int = 0) -> None:
+        """``first_index``: the prefill's index of the batch's first room (its KV pattern)."""
         self.batch_started = time.monotonic()
         self.batch_left = count
         self.batch_rooms = [base + i for i in range(count)]
-        for index, room in enumerate(self.batch_rooms):
+        for index, room in enumerate(self.batch_rooms, start=first_index):
             addr = f"127.0.0.1:{bootstrap_port}"
             receiver = self.receiver_class(mgr=self.manager, bootstrap_addr=addr,
                                            bootstrap_room=room)  # fmt: skip
@@ -492,7 +493,8 @@ def run_decode(args: argparse.Namespace) -> None:
             if name == "quit":
                 break
             if name == "batch":
-                driver.batch(command["count"], command["base"], command["bootstrap_port"])
+                driver.batch(command["count"], command["base"], command["bootstrap_port"],
+                             command.get("first_index", 0))
             elif name == "abort":
                 driver.abort(command["room"])
             elif name == "report":
