@@ -6,6 +6,7 @@ through the story of one reported bug and checks that pdflow's protocol rules it
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
@@ -352,3 +353,24 @@ def test_a_cancel_before_open_outlives_every_timer_and_duplicate() -> None:
     prefill.handle(OpenRoom(2, 1), 1_002.0)
     summary = prefill.summary(2)
     assert summary is not None and summary.poll is KVPoll.Failed and summary.peers == 0
+
+
+def test_a_room_of_a_dp_prefill_that_does_not_follow_the_room_needs_its_dp_rank() -> None:
+    """room % dp would guess a DP group; without the registered dp rank the room fails, with
+    one it resolves to that group."""
+    other = PeerId("10.0.0.2:7000", "inc-c", 0)
+    two_groups = msgspec.structs.replace(
+        info(PREFILL_A), dp_size=2, follow_bootstrap_room=False,
+        ranks=(RegisteredPrefillRank(dp=0, cp=0, tp=0, pp=0, peer=PREFILL_A),
+               RegisteredPrefillRank(dp=1, cp=0, tp=0, pp=0, peer=other)),
+    )  # fmt: skip
+    d = decode()
+    d.handle(OpenReceiver(4, 1, BOOT), 0.0)
+    d.handle(OpenReceiver(6, 1, BOOT, prefill_dp_rank=1), 0.0)
+    d.handle(TopologyKnown(two_groups), 0.0)
+    guessed = d.summary(4)
+    assert guessed is not None and guessed.poll is KVPoll.Failed
+    assert "follow_bootstrap_room is off" in guessed.reason
+    routed = d.summary(6)
+    assert routed is not None and routed.poll is KVPoll.WaitingForInput
+    assert d.rooms[6].targets[0].peer == other

@@ -150,6 +150,10 @@ class BootstrapClient:
             return self._topology[1]
         return await self.get_topology(deadline_s=deadline_s)
 
+    def known_topology(self) -> PrefillServerInfo | None:
+        """The topology last read, without asking the server."""
+        return None if self._topology is None else self._topology[1]
+
     def forget_topology(self) -> None:
         """Drop the cached topology (e.g. the heartbeat declared the prefill dead)."""
         self._topology = None

@@ -92,6 +92,10 @@ from pdflow.transport.base import Transport, TransportError
 
 log = structlog.get_logger("pdflow.decode")
 
+DP_RANK_POLL_S = 0.01
+"""How often the decode asks the registry for a room's DP rank the prefill has not registered
+yet (it does so as it opens the room, usually within milliseconds)."""
+
 
 def request_id(room: int, generation: int) -> str:
     """The admission queue's name for one room instance's request."""
@@ -117,7 +121,11 @@ class DecodeRank:
 
     async def open(self, room: int, generation: int, bootstrap: str,
                    prefill_dp_rank: int | None = None) -> None:  # fmt: skip
-        """Start receiving ``room`` from the prefill instance registered at ``bootstrap``."""
+        """Start receiving ``room`` from the prefill instance registered at ``bootstrap``. Its
+        DP group is ``prefill_dp_rank`` if given, else ``room % dp`` when the prefill follows the
+        bootstrap room, else the one the prefill registered for the room (/query_dp_ranks)."""
+        if prefill_dp_rank is None:
+            prefill_dp_rank = await self._node.registered_dp_rank(bootstrap, room)
         self._node.runtime.events.forget_room(self.rank, room)
         # The clock first: with the topology known the room is WaitingForInput within the call,
         # and that moment starts its allocation wait.
@@ -422,6 +430,33 @@ class DecodeNode(NodeLifecycle):
             client = BootstrapClient(bootstrap, rng=self._rng, token=self.settings.bootstrap_token)
             self._clients[bootstrap] = client
         return client
+
+    async def registered_dp_rank(self, bootstrap: str, room: int) -> int | None:
+        """The DP group the prefill registered for ``room``, waiting for the registration up to
+        the bootstrap timeout; None when the prefill's DP groups follow the bootstrap room, or
+        when its topology is not known yet (the endpoint then refuses to guess for a prefill
+        that turns out not to follow the room)."""
+        client = self._client(bootstrap)
+        server = client.known_topology()
+        if server is None:
+            try:  # one attempt: opening a room never waits for the registry to be ready
+                server = await client.get_topology(deadline_s=0.0)
+            except BootstrapError:
+                return None
+        if server.dp_size == 1 or server.follow_bootstrap_room:
+            return None
+        deadline = anyio.current_time() + self.settings.bootstrap_timeout
+        while True:
+            found = (await client.query_dp_ranks([room])).get(room)
+            if found is not None:
+                return found
+            if anyio.current_time() >= deadline:
+                raise BootstrapError(
+                    f"the prefill registry at {bootstrap} names no DP rank for room {room} after "
+                    f"{self.settings.bootstrap_timeout:g}s; the prefill registers it when it "
+                    "opens the room (POST /register_dp_rank)"
+                )
+            await anyio.sleep(DP_RANK_POLL_S)
 
     async def resolve(self, host: EndpointHost, bootstrap: str) -> None:
         try:

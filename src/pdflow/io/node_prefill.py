@@ -86,6 +86,45 @@ from pdflow.transport.base import Transport, TransportError
 log = structlog.get_logger("pdflow.prefill")
 
 
+FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
+
+
+class PrefillPlacement(msgspec.Struct, frozen=True):
+    """Where a node's TP ranks sit in their prefill instance: its DP group and CP rank (SGLang
+    runs one scheduler per pair, so one node each). With DP > 1 a room is served by DP group
+    ``room % dp_size`` (``follow_bootstrap_room``, SGLang's default), or, under another load
+    balancing method, by the group whose node registered it (``/register_dp_rank``)."""
+
+    dp_size: int = 1
+    dp_rank: int = 0
+    cp_size: int = 1
+    cp_rank: int = 0
+    load_balance_method: str | None = None
+
+    def __post_init__(self) -> None:
+        for name, size, rank in (("dp", self.dp_size, self.dp_rank),
+                                 ("cp", self.cp_size, self.cp_rank)):  # fmt: skip
+            if size < 1 or not 0 <= rank < size:
+                raise InvalidInput(f"{name}_rank {rank} is outside [0, {name}_size={size})")
+
+    @property
+    def follows_bootstrap_room(self) -> bool:
+        return self.load_balance_method in (None, FOLLOW_BOOTSTRAP_ROOM)
+
+    def refusal(self, room: int) -> str:
+        """Why this DP group may not serve ``room`` under follow_bootstrap_room ('' if it may)."""
+        if self.dp_size == 1 or not self.follows_bootstrap_room or room % self.dp_size == (
+            self.dp_rank
+        ):
+            return ""
+        return (
+            f"room {room} belongs to prefill DP rank {room % self.dp_size} (room % dp_size="
+            f"{self.dp_size}, follow_bootstrap_room), not to this node's DP rank "
+            f"{self.dp_rank}; route it there, or run with another load_balance_method so "
+            "the node registers the room's DP rank"
+        )
+
+
 class PrefillRank:
     """The engine's handle on one prefill rank. Calls the core refuses raise
     ``LocalProtocolError`` / ``InvalidInput`` and change nothing."""
@@ -103,8 +142,17 @@ class PrefillRank:
         return self._host.me
 
     async def open_room(self, room: int, generation: int) -> None:
-        self._node.runtime.events.forget_room(self.rank, room)
+        node = self._node
+        refusal = node.placement.refusal(room)
+        if refusal:
+            raise InvalidInput(refusal)
+        node.runtime.events.forget_room(self.rank, room)
         await self._host.call(OpenRoom(room, generation))
+        if node.placement.dp_size > 1 and not node.placement.follows_bootstrap_room and (
+            self.rank == node.rank_kv[0].tp_rank
+        ):
+            # The decode asks the registry which DP group serves the room (/query_dp_ranks).
+            await node.register_dp_rank(room)
         self._node.limits[self.rank].early.opened(room)
         self._host.clocks[room] = RoomClock(anyio.current_time())
 
@@ -226,6 +274,7 @@ class PrefillNode(NodeLifecycle):
         transfer_lanes: int = 4,
         started_at: float | None = None,
         is_mla: bool = False,
+        placement: PrefillPlacement | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a prefill node needs at least one rank")
@@ -236,6 +285,7 @@ class PrefillNode(NodeLifecycle):
         self.bootstrap = bootstrap
         self.serve_bootstrap = serve_bootstrap
         self.is_mla = is_mla
+        self.placement = placement or PrefillPlacement()
         """MLA KV (one latent head): registered, so a decode of the other kind is refused."""
         self.incarnation = incarnation or draw_incarnation()
         # Wall clock, not monotonic: it orders this life against a predecessor that may have
@@ -296,8 +346,10 @@ class PrefillNode(NodeLifecycle):
                  ranks=[h.me.address for h in self._hosts])  # fmt: skip
 
     def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
-        unique = prefill_unique_rank(Parallelism(tp=rank_kv.tp_size), tp_rank=rank_kv.tp_rank,
-                                     pp_rank=0, cp_rank=0)  # fmt: skip
+        parallel = Parallelism(tp=rank_kv.tp_size, cp=self.placement.cp_size,
+                               dp=self.placement.dp_size)  # fmt: skip
+        unique = prefill_unique_rank(parallel, tp_rank=rank_kv.tp_rank, pp_rank=0,
+                                     cp_rank=self.placement.cp_rank)  # fmt: skip
         me = PeerId(channel.address, self.incarnation, unique)
         config = PrefillEndpointConfig(me=me, policy=self.settings.allocation_policy,
                                        timeouts=timeouts_from(self.settings),
@@ -311,15 +363,24 @@ class PrefillNode(NodeLifecycle):
         self._hosts.append(host)
         self.ranks.append(PrefillRank(self, host))
 
+    async def register_dp_rank(self, room: int) -> None:
+        async with self._registry_client() as client:
+            await client.register_dp_rank(room, self.placement.dp_rank)
+
+    def _registry_client(self) -> BootstrapClient:
+        return BootstrapClient(self.bootstrap, rng=self._rng, token=self.settings.bootstrap_token)
+
     async def _register_ranks(self) -> None:
-        async with BootstrapClient(self.bootstrap, rng=self._rng,
-                                   token=self.settings.bootstrap_token) as client:  # fmt: skip
+        place = self.placement
+        async with self._registry_client() as client:
             for rank_kv, host in zip(self.rank_kv, self._hosts, strict=True):
                 ip, _, port = host.me.address.rpartition(":")
                 await client.register_rank(RegisterRank(
                     attn_tp_size=rank_kv.tp_size, attn_tp_rank=rank_kv.tp_rank,
-                    attn_cp_size=1, attn_cp_rank=0, attn_dp_size=1, attn_dp_rank=0,
+                    attn_cp_size=place.cp_size, attn_cp_rank=place.cp_rank,
+                    attn_dp_size=place.dp_size, attn_dp_rank=place.dp_rank,
                     pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
+                    load_balance_method=place.load_balance_method,
                     rank_ip=ip, rank_port=int(port), page_size=rank_kv.layout.page_size,
                     kv_cache_dtype=rank_kv.layout.dtype.value,
                     decode_allocation_policy=self.settings.allocation_policy,

@@ -336,6 +336,15 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def _targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
         cfg = self.config
+        if info.dp_size > 1 and not info.follow_bootstrap_room and (
+            self.room_dp_rank.get(room_id) is None
+        ):
+            # room % dp would pick a DP group that may not hold the room: never guess.
+            raise InvalidInput(
+                f"room {room_id}: the prefill at {info.bootstrap} does not route rooms to DP "
+                f"groups by room % {info.dp_size} (follow_bootstrap_room is off); open the room "
+                "with the prefill_dp_rank it registered (POST /query_dp_ranks)"
+            )
         topology = PdTopology(
             prefill=Parallelism(tp=info.tp_size, cp=info.cp_size, pp=info.pp_size, dp=info.dp_size),
             decode=Parallelism(tp=cfg.tp_size, pp=cfg.pp_size, dp=cfg.dp_size),
