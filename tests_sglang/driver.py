@@ -18,8 +18,10 @@ the queues' order:
   ``DecodeTransferQueue._defer_release`` / ``resolve_deferred_releases`` / ``_do_release``
   decide when the pages come back).
 
-Not emulated: SGLang's aux-row metadata gate (Success is held while the aux row has not
-landed). pdflow does not move aux rows yet, so the driver polls the transfer queue without it.
+The transfer queue polls through SGLang's own metadata gate (``poll_and_all_reduce`` with
+the decode requests and ``MetadataBuffers``: Success is held while the room's aux row has not
+landed), and each landed aux row is checked: the prefill writes it as ``MetadataBuffers.set_buf``
+does (first output token, the room id) before the last chunk.
 
 Run as ``python tests_sglang/driver.py prefill|decode ...``; it writes one JSON line per event
 (to ``--events-fd``, else stdout). The decode reads JSON commands on stdin (``batch``,
@@ -36,6 +38,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -60,6 +63,11 @@ _events = sys.stdout
 def emit(kind: str, **fields: Any) -> None:
     _events.write(json.dumps({"event": kind, **fields}) + "\n")
     _events.flush()
+
+
+def first_token(room: int) -> int:
+    """The first output token the prefill puts in a room's aux row."""
+    return 1000 + room % 1000
 
 
 def expected(room_index: int, pos: int, layer: int, kv: int) -> float:
@@ -186,11 +194,17 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
     return manager, aux
 
 
-def reduce_polls(pollers: list[Any]) -> list[int]:
+def reduce_polls(pollers: list[Any], decode_reqs: list[Any] | None = None,
+                 metadata_buffers: Any = None) -> list[int]:
+    """SGLang's poll reduction; with ``decode_reqs``, its aux-row metadata gate too."""
     import torch.distributed as dist
     from sglang.srt.disaggregation.utils import poll_and_all_reduce
 
-    return [int(p) for p in poll_and_all_reduce(pollers, dist.group.WORLD)] if pollers else []
+    if not pollers:
+        return []
+    polls = poll_and_all_reduce(pollers, dist.group.WORLD, decode_reqs=decode_reqs,
+                                metadata_buffers=metadata_buffers)  # fmt: skip
+    return [int(p) for p in polls]
 
 
 def failure_of(endpoint: Any) -> str:
@@ -214,7 +228,7 @@ def run_prefill(args: argparse.Namespace) -> None:
         server_class = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)
         server = server_class(host="127.0.0.1", port=args.bootstrap_port)
     kv = CpuKv(args)
-    manager, _aux = build_manager("prefill", args, kv, server_args)
+    manager, aux = build_manager("prefill", args, kv, server_args)
     sender_class = get_kv_class(backend, KVClassType.SENDER)
     emit("prefill_ready", pid=os.getpid())
     stall = set(args.stall_room or [])
@@ -249,6 +263,9 @@ def run_prefill(args: argparse.Namespace) -> None:
                 # finalize_bootstrap: a metadata buffer, then init(num_pages, aux_index).
                 entry["aux"] = free_aux.pop()
                 sender.init(args.pages_per_room, entry["aux"])
+                # The forward pass's first token, as MetadataBuffers.set_buf writes it.
+                aux.output_ids[entry["aux"]][0] = first_token(room)
+                aux.bootstrap_room[entry["aux"]][0] = room
                 # The forward pass wrote the room's KV into its source pages.
                 span = args.pool_pages - args.pages_per_room
                 start = 1 + (entry["index"] * args.pages_per_room) % span
@@ -365,19 +382,25 @@ class DecodeDriver:
             else:
                 waiting.append(entry)
         self.handshake = waiting
-        # DecodeTransferQueue.pop_transferred (without the aux metadata gate, see module doc)
+        # DecodeTransferQueue.pop_transferred, through SGLang's aux-row metadata gate
         self.sglang_queue.resolve_deferred_releases()
-        polls = reduce_polls([e["receiver"] for e in self.transfer])
+        polls = reduce_polls([e["receiver"] for e in self.transfer],
+                             [_GateView(e) for e in self.transfer], self.aux)  # fmt: skip
         left: list[dict[str, Any]] = []
         for entry, poll in zip(self.transfer, polls, strict=True):
             receiver = entry["receiver"]
             if poll == KVPoll.Success:
                 wrong = self.kv.wrong_pages(entry["index"], entry["pages"])
+                row = entry["aux"]
+                aux_ok = (int(self.aux.bootstrap_room[row][0]) == entry["room"]
+                          and int(self.aux.output_ids[row][0]) == first_token(entry["room"]))
                 receiver.clear()
                 self.kv.scrub(entry["pages"])
                 self.free_pages.extend(entry["pages"])
-                self.aux_alloc.free(entry["aux"])
-                self.finish(entry, "success", "", wrong_pages=wrong)
+                self.aux.clear_slot(row)  # as pop_transferred does before freeing the slot
+                self.aux.output_ids[row].zero_()
+                self.aux_alloc.free(row)
+                self.finish(entry, "success", "", wrong_pages=wrong, aux_ok=aux_ok)
                 progressed = True
             elif poll == KVPoll.Failed:
                 reason = failure_of(receiver)
@@ -413,6 +436,8 @@ class DecodeDriver:
                      seconds=round(elapsed, 4),
                      rooms_per_s=round(len(self.batch_rooms) / elapsed, 1),
                      success=outcomes.count("success"),
+                     wrong_aux=sum(not self.outcomes[r].get("aux_ok", True)
+                                   for r in self.batch_rooms),
                      wrong_pages=sum(self.outcomes[r].get("wrong_pages", 0)
                                      for r in self.batch_rooms))  # fmt: skip
 
@@ -448,6 +473,14 @@ class DecodeDriver:
 
 def _state(entry: dict[str, Any]) -> int:
     return int(entry["receiver"].poll())
+
+
+class _GateView:
+    """What SGLang's metadata gate reads of a DecodeRequest."""
+
+    def __init__(self, entry: dict[str, Any]) -> None:
+        self.metadata_buffer_index = entry["aux"]
+        self.req = SimpleNamespace(bootstrap_room=entry["room"], bootstrap_host="127.0.0.1")
 
 
 class _HeldRequest:

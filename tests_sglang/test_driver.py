@@ -1,5 +1,6 @@
 """(b) Many rooms in two processes over Mooncake TCP, driven as SGLang's schedulers drive a
-backend (``driver.py``), every byte checked; and the same driver on SGLang's own mooncake
+backend (``driver.py``), every KV byte and every aux row checked, Success passing SGLang's own
+aux-row metadata gate; and the same driver on SGLang's own mooncake
 backend, which shows the driver is a faithful SGLang scheduler and gives the side-by-side
 rooms/s (written to out/sglang/rooms_per_s.json)."""
 
@@ -59,6 +60,7 @@ def test_pdflow_backend_moves_every_room_byte_exact(side_by_side: dict[str, dict
     result = side_by_side["pdflow"]
     assert result["rooms"] == ROOMS and result["success"] == ROOMS, result
     assert result["wrong_pages"] == 0
+    assert result["wrong_aux"] == 0  # every aux row landed (SGLang's gate let Success through)
     assert result["sender_done"] == ROOMS
     # 2 layers x K/V x 4 pages x (4 tokens x 2 heads x 16 floats x 4 B)
     assert result["bytes_per_room"] == [2 * 2 * 4 * 4 * 2 * 16 * 4]
@@ -68,4 +70,4 @@ def test_the_driver_is_an_sglang_scheduler_its_own_backend_passes(
     side_by_side: dict[str, dict],
 ) -> None:
     result = side_by_side["mooncake"]
-    assert result["success"] == ROOMS and result["wrong_pages"] == 0, result
+    assert result["success"] == ROOMS and result["wrong_pages"] == result["wrong_aux"] == 0

@@ -122,6 +122,6 @@ def test_a_restarted_prefill_is_served_without_restarting_the_decode(
     decode = cluster.decode
     decode.command(cmd="batch", count=8, base=6000, bootstrap_port=cluster.port)
     done = decode.wait_for("batch_done", timeout=120, base=6000)
-    assert done["success"] == 8 and done["wrong_pages"] == 0, done
+    assert done["success"] == 8 and done["wrong_pages"] == done["wrong_aux"] == 0, done
     second.wait_for("prefill_finished", timeout=60)
     assert decode.proc.poll() is None

@@ -38,7 +38,7 @@ def test_prefill_tp2_to_decode_tp1_moves_every_head_slice() -> None:
                              timeout=240)  # fmt: skip
         decode.command(cmd="batch", count=ROOMS, base=7000, bootstrap_port=port)
         done = decode.wait_for("batch_done", timeout=180, base=7000)
-        assert done["success"] == ROOMS and done["wrong_pages"] == 0, done
+        assert done["success"] == ROOMS and done["wrong_pages"] == done["wrong_aux"] == 0, done
         for process in ranks:
             process.wait_for("prefill_finished", timeout=60)
             sent = process.seen("sender_done")

@@ -220,8 +220,9 @@ class PdflowKVManager(BaseKVManager):
         self.book.forget(bootstrap_room)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
-        # SGLang's checksum travels in the aux row, which pdflow does not move yet; pdflow's
-        # own end-to-end checksum (PDFLOW_CHECKSUM=1) verifies the KV bytes instead.
+        # SGLang's digest rides in the aux row, which pdflow moves, but comparing it through
+        # this adapter is not verified yet (a TP mismatch would need this to say False per
+        # peer); pdflow's own end-to-end checksum (PDFLOW_CHECKSUM=1) covers host memory.
         return False
 
     def register_buffer_to_engine(self) -> None:
