@@ -115,3 +115,36 @@ def test_a_fenced_room_keeps_its_staging_region_until_every_writer_acks() -> Non
     endpoint.handle(Received(AbortAck(1, 1, RANK1, DECODE)), 2.1)
     assert endpoint.staging.snapshot().live == ()
     assert endpoint.ledger.snapshot().free == 64
+
+
+
+def test_an_abort_while_verifying_keeps_the_pages_until_the_local_scatter_reports() -> None:
+    # Chaos finding 5: the node's checksum task scatters staged slices into the pages; an
+    # abort and a clear in those milliseconds must not free them under it.
+    endpoint = decode_endpoint(capacity_pages=8)
+    opened(endpoint, 1)
+    endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
+    success(endpoint, 1, 2.0)
+    endpoint.handle(RoomCall(1, AbortRequested("client went away")), 2.01)
+    summary = endpoint.summary(1)
+    assert summary is not None and summary.poll is KVPoll.Failed
+    cleared = endpoint.handle(ClearRoom(1), 2.02)
+    assert not any(isinstance(o, PagesFreed) for o in cleared.outputs), "the scatter still runs"
+    assert endpoint.ledger.snapshot().reserved == 3
+    assert endpoint.staging is not None and len(endpoint.staging.snapshot().live) == 1
+    endpoint.handle(OpenReceiver(1, 2, INFO.bootstrap), 2.03)  # the room id's next use
+    done = endpoint.handle(ChecksumChecked(1, 1, True), 2.04)
+    assert [o.pages for o in done.outputs if isinstance(o, PagesFreed)] == [(10, 11, 12)]
+    assert endpoint.staging.snapshot().live == ()
+    assert endpoint.ledger.snapshot().free == 64
+    assert endpoint.summary(1).generation == 2  # type: ignore[union-attr]
+
+
+def test_a_verified_room_is_released_at_once_when_cleared() -> None:
+    endpoint = decode_endpoint(capacity_pages=8)
+    opened(endpoint, 1)
+    endpoint.handle(PublishPages(1, (10, 11), None), 1.0)
+    success(endpoint, 1, 2.0)
+    endpoint.handle(ChecksumChecked(1, 1, True), 2.01)
+    cleared = endpoint.handle(ClearRoom(1), 2.02)
+    assert [o.pages for o in cleared.outputs if isinstance(o, PagesFreed)] == [(10, 11)]

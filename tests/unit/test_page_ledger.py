@@ -22,6 +22,8 @@ from pdflow.core.resources.page_ledger import (
     RoomPages,
     RoomPagesState,
     SessionClosed,
+    VerifyDone,
+    VerifyStarted,
     WriterDead,
     WriterHealth,
 )
@@ -39,12 +41,18 @@ def _machine_in(state: RoomPagesState) -> tuple[RoomPages, PagePool]:
         machine.fire(Reserve(1, 1, (0, 1)), 0.0)
     if state is RoomPagesState.FENCED:
         machine.fire(Fence(1, 1, (A, B)), 0.0)
+    if state in (RoomPagesState.VERIFYING, RoomPagesState.RELEASING):
+        machine.fire(VerifyStarted(1, 1), 0.0)
+    if state is RoomPagesState.RELEASING:
+        machine.fire(ReleaseAfterSuccess(1, 1), 0.0)
     assert machine.state is state
     return machine, pool
 
 
 SAMPLES: dict[str, Input] = {
     "Reserve": Reserve(1, 1, (2, 3)),
+    "VerifyStarted": VerifyStarted(1, 1),
+    "VerifyDone": VerifyDone(1, 1),
     "ReleaseAfterSuccess": ReleaseAfterSuccess(1, 1),
     "ReleaseUnpublished": ReleaseUnpublished(1, 1),
     "Fence": Fence(1, 1, (A,)),
@@ -274,3 +282,24 @@ def test_report_lists_the_oldest_fence_first() -> None:
 def test_negative_pool_is_refused() -> None:
     with pytest.raises(InvalidInput):
         PageLedger(-1)
+
+
+def test_a_release_during_local_verification_waits_for_it() -> None:
+    # Chaos finding 5: the decode's staged scatter writes the pages while it verifies them.
+    ledger = PageLedger(POOL)
+    ledger.handle(Reserve(7, 1, (0, 1, 2)), 0.0)
+    ledger.handle(VerifyStarted(7, 1), 1.0)
+    released = ledger.handle(ReleaseAfterSuccess(7, 1), 1.1)
+    assert not _freed(released)
+    assert ledger.state_of(7, 1) is RoomPagesState.RELEASING and ledger.allocatable == POOL - 3
+    assert [f.pages for f in _freed(ledger.handle(VerifyDone(7, 1), 1.2))] == [(0, 1, 2)]
+    assert ledger.allocatable == POOL
+
+
+def test_a_finished_verification_leaves_a_plain_reservation() -> None:
+    ledger = PageLedger(POOL)
+    ledger.handle(Reserve(7, 1, (0, 1)), 0.0)
+    ledger.handle(VerifyStarted(7, 1), 1.0)
+    ledger.handle(VerifyDone(7, 1), 1.1)
+    assert ledger.state_of(7, 1) is RoomPagesState.RESERVED
+    assert [f.pages for f in _freed(ledger.handle(ReleaseAfterSuccess(7, 1), 1.2))] == [(0, 1)]

@@ -176,8 +176,9 @@ def test_an_output_added_without_a_dispatch_case_fails_mypy(tmp_path: Path) -> N
     assert status == 1 and 'incompatible type "Unhandled"; expected "Never"' in report, report
 
 
-def test_a_checksum_answer_for_a_cleared_room_is_dropped_not_refused() -> None:
-    """Both shells answer every VerifyChecksums; the room may fail and be cleared meanwhile."""
+def test_a_checksum_answer_for_a_cleared_room_ends_the_hold_on_its_pages() -> None:
+    """Both shells answer every VerifyChecksums; the room may fail and be cleared meanwhile,
+    and its pages wait for that answer (the staged scatter writes them until then)."""
     config = DecodeEndpointConfig(me=DECODE, num_pages=8, timeouts=TIMEOUTS, verify_checksums=True)
     d = DecodeEndpoint(config)
     d.handle(OpenReceiver(1, 1, BOOT), 0.0)
@@ -186,12 +187,14 @@ def test_a_checksum_answer_for_a_cleared_room_is_dropped_not_refused() -> None:
     report = StatusReport(1, 1, KVPoll.Success, PREFILL_A, DECODE, checksum=5)
     assert any(isinstance(o, VerifyChecksums) for o in d.handle(Received(report), 1.0).outputs)
     d.handle(RoomCall(1, AbortRequested("engine gave up")), 2.0)
-    d.handle(ClearRoom(1), 2.0)
+    cleared = d.handle(ClearRoom(1), 2.0)
+    assert not any(isinstance(o, PagesFreed) for o in cleared.outputs)
     before = d.snapshot()
     step = d.handle(ChecksumChecked(1, 1, True), 3.0)
-    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["unknown_room"]
-    assert len(step.outputs) == 1
-    assert d.snapshot().rooms == before.rooms and d.snapshot().ledger == before.ledger
+    assert [o.pages for o in step.outputs if isinstance(o, PagesFreed)] == [(0, 1)]
+    assert d.snapshot().rooms == before.rooms and d.ledger.allocatable == 8
+    late = d.handle(ChecksumChecked(1, 1, True), 3.1)  # a second answer finds nothing held
+    assert [o.kind for o in late.outputs if isinstance(o, Dropped)] == ["unknown_room"]
 
 
 def test_the_world_fences_a_writer_when_that_work_runs_not_when_asked() -> None:

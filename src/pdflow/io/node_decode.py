@@ -538,10 +538,25 @@ class DecodeNode(NodeLifecycle):
         await host.feed(SessionClosed(peer))
 
     async def verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
+        """Scatter (staged decode) and check the room's pages, then report, on every path: the
+        core holds the pages until this answer, since the scatter writes them.
+
+        The worker thread is joined even when the task is cancelled (anyio waits for it), so
+        the answer always comes after the last byte the scatter wrote."""
         # Asked here, not in the worker thread: the endpoint is only touched from the loop.
         writers = host.endpoint.writers_of(request.room)
-        reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request, writers)
-        await host.feed(ChecksumChecked(request.room, request.generation, not reason, reason))
+        reason = "the local verification was cancelled"
+        try:
+            reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request, writers)
+        except Exception as exc:
+            reason = f"the local verification failed: {type(exc).__name__}: {exc}"
+            log.error("verify_failed", endpoint=host.endpoint_id, room=request.room,
+                      generation=request.generation, error=reason)  # fmt: skip
+        finally:
+            with anyio.CancelScope(shield=True):
+                await host.feed(
+                    ChecksumChecked(request.room, request.generation, not reason, reason)
+                )
 
     def _scatter(self, rank: int, kv: RankKv, pages: tuple[int, ...], offset: int,
                  writers: tuple[PeerId, ...]) -> None:  # fmt: skip

@@ -15,9 +15,12 @@ from typing import Any
 
 import msgspec
 
+from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
+    ChecksumChecked,
     ClearRoom,
+    DecodeEndpointConfig,
     OpenRoom,
     PrefillEndpointConfig,
     Received,
@@ -54,9 +57,12 @@ from pdflow.core.resources.page_ledger import (
     Fence,
     LedgerInput,
     PageLedger,
+    ReleaseAfterSuccess,
     ReleaseUnpublished,
     Reserve,
     SessionClosed,
+    VerifyDone,
+    VerifyStarted,
     WriterDead,
 )
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
@@ -255,6 +261,8 @@ def ledger_cell_coverage() -> Counter[Transition]:
         Reserve(1, 1, (0,)), ReleaseUnpublished(1, 1), Reserve(2, 1, (1,)),
         Fence(2, 1, (writer,)), SessionClosed(writer), WriterDead(writer),
         Reserve(3, 1, (2,)), AckArrived(3, 1, writer),
+        VerifyStarted(3, 1), AckArrived(3, 1, writer), ReleaseAfterSuccess(3, 1),
+        AckArrived(3, 1, writer), VerifyDone(3, 1),
     ]  # fmt: skip
     for inp in steps:
         _record(reached, ledger.handle(inp, 1.0).fired)
@@ -308,6 +316,9 @@ def slot_cell_coverage() -> Counter[Transition]:
     # Metadata for a generation older than the one already parked.
     feed(meta(4, 3))
     feed(meta(4, 2))
+    # A checksum answer for a decode room that is not open (a shell bug, or a stray answer).
+    decode = DecodeEndpoint(DecodeEndpointConfig(me=DECODE, num_pages=4))
+    _record(reached, decode.handle(ChecksumChecked(5, 1, True), 1.0).fired)
     return reached
 
 

@@ -44,6 +44,12 @@ _CELL_ONLY: dict[str, str] = {
     "PageLedger: RESERVED --ReleaseUnpublished--> FREE":
         "only the decode's staging path releases reserved pages it never published, and the "
         "simulated data plane has no staging ring",
+    "DecodeRoomSlot: ABSENT --ChecksumChecked--> ABSENT":
+        "an answer for a cleared room goes to the page ledger, which holds the pages until it "
+        "comes, and a dead process's answers are dropped by its shell",
+    **{f"PageLedger: {state} --AckArrived--> {state}":
+        "no ABORT goes out for a room once every writer reported Success, so no ACK names it"
+        for state in ("VERIFYING", "RELEASING")},
     "PageLedger: FENCED --WriterDead[all_writers_cleared]--> FREE":
         "the endpoint declares a writer dead before its session can be reported closed",
 }  # fmt: skip

@@ -23,6 +23,7 @@ from pdflow.core.protocol.outputs import (
 from pdflow.core.resources.page_ledger import PagesFreed, PagesQuarantined
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
 from pdflow.sim.network import Envelope
+from pdflow.sim.transport import LocalCheck
 
 if TYPE_CHECKING:
     from pdflow.sim.world import World
@@ -78,7 +79,11 @@ class DecodeSimEffects(SimEffects):
             self.world.queue_local(self.process, "fence", request.peer)
 
     def verify_checksums(self, request: VerifyChecksums) -> None:
-        self.world.queue_local(self.process, "checksum", request)
+        # The shell starts on the pages the room holds now; on a staged decode its scatter
+        # writes them when the local event runs, whatever the core did meanwhile.
+        job = self.process.jobs.get(request.room)
+        pages = () if job is None else job.pages[: job.request.num_pages]
+        self.world.queue_local(self.process, "checksum", LocalCheck(request, pages))
 
     def store_aux(self, aux: StoreAux) -> None:
         job = self.process.jobs.get(aux.room)

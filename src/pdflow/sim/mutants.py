@@ -28,7 +28,12 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import Fired, Row, Table
 from pdflow.core.protocol.inputs import Input, SuccessArrived
 from pdflow.core.protocol.outputs import Output, StatusChanged
-from pdflow.core.resources.page_ledger import PAGE_LEDGER_TABLE, WriterHealth
+from pdflow.core.resources.page_ledger import (
+    PAGE_LEDGER_TABLE,
+    RoomPages,
+    RoomPagesState,
+    WriterHealth,
+)
 from pdflow.core.rooms.prefill_complete import BootstrapRoom, PrefillCompleteTable
 from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverRoom, ReceiverState
 from pdflow.core.rooms.sender_room import SENDER_TABLE, SenderRoom
@@ -186,6 +191,25 @@ def _rows_swapped(table: Table[Any], field: str, name: str, make: Callable[[Any]
     return (table, "_cells", swap)
 
 
+def _row_retargeted(table: Table[Any], source: str, on: str, target: Any,
+                    emits: tuple[str, ...], action: Callable[..., Any]) -> Patch:  # fmt: skip
+    """A patch of a table: its ``source --on-->`` rows go to ``target`` instead, emitting
+    ``emits`` through ``action``."""
+
+    def swap(cells: dict[tuple[str, str], tuple[Row[Any], ...]]) -> Any:
+        return {
+            key: tuple(
+                dataclasses.replace(r, target=target, emits=frozenset(emits), action_fn=action)
+                if (r.source.name, r.on) == (source, on)
+                else r
+                for r in rows
+            )
+            for key, rows in cells.items()
+        }
+
+    return (table, "_cells", swap)
+
+
 def _no_ack(original: Any) -> Any:
     def cancel(self: PrefillRoomSlot, inp: Any, now: float) -> list[Output]:
         original(self, inp, now)
@@ -307,6 +331,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("release_before_fence", "pdflow#12 (a false heartbeat verdict frees pages)",
            "a writer declared dead counts as unable to write before it is fenced",
            ((WriterHealth, "cannot_write", _dead_means_cannot_write),)),
+    Mutant("release_under_verification", "pdflow chaos finding 5 (scatter after release)",
+           "a room cleared while the node verifies it frees its pages at once, under the staged "
+           "scatter that still writes them",
+           (_row_retargeted(PAGE_LEDGER_TABLE, "VERIFYING", "ReleaseAfterSuccess",
+                            RoomPagesState.FREE, ("pages_freed",), RoomPages._act_free),)),
     Mutant("failed_generation_blocks_next", "issue 11 bug A (room-keyed tombstone)",
            "the prefill_complete table is keyed by room id: a failed generation refuses the next",
            ((PrefillCompleteTable, "_machine", _room_keyed_ready_table),)),

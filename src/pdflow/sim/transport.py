@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.outputs import VerifyChecksums
 
 SEGMENT_BYTES = 16
 
@@ -67,6 +68,18 @@ class Write:
         return fold_checksums([segment_checksum(d) for d in self.data])
 
 
+LOCAL_WRITE = -1
+"""The write id of the decode shell's own work on a room's pages (the staged scatter)."""
+
+
+@dataclass(frozen=True)
+class LocalCheck:
+    """A verification the decode shell started: the pages it scatters into and checks."""
+
+    request: VerifyChecksums
+    pages: tuple[int, ...]
+
+
 @dataclass(frozen=True)
 class UseAfterFree:
     write: int
@@ -78,8 +91,9 @@ class UseAfterFree:
 
     def describe(self) -> str:
         owner = "nobody (free)" if self.owner is None else f"room {self.owner[0]}/{self.owner[1]}"
+        writer = "the local scatter" if self.write == LOCAL_WRITE else f"write {self.write}"
         return (
-            f"write {self.write} of room {self.room}/{self.generation} landed in page "
+            f"{writer} of room {self.room}/{self.generation} landed in page "
             f"{self.page} of decode rank {self.decode_rank}, owned by {owner}"
         )
 
@@ -166,6 +180,17 @@ class FakeTransport:
             self.landed_bytes += len(payload)
         write.landed = pages is None
         return True
+
+    def local_write(self, decode_rank: int, room: int, generation: int,
+                    pages: tuple[int, ...]) -> None:  # fmt: skip
+        """The decode's own verification touches the room's pages (a staged decode scatters
+        into them first): each must still belong to the room."""
+        for page in pages:
+            owner = self.owner_of(decode_rank, page)
+            if owner != (room, generation):
+                self.violations.append(
+                    UseAfterFree(LOCAL_WRITE, decode_rank, page, room, generation, owner)
+                )
 
     def finish(self, write: Write) -> None:
         del self.writes[write.wid]

@@ -60,7 +60,6 @@ from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import (
     StartTransfer,
     StatusChanged,
-    VerifyChecksums,
 )
 from pdflow.core.protocol.policy import Timeouts
 from pdflow.core.resources.admission import (
@@ -86,7 +85,7 @@ from pdflow.sim.faults import FaultPlan
 from pdflow.sim.invariants import Monitor
 from pdflow.sim.network import Envelope, Network
 from pdflow.sim.tracing import TraceWriter
-from pdflow.sim.transport import FakeTransport, Write, aux_content, source_content
+from pdflow.sim.transport import FakeTransport, LocalCheck, Write, aux_content, source_content
 from pdflow.trace.observe import room_summaries, touched_rooms
 
 BOOTSTRAP = "10.0.9.1:8998"
@@ -393,20 +392,21 @@ class World:
             self.transport.fence(process.rank, event.payload)
             self.feed(process, SessionClosed(event.payload))
         elif event.kind == "checksum":
-            # Like the node, the world answers even if the engine cleared the room meanwhile:
-            # the endpoint drops a late answer.
-            self.feed(process, self._check_checksums(process, event.payload))
+            # Like the node, the world finishes the work and answers whatever the core did
+            # meanwhile: the scatter writes the pages it started on; a late answer is dropped.
+            check: LocalCheck = event.payload
+            verify = check.request
+            self.transport.local_write(process.rank, verify.room, verify.generation, check.pages)
+            self.feed(process, self._check_checksums(process, check))
 
-    def _check_checksums(self, process: DecodeProcess, verify: VerifyChecksums) -> ChecksumChecked:
-        job = process.jobs.get(verify.room)
-        if job is None:
+    def _check_checksums(self, process: DecodeProcess, check: LocalCheck) -> ChecksumChecked:
+        verify = check.request
+        if not check.pages:
             return ChecksumChecked(verify.room, verify.generation, False, "room is gone")
         bad = []
         for peer, expected in verify.expected:
             segment = self.writers_of(process.rank, verify.room).index(peer.rank)
-            actual = self.transport.checksum_of(
-                process.rank, job.pages[: job.request.num_pages], segment
-            )
+            actual = self.transport.checksum_of(process.rank, check.pages, segment)
             if actual != expected:
                 bad.append(f"{peer.address}: expected {expected:#x}, got {actual:#x}")
         return ChecksumChecked(verify.room, verify.generation, not bad, "; ".join(bad))

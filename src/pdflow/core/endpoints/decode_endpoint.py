@@ -67,7 +67,7 @@ from pdflow.core.protocol.messages import (
     StatusReport,
     peer_order,
 )
-from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage
+from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage, VerifyChecksums
 from pdflow.core.resources.kv_layouts import (
     AcceptArrived,
     Contact,
@@ -87,6 +87,8 @@ from pdflow.core.resources.page_ledger import (
     Reserve,
     RoomPagesState,
     SessionClosed,
+    VerifyDone,
+    VerifyStarted,
     WriterDead,
 )
 from pdflow.core.resources.staging_ring import (
@@ -100,6 +102,9 @@ from pdflow.core.resources.staging_ring import (
     WatermarkAdvanced,
 )
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
+
+_UNFENCED = (RoomPagesState.RESERVED, RoomPagesState.VERIFYING)
+_VERIFYING = (RoomPagesState.VERIFYING, RoomPagesState.RELEASING)
 
 
 class ReceiverSummary(msgspec.Struct, frozen=True):
@@ -251,6 +256,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def deliver_checksum(self, room: ReceiverRoom, result: ChecksumChecked, now: float) -> None:
         out, fired = self._step_out, self._step_fired
+        self.verification_ended(room.key, room.generation, now)
         self._room_input(room, ChecksumResult(result.ok, result.reason), now, out, fired)
         # Every writer reported Success before verification: the region is done with.
         if self.staging is not None:
@@ -258,9 +264,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def forget_receiver(self, room: ReceiverRoom, now: float) -> None:
         out, fired = self._step_out, self._step_fired
-        if self.ledger.state_of(room.key, room.generation) is RoomPagesState.RESERVED:
+        if self.ledger.state_of(room.key, room.generation) in _UNFENCED:
             # Reserved but never fenced: every writer reported Success (a success, or a failed
-            # checksum), so no write can still land.
+            # checksum), so no write can still land; a verification still running holds them.
             self._ledger(ReleaseAfterSuccess(room.key, room.generation), now, out, fired)
         self.room_bootstrap.pop(room.key, None)
         self.room_dp_rank.pop(room.key, None)
@@ -268,6 +274,13 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def count(self, counter: str) -> None:
         self.counters[counter] += 1
+
+    def releasing_after_verify(self, room: int, generation: int) -> bool:
+        return self.ledger.state_of(room, generation) is RoomPagesState.RELEASING
+
+    def verification_ended(self, room: int, generation: int, now: float) -> None:
+        if self.ledger.state_of(room, generation) in _VERIFYING:
+            self._ledger(VerifyDone(room, generation), now, self._step_out, self._step_fired)
 
     def _topology_known(
         self, info: PrefillInfo, now: float, out: list[Output], fired: list[Fired]
@@ -588,6 +601,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             if isinstance(output, ArmFence):
                 # The ledger learns of the fence in the same step, before any ABORT is sent.
                 self._ledger(Fence(output.room, output.generation, output.writers), now, out, fired)
+            elif isinstance(output, VerifyChecksums):
+                # The shell's verification writes the pages too (the staged scatter).
+                self._ledger(VerifyStarted(output.room, output.generation), now, out, fired)
         self._arm(room)
         if room.state is ReceiverState.FAILED and room.key in self.waiting_for_staging:
             del self.waiting_for_staging[room.key]

@@ -43,6 +43,10 @@ class DecodeSlotHost(Protocol):
 
     def forget_receiver(self, room: ReceiverRoom, now: float) -> None: ...
 
+    def releasing_after_verify(self, room: int, generation: int) -> bool: ...
+
+    def verification_ended(self, room: int, generation: int, now: float) -> None: ...
+
     def count(self, counter: str) -> None: ...
 
 
@@ -66,6 +70,9 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
     def _guard_room_terminal(self, inp: ClearSlot, now: float) -> bool:
         return self._room().poll.is_terminal
 
+    def _guard_releasing_after_verify(self, inp: ChecksumChecked, now: float) -> bool:
+        return self.host.releasing_after_verify(self.key, self.generation)
+
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: OpenSlot, now: float) -> list[Output]:
         self.host.host_receiver(self.key, self.generation, now)
@@ -77,6 +84,11 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
 
     def _act_deliver_checksum(self, inp: ChecksumChecked, now: float) -> list[Output]:
         self.host.deliver_checksum(self._room(), inp, now)
+        return []
+
+    def _act_end_verification(self, inp: ChecksumChecked, now: float) -> list[Output]:
+        # The room was cleared while its verification ran: its pages waited for this answer.
+        self.host.verification_ended(self.key, self.generation, now)
         return []
 
     def _act_remove(self, inp: ClearSlot, now: float) -> list[Output]:
@@ -115,6 +127,8 @@ DECODE_SLOT_TABLE: Table[DecodeSlotState] = Table(
     rows=[
         row(_D.ABSENT, OpenSlot, _D.OPEN, action=_S._act_open),
         row(_D.ABSENT, StatusArrived, _D.ABSENT, emits=["dropped"], action=_S._act_drop_status),
+        row(_D.ABSENT, ChecksumChecked, _D.ABSENT,
+            guard=_S._guard_releasing_after_verify, action=_S._act_end_verification),
         row(_D.ABSENT, ChecksumChecked, _D.ABSENT,
             emits=["dropped"], action=_S._act_drop_checksum),
         row(_D.OPEN, StatusArrived, _D.OPEN, action=_S._act_deliver_status),

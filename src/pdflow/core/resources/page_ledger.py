@@ -8,6 +8,11 @@ heartbeat verdict alone (WriterDead) nor a timeout ever frees a quarantined page
 :meth:`PageLedger.report` shows how long each has been held instead, and
 :attr:`PageLedger.allocatable` leaves quarantined pages out so admission sees the smaller pool.
 
+The decode's own verification is a writer too (on a staged decode it scatters the staged slices
+into the pages): while it runs the room's pages are VERIFYING, and a release then (the engine
+cleared a room aborted mid-verification) waits in RELEASING until the shell reports that work
+done (VerifyDone), so no page is handed out under the scatter.
+
 Each room instance is a table machine (``[machines.PageLedger]`` in spec/machines/page_ledger.toml);
 the ledger routes inputs to them. Instances are keyed by ``(room, generation)``, so an ACK of an
 earlier use of a room id can only ever reach that earlier instance, never the new one's pages.
@@ -32,6 +37,8 @@ from pdflow.core.protocol.outputs import Output
 class RoomPagesState(enum.Enum):
     FREE = "FREE"
     RESERVED = "RESERVED"
+    VERIFYING = "VERIFYING"
+    RELEASING = "RELEASING"
     FENCED = "FENCED"
 
 
@@ -46,6 +53,21 @@ class Reserve(Input, frozen=True, tag="Reserve"):
 
 class ReleaseAfterSuccess(Input, frozen=True, tag="ReleaseAfterSuccess"):
     """The engine is done with a room whose transfer succeeded: every writer has finished."""
+
+    room: int
+    generation: int
+
+
+class VerifyStarted(Input, frozen=True, tag="VerifyStarted"):
+    """The room asked its shell to verify what landed: that local work touches the pages."""
+
+    room: int
+    generation: int
+
+
+class VerifyDone(Input, frozen=True, tag="VerifyDone"):
+    """The shell's verification of the room finished (or was cancelled and joined): nothing
+    local writes the pages any more."""
 
     room: int
     generation: int
@@ -95,6 +117,8 @@ class SessionClosed(Input, frozen=True, tag="SessionClosed"):
 
 LedgerInput = (
     Reserve
+    | VerifyStarted
+    | VerifyDone
     | ReleaseAfterSuccess
     | ReleaseUnpublished
     | Fence
@@ -232,7 +256,10 @@ class RoomPages(TableMachine[RoomPagesState]):
     def _validate(self, inp: Input, now: float) -> None:
         if isinstance(inp, (WriterDead, SessionClosed)):
             return
-        keyed = cast(Reserve | ReleaseAfterSuccess | ReleaseUnpublished | Fence | AckArrived, inp)
+        keyed = cast(
+            Reserve | VerifyStarted | VerifyDone | ReleaseAfterSuccess | ReleaseUnpublished
+            | Fence | AckArrived, inp,
+        )  # fmt: skip
         if (keyed.room, keyed.generation) != (self.key, self.generation):
             raise InvalidInput(
                 f"input for room {keyed.room}/{keyed.generation} routed to "
@@ -291,6 +318,8 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
     initial=RoomPagesState.FREE,
     inputs=(
         Reserve,
+        VerifyStarted,
+        VerifyDone,
         ReleaseAfterSuccess,
         ReleaseUnpublished,
         Fence,
@@ -310,6 +339,14 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
             guard=_M._guard_no_writer_can_land, emits=[_FREED], action=_M._act_free),
         row(_P.RESERVED, Fence, _P.FENCED, emits=[_QUARANTINED], action=_M._act_quarantine),
         row(_P.RESERVED, AckArrived, _P.RESERVED),  # the fence precedes every ABORT: stale news
+        row(_P.RESERVED, VerifyStarted, _P.VERIFYING),
+        # -- VERIFYING: every writer finished; the shell's verification (scatter) works on them --
+        row(_P.VERIFYING, VerifyDone, _P.RESERVED),
+        row(_P.VERIFYING, ReleaseAfterSuccess, _P.RELEASING),
+        row(_P.VERIFYING, AckArrived, _P.VERIFYING),  # no ABORT goes out once verifying
+        # -- RELEASING: the engine is done with the room; freed once the local work is -------
+        row(_P.RELEASING, VerifyDone, _P.FREE, emits=[_FREED], action=_M._act_free),
+        row(_P.RELEASING, AckArrived, _P.RELEASING),
         # -- FENCED: pages quarantined until every writer is cleared -----------------------------
         row(_P.FENCED, AckArrived, _P.FREE,
             guard=_M._guard_clears_last_writer, emits=[_FREED], action=_M._act_ack_and_free),
