@@ -40,8 +40,9 @@ ControlMessage = AnyMessage
 """Everything the control channel carries: the core's messages (the KV layout handshake
 included), and nothing else."""
 
-MAX_SCHEMA_DEPTH = 3
-"""Deepest nesting of any ControlMessage (KvArgs -> layout -> k_addrs); tests check it."""
+MAX_SCHEMA_DEPTH = 4
+"""Deepest nesting of any ControlMessage (KvArgs -> state -> a component -> its addrs); tests
+check it."""
 
 DROP_REASONS = ("malformed", "oversized", "bad_version", "undecodable")
 

@@ -29,6 +29,7 @@ from pdflow.core.dataplane.layout import (
     HeadRange,
     KvDtype,
     KvLayout,
+    StateBuffers,
     packed_layout,
     rank_head_range,
 )
@@ -51,6 +52,19 @@ class RankKv(msgspec.Struct, frozen=True):
     tp_rank: int
     total_kv_heads: int
     aux: AuxBuffer | None = None
+    state: tuple[StateBuffers, ...] = ()
+    """The model-state components (Mamba slots, sliding-window pages, blobs) the engine hands
+    pdflow, in the order ``state_indices`` name them."""
+
+    def buffers(self) -> tuple[tuple[int, int], ...]:
+        """``(address, bytes)`` of every buffer a transport must register for this rank."""
+        kv = tuple((addr, self.layout.buffer_bytes) for addr in self.layout.buffer_addrs)
+        state = tuple(
+            (addr, component.num_items * length)
+            for component in self.state
+            for addr, length in zip(component.addrs, component.item_lens, strict=True)
+        )
+        return kv + state
 
     @property
     def heads(self) -> HeadRange:
@@ -80,6 +94,67 @@ class TransferPlanner:
             return plan_pages(self.local.layout, peer.layout, start.src_pages, start.dst_pages)
         return plan_head_slices(self.local.layout, peer.layout, src_heads, dst_heads,
                                 start.src_pages, start.dst_pages)  # fmt: skip
+
+
+# ---- model state ---------------------------------------------------------------------------------
+StateIndices = tuple[tuple[int, ...], ...]
+
+
+def check_state_indices(state: Sequence[StateBuffers], indices: StateIndices, what: str) -> None:
+    """One index list per state component, every index inside its component."""
+    if len(indices) != len(state):
+        raise InvalidInput(
+            f"{what} names state indices for {len(indices)} components but this rank has "
+            f"{len(state)} ({[c.kind.value for c in state]}); give one index list per component"
+        )
+    for component, chosen in zip(state, indices, strict=True):
+        component.check_indices(chosen, what)
+
+
+def plan_state(local: Sequence[StateBuffers], peer: Sequence[StateBuffers],
+               src: StateIndices, dst: StateIndices) -> tuple[WriteOp, ...]:  # fmt: skip
+    """One write per (component, buffer, item): item ``src[c][i]`` of each buffer of component
+    ``c`` into item ``dst[c][i]`` of the peer's same buffer."""
+    if not src and not dst:
+        return ()
+    same = len(local) == len(peer) and all(
+        a.same_format(b) for a, b in zip(local, peer, strict=True)
+    )
+    if not same:
+        raise InvalidInput(
+            "the two ranks' model-state components differ in kind or item sizes; both engines "
+            "must describe the same model's state in the same order"
+        )
+    check_state_indices(local, src, "the prefill")
+    check_state_indices(peer, dst, "the decode")
+    return tuple(
+        WriteOp(mine.item_addr(b, s), theirs.item_addr(b, d), mine.item_lens[b])
+        for mine, theirs, src_items, dst_items in zip(local, peer, src, dst, strict=True)
+        for b in range(len(mine.addrs))
+        for s, d in zip(src_items, dst_items, strict=True)
+    )
+
+
+_STATE_KEY_BASE = 1 << 48
+"""State terms of the digest are keyed above every KV key (buffer * pool + page + 1)."""
+
+
+def state_digest(executor: ChecksumExecutor, state: Sequence[StateBuffers], indices: StateIndices,
+                 dst_indices: StateIndices) -> int:  # fmt: skip
+    """The digest part of the model state: one term per (component, buffer, item), the item's
+    bytes as read through ``state`` at ``indices``, keyed by where it lands (``dst_indices``);
+    the decode calls it with ``indices == dst_indices`` over its own state; 0 without state."""
+    if not indices:
+        return 0
+    total = 0
+    for c, (component, items, dst_items) in enumerate(zip(state, indices, dst_indices,
+                                                          strict=True)):  # fmt: skip
+        for b, length in enumerate(component.item_lens):
+            for item, dst in zip(items, dst_items, strict=True):
+                part = executor.checksum([(component.item_addr(b, item), length)])
+                key = _STATE_KEY_BASE + ((c << 8) + b) * (1 << 32) + dst + 1
+                total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
+    return total
 
 
 # ---- staging -----------------------------------------------------------------------------------

@@ -22,6 +22,7 @@ import structlog
 
 from pdflow.core.cluster.registry import declared_checksum, declared_is_mla
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
 from pdflow.core.endpoints.effects import carry_out_decode
@@ -64,12 +65,15 @@ from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.heartbeat import run_heartbeat
 from pdflow.io.kv_buffers import (
     RankKv,
+    StateIndices,
     aux_buffer_of,
+    check_state_indices,
     default_executor,
     exchanged_span,
     kv_digest,
     staged_slices,
     staging_page_bytes,
+    state_digest,
     write_aux_row,
     writer_region,
 )
@@ -141,14 +145,20 @@ class DecodeRank:
             raise
 
     async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,
-                            decode_prefix_len: int = 0) -> None:  # fmt: skip
+                            decode_prefix_len: int = 0,
+                            state_indices: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
         """Give the room its destination pages (free ones: see PagesReleased). ``aux_index``:
         the request's row in this rank's aux buffer, filled with the prefill's aux row before
         the room reports Success."""
         if aux_index is not None:
             aux_buffer_of(self.kv, "publish_pages").row(aux_index)
-        await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len))
+        state = tuple(tuple(int(i) for i in c) for c in state_indices)
+        if state:
+            check_state_indices(self.kv.state, state, "publish_pages")
+        await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len,
+                                           state))  # fmt: skip
         self._node.room_pages[(self.rank, room)] = tuple(pages)
+        self._node.room_state[(self.rank, room)] = state
         clock = self._host.clocks.get(room)
         if clock is not None:
             clock.published_at = anyio.current_time()
@@ -229,6 +239,7 @@ class DecodeRankEffects(RankEffects):
         if key not in self.node.room_pages:
             gate.finish(rid)  # admitted, but failed before its pages were published
         self.node.room_pages.pop(key, None)
+        self.node.room_state.pop(key, None)
         self.node.room_staging.pop(key, None)
         await super().forget_room(removed)
 
@@ -305,6 +316,7 @@ class DecodeNode(NodeLifecycle):
         self._clients: dict[str, BootstrapClient] = {}
         self._writer_heads: dict[PeerId, HeadRange] = {}
         self.room_pages: dict[tuple[int, int], tuple[int, ...]] = {}
+        self.room_state: dict[tuple[int, int], StateIndices] = {}
         self.ranks: list[DecodeRank] = []
         self._hosts: list[EndpointHost] = []
         self._channels: dict[int, ControlChannel] = {}
@@ -326,8 +338,8 @@ class DecodeNode(NodeLifecycle):
                 self.transport.register_buffer(ctypes.addressof(ring), self.staging_bytes)
                 self._registered.append(ctypes.addressof(ring))
             self._add_rank(rank_kv, self.runtime.open_channel())
-            for addr in rank_kv.layout.buffer_addrs:
-                self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
+            for addr, size in rank_kv.buffers():
+                self.transport.register_buffer(addr, size)
                 self._registered.append(addr)
         if (self.settings.checksum or self.staging_bytes) and self._executor is None:
             self._executor = default_executor()
@@ -361,6 +373,7 @@ class DecodeNode(NodeLifecycle):
             staging_page_bytes=staging_page_bytes(layout),
             kv_layout=layout, staging_addr=self._staging_addr(rank_kv.tp_rank),
             aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
+            state=rank_kv.state,
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
@@ -588,8 +601,9 @@ class DecodeNode(NodeLifecycle):
             if span is None:
                 problems.append(f"{peer.address}#{peer.rank}: its heads are unknown here")
                 continue
-            actual = kv_digest(self._executor, kv.layout, span, pages, pages,
-                               kv.layout.num_pages)  # fmt: skip
+            state = self.room_state.get((rank, request.room), ())
+            actual = (kv_digest(self._executor, kv.layout, span, pages, pages, kv.layout.num_pages)
+                      + state_digest(self._executor, kv.state, state, state)) % ROOM_FOLD_MODULUS
             if actual != expected:
                 problems.append(f"{peer.address}#{peer.rank}: sent {expected:#x}, "
                                 f"received {actual:#x}")  # fmt: skip

@@ -23,6 +23,7 @@ import structlog
 
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.dataplane.planning import (
     StagedSlices,
     WriteOp,
@@ -58,12 +59,15 @@ from pdflow.io.kv_buffers import (
     RankKv,
     TransferPlanner,
     aux_buffer_of,
+    check_state_indices,
     default_executor,
     exchanged_span,
     kv_digest,
     peer_heads,
+    plan_state,
     read_aux_row,
     staged_slices,
+    state_digest,
     writer_region,
 )
 from pdflow.io.limits import PrefillRankLimits
@@ -170,7 +174,8 @@ class PrefillRank:
         return 0 if summary is None else summary.decode_prefix_len
 
     async def send_sequence(self, room: int, pages: Sequence[int], *, num_tokens: int,
-                            chunk_tokens: int, aux_index: int | None = None) -> int:  # fmt: skip
+                            chunk_tokens: int, aux_index: int | None = None,
+                            state_indices: Sequence[Sequence[int]] = ()) -> int:  # fmt: skip
         """Send a sequence's KV (``pages[i]`` holds its tokens ``[i, i + 1) * page_size``) in
         chunks of at most ``chunk_tokens``, skipping the pages the decode already holds
         (its ``decode_prefix_len``); returns how many pages were sent. Call at WaitingForInput."""
@@ -185,11 +190,19 @@ class PrefillRank:
         to_send = list(pages[send.start : send.stop])
         await self.init_transfer(room, len(to_send), aux_index)
         for chunk in chunks:
-            await self.send_chunk(room, to_send[chunk.start : chunk.stop], chunk.is_last)
+            await self.send_chunk(room, to_send[chunk.start : chunk.stop], chunk.is_last,
+                                  state_indices if chunk.is_last else ())  # fmt: skip
         return len(to_send)
 
-    async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool) -> None:
-        await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last)))
+    async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool,
+                         state_indices: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
+        """``state_indices`` (last chunk): the request's index list per model-state component
+        of this rank (``RankKv.state``), e.g. its Mamba slot and its sliding-window pages."""
+        state = tuple(tuple(int(i) for i in c) for c in state_indices)
+        if state:
+            kv = self._node.rank_kv[self._node.rank_index(self.rank)]
+            check_state_indices(kv.state, state, "send_chunk")
+        await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last, state)))
 
     async def prefill_completed(self, room: int) -> None:
         await self._host.call(RoomCall(room, PrefillCompleted()))
@@ -325,9 +338,9 @@ class PrefillNode(NodeLifecycle):
         for rank_kv in self.rank_kv:
             self._add_rank(rank_kv, self.runtime.open_channel())
         for rank_kv in self.rank_kv:
-            for addr in rank_kv.layout.buffer_addrs:
-                self.transport.register_buffer(addr, rank_kv.layout.buffer_bytes)
-                self._registered.append((addr, rank_kv.layout.buffer_bytes))
+            for addr, size in rank_kv.buffers():
+                self.transport.register_buffer(addr, size)
+                self._registered.append((addr, size))
         if self.staging_slot_bytes:
             size = self.staging_slot_bytes * self._queues.workers
             self._staging = (ctypes.c_uint8 * size)()
@@ -447,6 +460,7 @@ class PrefillNode(NodeLifecycle):
             ops = (
                 self._planners[host.rank].plan(start, args) if staged is None else staged.write_ops
             )
+            ops = (*ops, *self._state_plan(host.rank, start, args))
         except InvalidInput as exc:
             return failed(f"cannot plan writes into {start.peer.address}: {exc}")
         if staged is not None and staged.gather and self._executor is not None:
@@ -506,10 +520,24 @@ class PrefillNode(NodeLifecycle):
         gather = staged_slices(local.layout, start.src_pages, region, slot)
         return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
 
+    def _state_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> tuple[WriteOp, ...]:
+        """The last chunk's model-state writes (whole items: equal TP only, for now)."""
+        if not start.src_state and not start.dst_state:
+            return ()
+        local = self._planners[rank].local
+        if local.heads != peer_heads(args):
+            raise InvalidInput(
+                "model state between ranks of different TP sizes is not supported yet (its "
+                "items would need splitting per head); run both sides with the same TP"
+            )
+        return plan_state(local.state, args.state, start.src_state, start.dst_state)
+
     def _digest(self, rank: int, start: StartTransfer, args: KvArgs) -> int:
         local = self._planners[rank].local
         span = exchanged_span(local.layout, local.heads, peer_heads(args))
         if span is None or self._executor is None:
             return 0
-        return kv_digest(self._executor, local.layout, span, start.src_pages, start.dst_pages,
-                         args.layout.num_pages)  # fmt: skip
+        kv = kv_digest(self._executor, local.layout, span, start.src_pages, start.dst_pages,
+                       args.layout.num_pages)  # fmt: skip
+        state = state_digest(self._executor, local.state, start.src_state, start.dst_state)
+        return (kv + state) % ROOM_FOLD_MODULUS

@@ -331,6 +331,54 @@ class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         )
 
 
+class StateKind(enum.Enum):
+    """What a model-state component is; it decides how an engine derives a request's indices."""
+
+    MAMBA = "mamba"
+    """One recurrent-state slot per request (``MambaSlot``): conv and SSM states, say."""
+    SWA = "swa"
+    """Sliding-window KV pages from the window start on (``SwaWindow.derive``)."""
+    BLOB = "blob"
+    """One opaque per-request item the model needs (``MambaSlot`` indexing, any bytes)."""
+
+
+class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One model-state component's memory, SGLang's ``state_data_ptrs`` of one state type:
+    buffer ``b`` holds ``num_items`` items of ``item_lens[b]`` bytes from ``addrs[b]``, all
+    indexed alike (a Mamba slot is an item in the conv buffer and one in the SSM buffer)."""
+
+    kind: StateKind
+    addrs: tuple[int, ...]
+    item_lens: tuple[int, ...]
+    num_items: int
+
+    def __post_init__(self) -> None:
+        if not self.addrs or len(self.addrs) != len(self.item_lens):
+            raise InvalidInput(
+                f"StateBuffers needs one item length per buffer, got {len(self.addrs)} "
+                f"addresses and {len(self.item_lens)} item lengths"
+            )
+        if any(addr < 0 for addr in self.addrs):
+            raise InvalidInput("StateBuffers addresses must be >= 0")
+        _require_positive(num_items=self.num_items)
+        for length in self.item_lens:
+            _require_positive(item_len=length)
+
+    def check_indices(self, indices: Sequence[int], what: str) -> None:
+        for index in indices:
+            if not 0 <= index < self.num_items:
+                raise InvalidInput(
+                    f"{what} {self.kind.value} state index {index} is outside [0, {self.num_items})"
+                )
+
+    def same_format(self, other: StateBuffers) -> bool:
+        """True when an item of one is byte for byte an item of the other."""
+        return self.kind is other.kind and self.item_lens == other.item_lens
+
+    def item_addr(self, buffer: int, index: int) -> int:
+        return self.addrs[buffer] + index * self.item_lens[buffer]
+
+
 class FullSequencePages(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
     """Per-page state covering the whole sequence (DSA indexer keys, block scales, ...)."""
 

@@ -588,7 +588,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         return KvArgs(
             decode=self.me, prefill=prefill, session_id=cfg.session_id or self.me.address,
             layout=layout, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
-            total_kv_heads=cfg.num_kv_heads, staging_addr=cfg.staging_addr,
+            total_kv_heads=cfg.num_kv_heads, staging_addr=cfg.staging_addr, state=cfg.state,
         )  # fmt: skip
 
     def _room_input(

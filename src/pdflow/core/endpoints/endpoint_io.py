@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.dataplane.layout import KvLayout
+from pdflow.core.dataplane.layout import KvLayout, StateBuffers
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
@@ -210,6 +210,8 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     message to it; None announces nothing (a core driven without a data plane)."""
     staging_addr: int | None = None
     """Base address of the staging ring, announced with the layout."""
+    state: tuple[StateBuffers, ...] = ()
+    """This rank's model-state components, announced with the layout (KvArgs)."""
     aux_row_bytes: int = 0
     """Bytes of one row of the engine's aux buffer; a Success carrying a row of another size
     fails the room (0: not checked)."""

@@ -40,10 +40,15 @@ class InitTransfer(Input, frozen=True, tag="InitTransfer"):
 
 
 class SendChunk(Input, frozen=True, tag="SendChunk"):
-    """The next pages, in order. Chunks partition ``[0, num_pages)``; exactly one is last."""
+    """The next pages, in order. Chunks partition ``[0, num_pages)``; exactly one is last.
+
+    ``state_indices`` (last chunk only): the request's indices into each of this rank's model
+    state components, in their order (a Mamba slot, the sliding-window pages, a blob slot).
+    """
 
     src_pages: tuple[int, ...]
     is_last: bool
+    state_indices: tuple[tuple[int, ...], ...] = ()
 
 
 class TransferCompleted(Input, frozen=True, tag="TransferCompleted"):
@@ -103,6 +108,9 @@ class PublishPages(Input, frozen=True, tag="PublishPages"):
     dst_pages: tuple[int, ...]
     aux_index: int | None
     decode_prefix_len: int = 0
+    state_indices: tuple[tuple[int, ...], ...] = ()
+    """Where the request's model state lands: indices into each of the decode's state
+    components, in their order (the prefill sends the same number for each)."""
 
 
 class ReadyArrived(Input, frozen=True, tag="ReadyArrived"):

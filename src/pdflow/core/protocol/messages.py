@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.dataplane.layout import KvLayout
+from pdflow.core.dataplane.layout import KvLayout, StateBuffers
 from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
@@ -47,6 +47,8 @@ class RoomMetadata(Message, frozen=True, tag="room_metadata"):
     decode_prefix_len: int = 0
     is_dummy: bool = False
     staging_offset: int | None = None
+    state_indices: tuple[tuple[int, ...], ...] = ()
+    """The decode's model-state indices per state component (empty for a dummy)."""
     version: int = PROTOCOL_VERSION
 
 
@@ -107,6 +109,8 @@ class KvArgs(Message, frozen=True, tag="kv_args"):
     total_kv_heads: int
     staging_addr: int | None = None
     """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
+    state: tuple[StateBuffers, ...] = ()
+    """This decode rank's model-state components, in the order state indices name them."""
 
 
 class KvArgsAccepted(Message, frozen=True, tag="kv_args_accepted"):

@@ -38,6 +38,10 @@ class StartTransfer(Output, frozen=True, tag="start_transfer"):
     """Index of the chunk's first page within the room (its place in a staging region)."""
     room_pages: int = 0
     """How many pages the decode published for the room."""
+    src_state: tuple[tuple[int, ...], ...] = ()
+    """Last chunk only: the prefill's model-state indices per component ..."""
+    dst_state: tuple[tuple[int, ...], ...] = ()
+    """... and where each lands on the decode (same counts)."""
     src_aux_index: int | None = None
     """Last chunk only: the engine's aux row the shell reads once the writes are done and hands
     back in ``TransferCompleted.aux``."""

@@ -245,6 +245,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
                         decode_prefix_len=pages.decode_prefix_len,
                         is_dummy=target.is_dummy,
                         staging_offset=None if target.is_dummy else self.staging_offset,
+                        state_indices=() if target.is_dummy else pages.state_indices,
                     ),
                 )
             )

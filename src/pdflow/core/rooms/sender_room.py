@@ -203,6 +203,26 @@ class SenderRoom(TableMachine[SenderState]):
                 f"room {self.key}: is_last={inp.is_last} but the chunk ends at page {end} of "
                 f"{self.num_pages}; exactly the chunk reaching num_pages is last"
             )
+        if inp.state_indices and not inp.is_last:
+            raise InvalidInput(
+                f"room {self.key}: model state travels with the last chunk only; pass "
+                "state_indices with is_last=True"
+            )
+        if inp.is_last:
+            self._validate_state(inp.state_indices)
+
+    def _validate_state(self, sent: tuple[tuple[int, ...], ...]) -> None:
+        """The prefill's state indices must pair one to one with every writing peer's."""
+        for md in self._writable_peers().values():
+            wanted = md.state_indices
+            counts = [len(c) for c in sent]
+            if counts != [len(c) for c in wanted]:
+                raise InvalidInput(
+                    f"room {self.key}: the last chunk sends state indices of sizes {counts} but "
+                    f"decode {md.decode.address} published {[len(c) for c in wanted]} (one "
+                    "entry per state component, as many indices as the decode expects; a "
+                    "decode that publishes state needs the state sent)"
+                )
 
     # ---- guards ------------------------------------------------------------------------------
     def _guard_completes_metadata(self, inp: Input, now: float) -> bool:
@@ -285,6 +305,8 @@ class SenderRoom(TableMachine[SenderState]):
                     staging_offset=md.staging_offset,
                     page_start=start,
                     room_pages=len(md.dst_pages),
+                    src_state=chunk.state_indices,
+                    dst_state=md.state_indices if chunk.is_last else (),
                     src_aux_index=(
                         self.aux_index if chunk.is_last and md.aux_index is not None else None
                     ),

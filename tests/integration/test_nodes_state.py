@@ -1,0 +1,132 @@
+"""Model state through the real nodes: a Mamba slot (conv and SSM buffers), the pages of a
+sliding-window layer's live window and an opaque per-request blob move with the last chunk into
+the indices the decode published, covered by the end-to-end checksum (on: Success means the
+decode recomputed the digest over its own state items)."""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import anyio
+import msgspec
+import pytest
+
+from pdflow.core.dataplane.layout import (
+    KvDtype,
+    MambaSlot,
+    StateBuffers,
+    StateKind,
+    SwaWindow,
+)
+from pdflow.core.framework.errors import InvalidInput
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.dataplane.pure import PythonExecutor
+from pdflow.io.kv_buffers import host_cache_for_rank, state_digest
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.node_prefill import PrefillNode
+from pdflow.io.settings import load_settings
+from pdflow.transport import InProcessFabric
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+MODEL = {"total_kv_heads": 2, "num_layers": 1, "page_size": 4, "head_dim": 8,
+         "dtype": KvDtype.FP16, "num_pages": 8}  # fmt: skip
+SEQ, WINDOW = 11, 6
+
+
+class HostState:
+    """A Mamba component (conv, SSM), a sliding-window pool and a blob pool in host memory."""
+
+    def __init__(self) -> None:
+        self.memory = [(ctypes.c_uint8 * size)() for size in (8 * 48, 8 * 96, 16 * 64, 8 * 32)]
+        addr = [ctypes.addressof(m) for m in self.memory]
+        self.components = (
+            StateBuffers(StateKind.MAMBA, (addr[0], addr[1]), (48, 96), 8),
+            StateBuffers(StateKind.SWA, (addr[2],), (64,), 16),
+            StateBuffers(StateKind.BLOB, (addr[3],), (32,), 8),
+        )
+
+    def item(self, component: int, buffer: int, index: int) -> bytes:
+        state = self.components[component]
+        return ctypes.string_at(state.item_addr(buffer, index), state.item_lens[buffer])
+
+    def fill(self) -> None:
+        for c, state in enumerate(self.components):
+            for b, length in enumerate(state.item_lens):
+                for index in range(state.num_items):
+                    ctypes.memset(state.item_addr(b, index), (31 * c + 7 * b + index) % 251 + 1,
+                                  length)  # fmt: skip
+
+
+def indices(slot: int, swa_first_slot: int, blob: int) -> tuple[tuple[int, ...], ...]:
+    """A request's state indices: its Mamba slot, its live SWA window's pages, its blob slot."""
+    swa_slots = list(range(swa_first_slot * 4, swa_first_slot * 4 + SEQ))
+    window = SwaWindow.derive(swa_slots, prefix_len=0, window=WINDOW, page_size=4)
+    assert window.start_token == 4, "max(0, 11 - 6) = 5, rounded down to its page"
+    return (MambaSlot(slot).indices(), window.indices(), (blob,))
+
+
+async def transfer(send_state: bool) -> dict[str, Any]:
+    settings = load_settings(trace_enabled=False, checksum=True)
+    fabric = InProcessFabric()
+    p_state, d_state = HostState(), HostState()
+    p_state.fill()
+    p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    p_kv = msgspec.structs.replace(p_kv, state=p_state.components)
+    d_kv = msgspec.structs.replace(d_kv, state=d_state.components)
+    src, dst = indices(2, 1, 5), indices(6, 3, 0)
+    async with (
+        fabric.create_transport() as p_transport,
+        fabric.create_transport() as d_transport,
+        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
+                    settings=settings) as p_node,
+        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
+    ):  # fmt: skip
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        await p_rank.open_room(1, 0)
+        await d_rank.open(1, 0, p_node.bootstrap)
+        await d_rank.wait(1)
+        await d_rank.publish_pages(1, [4, 5, 6], state_indices=dst)
+        await p_rank.wait(1)
+        await p_rank.init_transfer(1, 3)
+        await p_rank.send_chunk(1, [0, 1], is_last=False)
+        try:
+            await p_rank.send_chunk(1, [2], is_last=True, state_indices=src if send_state else ())
+        except InvalidInput as exc:
+            await p_rank.abort(1, "state withheld")
+            return {"refused": str(exc)}
+        status = await d_rank.wait(1, terminal=True)
+        del p_cache, d_cache
+    pairs = [
+        (p_state.item(c, b, s), d_state.item(c, b, d))
+        for c, state in enumerate(p_state.components)
+        for b in range(len(state.addrs))
+        for s, d in zip(src[c], dst[c], strict=True)
+    ]
+    return {"poll": status.poll, "reason": status.reason, "pairs": pairs}
+
+
+def test_mamba_swa_and_blob_state_land_in_the_decodes_indices() -> None:
+    result = anyio.run(transfer, True, backend="asyncio")
+    assert result["poll"] is KVPoll.Success, result["reason"]
+    assert len(result["pairs"]) == 2 + 2 + 1, "conv and SSM items, two window pages, one blob"
+    assert all(src == dst for src, dst in result["pairs"])
+
+
+def test_a_decode_that_published_state_refuses_a_last_chunk_without_it() -> None:
+    result = anyio.run(transfer, False, backend="asyncio")
+    assert "state indices of sizes []" in result["refused"]
+
+
+def test_the_state_digest_sees_a_changed_item_and_an_item_in_the_wrong_place() -> None:
+    state = HostState()
+    state.fill()
+    executor = PythonExecutor()
+    chosen = indices(2, 1, 5)
+    base = state_digest(executor, state.components, chosen, chosen)
+    moved = state_digest(executor, state.components, chosen, indices(3, 1, 5))
+    assert moved != base, "the same bytes keyed to another slot"
+    ctypes.memset(state.components[2].item_addr(0, 5), 0, 1)
+    assert state_digest(executor, state.components, chosen, chosen) != base
