@@ -13,6 +13,7 @@ from pdflow.core.endpoints.endpoint_io import (
     RegisteredPrefillRank,
     RoomCall,
     StagingPlaced,
+    TimerFired,
     TopologyKnown,
 )
 from pdflow.core.framework.kvpoll import KVPoll
@@ -148,3 +149,40 @@ def test_a_verified_room_is_released_at_once_when_cleared() -> None:
     endpoint.handle(ChecksumChecked(1, 1, True), 2.01)
     cleared = endpoint.handle(ClearRoom(1), 2.02)
     assert [o.pages for o in cleared.outputs if isinstance(o, PagesFreed)] == [(10, 11)]
+
+
+def test_a_room_waiting_for_ring_space_fails_on_the_waiting_budget_and_frees_its_hold() -> None:
+    # Chaos finding 4: a fenced room of a dead writer keeps its region for good; a room behind
+    # it waited at StagingRing: Assign [tail_too_short] in AWAITING_PAGES with no timer.
+    endpoint = decode_endpoint(capacity_pages=4)
+    opened(endpoint, 1)
+    endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
+    endpoint.handle(RoomCall(1, AbortRequested("client went away")), 1.5)  # fenced: no ACK yet
+    endpoint.handle(ClearRoom(1), 1.6)
+    opened(endpoint, 2)
+    deferred = endpoint.handle(PublishPages(2, (20, 21), None), 2.0)
+    assert not [m for m in sent(deferred) if isinstance(m, RoomMetadata)]
+    budget = endpoint.config.timeouts.waiting_timeout
+    assert deferred.timer_at == 2.0 + budget, "the wait for ring space has a deadline"
+    expired = endpoint.handle(TimerFired(), 2.0 + budget)
+    summary = endpoint.summary(2)
+    assert summary is not None and summary.poll is KVPoll.Failed
+    assert "waiting for staging-ring space" in summary.reason
+    assert [o.pages for o in expired.outputs if isinstance(o, PagesFreed)] == [(20, 21)]
+    assert endpoint.staging is not None
+    assert [(a.room, a.chunk) for a in endpoint.staging.snapshot().live] == [(1, 1)]
+    assert endpoint.ledger.snapshot().quarantined == 3 and endpoint.ledger.snapshot().free == 61
+
+
+def test_the_quarantine_report_shows_the_staging_bytes_a_fenced_room_holds() -> None:
+    endpoint = decode_endpoint(capacity_pages=4)
+    opened(endpoint, 1)
+    endpoint.handle(PublishPages(1, (10, 11, 12), None), 1.0)
+    endpoint.handle(RoomCall(1, AbortRequested("client went away")), 1.5)
+    endpoint.handle(ClearRoom(1), 1.6)
+    assert endpoint.quarantined_staging_bytes == 3 * PAGE_BYTES
+    [held] = endpoint.quarantine(2.0)
+    assert held.staging_bytes == 3 * PAGE_BYTES and held.pages == (10, 11, 12)
+    endpoint.handle(Received(AbortAck(1, 1, RANK0, DECODE)), 2.0)
+    endpoint.handle(Received(AbortAck(1, 1, RANK1, DECODE)), 2.1)
+    assert endpoint.quarantined_staging_bytes == 0 and endpoint.quarantine(2.2) == ()

@@ -85,6 +85,11 @@ class NodeMetrics:
         self.quarantine_oldest_age = Gauge(
             "pdflow_quarantine_oldest_age_seconds", "Age of the oldest quarantined room", registry=r
         )
+        self.quarantined_staging_bytes = Gauge(
+            "pdflow_quarantined_staging_bytes",
+            "Decode staging-ring bytes held by quarantined rooms until their writers are cleared",
+            registry=r,
+        )
 
     def room_finished(self, report: RoomReport) -> None:
         self.rooms.labels(report.outcome).inc()
@@ -104,10 +109,12 @@ class NodeMetrics:
     def send_refused(self, reason: str) -> None:
         self.refused_sends.labels(reason).inc()
 
-    def quarantine(self, pages: int, oldest_age_s: float) -> None:
-        """Set the quarantine gauges (pages summed over the node's ranks by the caller)."""
+    def quarantine(self, pages: int, oldest_age_s: float, staging_bytes: int = 0) -> None:
+        """Set the quarantine gauges (pages and staging bytes summed over the node's ranks by
+        the caller)."""
         self.quarantined_pages.set(pages)
         self.quarantine_oldest_age.set(oldest_age_s)
+        self.quarantined_staging_bytes.set(staging_bytes)
 
     def value(self, name: str, labels: dict[str, str] | None = None) -> float:
         """One sample's current value (0.0 when never touched), for tests and status lines."""

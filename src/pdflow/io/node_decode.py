@@ -434,7 +434,8 @@ class DecodeNode(NodeLifecycle):
         since = [host.endpoint.oldest_fenced_at() for host in self._hosts]
         fenced = [at for at in since if at is not None]
         oldest_age = anyio.current_time() - min(fenced) if fenced else 0.0
-        self.runtime.metrics.quarantine(pages, oldest_age)
+        staging = sum(host.endpoint.quarantined_staging_bytes for host in self._hosts)
+        self.runtime.metrics.quarantine(pages, oldest_age, staging)
 
     # ---- topology ------------------------------------------------------------------------------
     def _client(self, bootstrap: str) -> BootstrapClient:

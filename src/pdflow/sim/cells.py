@@ -46,6 +46,7 @@ from pdflow.core.protocol.inputs import (
     ReadyArrived,
     ResolveFailed,
     SendChunk,
+    StagingWait,
     SuccessArrived,
     Tick,
     TransferCompleted,
@@ -202,6 +203,7 @@ def receiver_samples(room: ReceiverRoom) -> dict[str, list[Input]]:
         "PeerDied": [PeerDied(PREFILL)],
         "AbortRequested": [AbortRequested("test")],
         "ChecksumResult": [ChecksumResult(True)],
+        "StagingWait": [StagingWait()],
         "Tick": [Tick()],
     }
 

@@ -41,6 +41,9 @@ _CELL_ONLY: dict[str, str] = {
         "needs max_pending_room_ids (65,536) room ids pending at once",
     "PrefillRoomSlot: PARKED --MetadataArrived[parking_full]--> PARKED":
         "needs metadata from 65 decode peers for one room (topologies have at most 4)",
+    "ReceiverRoom: AWAITING_PAGES --StagingWait--> AWAITING_PAGES":
+        "only a room deferred for staging-ring space waits that way, and the simulated data "
+        "plane has no staging ring",
     "PageLedger: RESERVED --ReleaseUnpublished--> FREE":
         "only the decode's staging path releases reserved pages it never published, and the "
         "simulated data plane has no staging ring",

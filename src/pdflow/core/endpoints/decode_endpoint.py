@@ -56,6 +56,7 @@ from pdflow.core.protocol.inputs import (
     PublishPages,
     ReadyArrived,
     ResolveFailed,
+    StagingWait,
     SuccessArrived,
     Tick,
 )
@@ -81,6 +82,7 @@ from pdflow.core.resources.page_ledger import (
     LedgerSnapshot,
     PageLedger,
     PagesFreed,
+    PagesQuarantined,
     QuarantinedRoom,
     ReleaseAfterSuccess,
     ReleaseUnpublished,
@@ -144,6 +146,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         # A room's region is the ring allocation (room, chunk=generation): a reused room id
         # never inherits the region of its earlier life, which may still be fenced.
         self.waiting_for_staging: dict[int, PublishPages] = {}
+        # (room, generation) -> staging bytes of each fenced room, held with its pages.
+        self._fenced_staging: dict[tuple[int, int], int] = {}
         # The step a room slot's action adds its effects to, and the receiver being opened.
         self._step_out: list[Output] = []
         self._step_fired: list[Fired] = []
@@ -415,6 +419,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             return
         self.waiting_for_staging[room.key] = inp
         self._place_staging(room, inp, now, out, fired)
+        if room.key in self.waiting_for_staging:
+            # Deferred: the room holds its pages and a ring region; its waiting budget runs.
+            self._room_input(room, StagingWait(), now, out, fired)
 
     def _stages(self, room: ReceiverRoom) -> bool:
         """Staged when the ring is on and several prefill ranks write slices of one page."""
@@ -615,9 +622,14 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         fired.extend(step.fired)
         if self.staging is not None:
             # A fenced room's staging region is released with its pages, never before.
-            for freed in step.outputs:
-                if isinstance(freed, PagesFreed):
-                    self._release_staging(freed.room, freed.generation, now, out, fired)
+            for output in step.outputs:
+                if isinstance(output, PagesQuarantined):
+                    held = self.staging.live.get((output.room, output.generation))
+                    if held is not None:
+                        self._fenced_staging[(output.room, output.generation)] = held.nbytes
+                elif isinstance(output, PagesFreed):
+                    self._fenced_staging.pop((output.room, output.generation), None)
+                    self._release_staging(output.room, output.generation, now, out, fired)
 
     # ---- read-only views -------------------------------------------------------------------------
     def clearable_rooms(self) -> tuple[int, ...]:
@@ -641,8 +653,22 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         return None
 
     def quarantine(self, now: float) -> tuple[QuarantinedRoom, ...]:
-        """Failed rooms whose pages wait for writers to be cleared, and since when."""
-        return self.ledger.report(now)
+        """Failed rooms whose pages (and staging region) wait for writers to be cleared, and
+        since when."""
+        report = self.ledger.report(now)
+        if self.staging is None:
+            return report
+        held = self._fenced_staging
+        return tuple(
+            msgspec.structs.replace(q, staging_bytes=held.get((q.room, q.generation), 0))
+            for q in report
+        )
+
+    @property
+    def quarantined_staging_bytes(self) -> int:
+        """Staging-ring bytes held by fenced rooms (a dead writer's stay until its drain ACK):
+        what rooms waiting for ring space wait behind. O(fenced staged rooms)."""
+        return sum(self._fenced_staging.values())
 
     @property
     def quarantined_pages(self) -> int:

@@ -134,6 +134,11 @@ class PeerDied(Input, frozen=True, tag="PeerDied"):
     peer: PeerId
 
 
+class StagingWait(Input, frozen=True, tag="StagingWait"):
+    """The endpoint holds the room's published pages until staging-ring space frees: the
+    waiting budget bounds that wait."""
+
+
 class ChecksumResult(Input, frozen=True, tag="ChecksumResult"):
     ok: bool
     reason: str = ""

@@ -175,6 +175,8 @@ class QuarantinedRoom(msgspec.Struct, frozen=True):
     pages: tuple[int, ...]
     waiting_on: tuple[PeerId, ...]
     age_s: float
+    staging_bytes: int = 0
+    """Staging-ring bytes the room holds with its pages (a staged decode's endpoint adds them)."""
 
 
 _P = RoomPagesState

@@ -1,10 +1,11 @@
 """ReceiverRoom: one room on one decode rank, from topology resolution to a terminal poll.
 
 Two timer budgets, never shared: the *waiting* budget covers waiting on the prefill (topology,
-the ready signal under ``prefill_complete``); the *transfer* budget starts when the destination
-pages are published. A failure after publishing arms the page fence *before* the ABORT goes out,
-so no page is reused while a writer may still land. See spec/protocol.toml
-``[machines.ReceiverRoom]``.
+the ready signal under ``prefill_complete``, and staging-ring space for pages the engine
+published that the endpoint must hold back: ``StagingWait``); the *transfer* budget starts when
+the destination pages go out to the prefill. A failure after publishing arms the page fence
+*before* the ABORT goes out, so no page is reused while a writer may still land.
+See spec/protocol.toml ``[machines.ReceiverRoom]``.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from pdflow.core.protocol.inputs import (
     PublishPages,
     ReadyArrived,
     ResolveFailed,
+    StagingWait,
     SuccessArrived,
     Tick,
 )
@@ -112,6 +114,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.published: PublishPages | None = None
         self.reason = ""
         self.wait_deadline: float | None = now + timeouts.waiting_timeout
+        self.waiting_for = "the prefill"
         self.transfer_deadline: float | None = None
 
     # ---- public API ----------------------------------------------------------------------------
@@ -224,6 +227,14 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.wait_deadline = now + self.timeouts.waiting_timeout
         return []
 
+    def _act_start_staging_wait(self, inp: Input, now: float) -> list[Output]:
+        # Space in the ring frees only when earlier rooms end, which may be never (a dead
+        # writer's region is quarantined): the waiting budget bounds it, as every wait.
+        if self.wait_deadline is None:
+            self.wait_deadline = now + self.timeouts.waiting_timeout
+        self.waiting_for = "staging-ring space (held by earlier rooms; see the quarantine report)"
+        return []
+
     def _act_publish(self, inp: Input, now: float) -> list[Output]:
         pages = cast(PublishPages, inp)
         self.published = pages
@@ -303,8 +314,8 @@ class ReceiverRoom(TableMachine[ReceiverState]):
 
     def _act_fail_waiting_timeout(self, inp: Input, now: float) -> list[Output]:
         self.reason = (
-            f"timed out after {self.timeouts.waiting_timeout:g}s waiting for the prefill in "
-            f"{self.state.name}"
+            f"timed out after {self.timeouts.waiting_timeout:g}s waiting for {self.waiting_for} "
+            f"in {self.state.name}"
         )
         return self._aborts() if self.state is not ReceiverState.BOOTSTRAPPING else []
 
@@ -388,6 +399,7 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         PeerDied,
         AbortRequested,
         ChecksumResult,
+        StagingWait,
         Tick,
     ),
     remote_inputs=(ReadyArrived, SuccessArrived, FailureArrived),
@@ -419,6 +431,8 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.AWAITING_PAGES, PublishPages, _R.TRANSFERRING,
             emits=["send.room_metadata", _CHANGED], action=_M._act_publish),
         row(_R.AWAITING_PAGES, ReadyArrived, _R.AWAITING_PAGES),
+        row(_R.AWAITING_PAGES, StagingWait, _R.AWAITING_PAGES,
+            action=_M._act_start_staging_wait),
         row(_R.AWAITING_PAGES, FailureArrived, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
         row(_R.AWAITING_PAGES, PeerDied, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
         row(_R.AWAITING_PAGES, AbortRequested, _R.FAILED,
