@@ -53,11 +53,24 @@ def test_paged_prefill_and_decode_equal_reference(model: TinyTransformer, prompt
     prompt = one_prompt(prompt_len)
     cache = PagedKVCache(model.config.kv_geometry(), num_pages=16)
     pages = scrambled_pages(cache.geometry.pages_for(prompt_len), 16, offset=3)
-    first = prefill(model, prompt, cache, pages)
-    decoded = decode(model, first, cache, pages, prompt_len, MAX_NEW,
+    memory = model.new_memory()
+    first = prefill(model, prompt, cache, pages, memory)
+    decoded = decode(model, first, cache, pages, prompt_len, MAX_NEW, memory=memory,
                      allocate_pages=lambda count: scrambled_pages(count, 16, offset=4))
     assert [first, *decoded] == generate_reference(model, prompt, MAX_NEW)
     assert len(pages) == cache.geometry.pages_for(prompt_len + MAX_NEW)
+
+
+def test_a_decode_without_the_recurrent_state_generates_other_tokens(
+    model: TinyTransformer,
+) -> None:
+    """The model state is needed: KV alone does not reproduce the reference."""
+    prompt = one_prompt(30, seed=4)
+    cache = PagedKVCache(model.config.kv_geometry(), num_pages=16)
+    pages = cache.allocator.allocate(cache.geometry.pages_for(len(prompt)))
+    first = prefill(model, prompt, cache, pages, model.new_memory())
+    withheld = decode(model, first, cache, list(pages), len(prompt), MAX_NEW)
+    assert [first, *withheld] != generate_reference(model, prompt, MAX_NEW)
 
 
 def test_reference_matches_full_recompute_without_cache(model: TinyTransformer) -> None:
@@ -65,7 +78,8 @@ def test_reference_matches_full_recompute_without_cache(model: TinyTransformer) 
     reference = generate_reference(model, prompt, MAX_NEW)
     fed = prompt + reference[:-1]
     # Recomputing everything from scratch checks the KV-cached path (positions, RoPE, mask).
-    logits = model.forward(torch.tensor(fed), 0, ContiguousKV(model.config, len(fed)))
+    logits = model.forward(torch.tensor(fed), 0, ContiguousKV(model.config, len(fed)),
+                           model.new_memory())
     predicted = logits[len(prompt) - 1:].argmax(dim=-1).tolist()
     assert predicted == reference
     assert len(set(reference)) > 3, "a degenerate model would make every comparison trivial"
@@ -80,12 +94,14 @@ def test_tp2_prefill_resharded_to_tp1_decodes_like_reference(
     ranks = [PagedKVCache(geometry, 8, tp_rank=r, tp_size=2) for r in range(2)]
     num_prompt_pages = geometry.pages_for(prompt_len)
     rank_pages = [scrambled_pages(num_prompt_pages, 8, offset=r) for r in range(2)]
-    first = prefill_sharded(model, prompt, ranks, rank_pages)
+    memory = model.new_memory()
+    first = prefill_sharded(model, prompt, ranks, rank_pages, memory)
 
     decode_cache = PagedKVCache(geometry, 16)
     decode_pages = decode_cache.allocator.allocate(num_prompt_pages)
     reshard_pages(ranks, rank_pages, [decode_cache], [decode_pages])
-    decoded = decode(model, first, decode_cache, decode_pages, prompt_len, MAX_NEW)
+    decoded = decode(model, first, decode_cache, decode_pages, prompt_len, MAX_NEW,
+                     memory=memory)
     assert [first, *decoded] == generate_reference(model, prompt, MAX_NEW)
 
 
@@ -132,7 +148,8 @@ def test_documented_byte_layout_is_enough_to_move_tp2_kv_into_tp1(
     prompt = one_prompt(30, seed=2)
     ranks = [PagedKVCache(geometry, 4, tp_rank=r, tp_size=2) for r in range(2)]
     rank_pages = [[1, 3], [2, 0]]
-    first = prefill_sharded(model, prompt, ranks, rank_pages)
+    memory = model.new_memory()
+    first = prefill_sharded(model, prompt, ranks, rank_pages, memory)
     target, target_pages = PagedKVCache(geometry, 8), [6, 4]
     # Per token slot, rank r's heads go to the r-th part of the TP=1 slot (module docstring).
     slot_bytes_per_rank = ranks[0].heads_local * geometry.head_dim * BYTES_PER_ELEMENT
@@ -149,7 +166,7 @@ def test_documented_byte_layout_is_enough_to_move_tp2_kv_into_tp1(
                         + slot * 2 * slot_bytes_per_rank + rank * slot_bytes_per_rank,
                         slot_bytes_per_rank,
                     )
-    decoded = decode(model, first, target, target_pages, len(prompt), MAX_NEW)
+    decoded = decode(model, first, target, target_pages, len(prompt), MAX_NEW, memory=memory)
     assert [first, *decoded] == generate_reference(model, prompt, MAX_NEW)
 
 

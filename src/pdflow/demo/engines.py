@@ -21,6 +21,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer, decode, prefill_sharded
+from pdflow.demo.state_slots import MemorySlots
 from pdflow.io.kv_buffers import RankKv
 from pdflow.io.node_common import NodeEvent, PagesReleased
 from pdflow.io.node_decode import DecodeNode, DecodeRank
@@ -30,9 +31,9 @@ CHUNK_PAGES = 2
 """Pages per chunk: small, so every room's transfer is really chunked."""
 
 
-def rank_kv(cache: PagedKVCache, aux: AuxRows) -> RankKv:
-    """Describe a demo cache to pdflow: ``[layer][K,V][page][token][head][dim]`` float32, and
-    the rank's aux rows."""
+def rank_kv(cache: PagedKVCache, aux: AuxRows, memory: MemorySlots) -> RankKv:
+    """Describe a demo cache to pdflow: ``[layer][K,V][page][token][head][dim]`` float32, the
+    rank's aux rows and its model state (the recurrent memory slots)."""
     geometry = cache.geometry
     base, size = cache.base_ptr, cache.buffer_nbytes
     layout = KvLayout(
@@ -44,7 +45,8 @@ def rank_kv(cache: PagedKVCache, aux: AuxRows) -> RankKv:
         k_addrs=tuple(base + (2 * layer) * size for layer in range(geometry.n_layers)),
         v_addrs=tuple(base + (2 * layer + 1) * size for layer in range(geometry.n_layers)),
     )
-    return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads, aux.buffer)
+    return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads, aux.buffer,
+                  (memory.component,))  # fmt: skip
 
 
 class RoomOutcome(msgspec.Struct):
@@ -64,10 +66,13 @@ class PrefillEngine:
     """Prefill instance: computes a prompt's KV into TP=2 shards and sends it through pdflow."""
 
     def __init__(self, model: TinyTransformer, caches: Sequence[PagedKVCache],
-                 aux: Sequence[AuxRows], node: PrefillNode) -> None:  # fmt: skip
+                 aux: Sequence[AuxRows], memory: Sequence[MemorySlots],
+                 node: PrefillNode) -> None:  # fmt: skip
         self.model = model
         self.caches = list(caches)
         self.aux = list(aux)
+        self.memory = list(memory)
+        """One state pool per rank; every rank holds the request's whole memory (a BLOB)."""
         """One aux buffer per rank, as SGLang's metadata buffers (every rank fills its own)."""
         self.node = node
         self.compute_lock = anyio.Lock()  # one forward pass at a time, like one GPU
@@ -81,13 +86,17 @@ class PrefillEngine:
             pages = [cache.allocator.allocate(num_pages) for cache in self.caches]
         ranks = self.node.ranks
         rows = [aux.allocate() for aux in self.aux]
+        slots = [memory.allocate() for memory in self.memory]
         try:
             for rank in ranks:
                 await rank.open_room(room, generation)
             async with self.compute_lock:
+                state = self.memory[0].vector(slots[0])
                 first = await anyio.to_thread.run_sync(
-                    prefill_sharded, self.model, list(prompt), self.caches, pages
+                    prefill_sharded, self.model, list(prompt), self.caches, pages, state
                 )
+            for memory, slot in zip(self.memory[1:], slots[1:], strict=True):
+                memory.vector(slot).copy_(state)
             for aux, row in zip(self.aux, rows, strict=True):
                 aux.write(row, first, room)
             # Both ranks wait for the decode's pages (WaitingForInput), then send in chunks.
@@ -96,8 +105,9 @@ class PrefillEngine:
             kv_bytes, transfer_s = 0, 0.0
             if not failed:
                 async with anyio.create_task_group() as tasks:
-                    for rank, rank_pages, row in zip(ranks, pages, rows, strict=True):
-                        tasks.start_soon(self._send, rank, room, rank_pages, row)
+                    for rank, rank_pages, row, slot in zip(ranks, pages, rows, slots,
+                                                           strict=True):  # fmt: skip
+                        tasks.start_soon(self._send, rank, room, rank_pages, row, slot)
                 final = [await rank.wait(room, terminal=True) for rank in ranks]
                 failed = [s for s in final if s.poll is KVPoll.Failed]
                 for rank in ranks:
@@ -116,6 +126,8 @@ class PrefillEngine:
                 cache.allocator.free(rank_pages)
             for aux, row in zip(self.aux, rows, strict=True):
                 aux.free(row)
+            for memory, slot in zip(self.memory, slots, strict=True):
+                memory.free(slot)
             with anyio.CancelScope(shield=True):
                 async with self.page_space:
                     self.page_space.notify_all()
@@ -127,21 +139,27 @@ class PrefillEngine:
                 await rank.abort(room, reason)
 
     @staticmethod
-    async def _send(rank: PrefillRank, room: int, pages: list[int], aux_row: int) -> None:
+    async def _send(rank: PrefillRank, room: int, pages: list[int], aux_row: int,
+                    slot: int) -> None:  # fmt: skip
         await rank.init_transfer(room, len(pages), aux_index=aux_row)
         for start in range(0, len(pages), CHUNK_PAGES):
             chunk = pages[start : start + CHUNK_PAGES]
-            await rank.send_chunk(room, chunk, is_last=start + CHUNK_PAGES >= len(pages))
+            last = start + CHUNK_PAGES >= len(pages)
+            state = ((slot,),) if last else ()  # the recurrent memory goes with the last chunk
+            await rank.send_chunk(room, chunk, is_last=last, state_indices=state)
 
 
 class DecodeEngine:
     """Decode instance: reserves pages, receives the KV through pdflow, generates tokens."""
 
     def __init__(self, model: TinyTransformer, cache: PagedKVCache, aux: AuxRows,
-                 node: DecodeNode) -> None:  # fmt: skip
+                 memory: MemorySlots, node: DecodeNode) -> None:  # fmt: skip
         self.model = model
         self.cache = cache
         self.aux = aux
+        self.memory = memory
+        self._slots_held: dict[tuple[int, int], int] = {}
+        """State slots of failed rooms: remote-writable until their pages are released."""
         self.node = node
         self.page_space = anyio.Condition()
 
@@ -154,6 +172,9 @@ class DecodeEngine:
     async def _on_event(self, event: NodeEvent) -> None:
         if isinstance(event, PagesReleased):
             self.cache.allocator.free(event.pages)
+            slot = self._slots_held.pop((event.room, event.generation), None)
+            if slot is not None:
+                self.memory.free(slot)
             async with self.page_space:
                 self.page_space.notify_all()
 
@@ -172,17 +193,25 @@ class DecodeEngine:
         await rank.admit(room, input_len=prompt_len, max_new=max_new)
         pages = await self._allocate(self.cache.geometry.pages_for(prompt_len))
         aux_row = self.aux.allocate()
+        slot = self.memory.allocate()
+        outcome = RoomOutcome(KVPoll.Failed, "the decode engine stopped")
         try:
-            return await self._receive(room, generation, rank, pages, aux_row, opened, prompt_len,
-                                       max_new, abort_after_publish, on_published)  # fmt: skip
+            outcome = await self._receive(room, generation, rank, pages, aux_row, slot, opened,
+                                          prompt_len, max_new, abort_after_publish,
+                                          on_published)  # fmt: skip
+            return outcome
         finally:
             self.aux.free(aux_row)
+            if outcome.poll is KVPoll.Success:
+                self.memory.free(slot)
+            else:  # a writer may still land in it: it comes back with the room's pages
+                self._slots_held[(room, generation)] = slot
 
     async def _receive(self, room: int, generation: int, rank: DecodeRank, pages: list[int],
-                       aux_row: int, opened: float, prompt_len: int, max_new: int,
+                       aux_row: int, slot: int, opened: float, prompt_len: int, max_new: int,
                        abort_after_publish: float | None,
                        on_published: Callable[[], None] | None) -> RoomOutcome:  # fmt: skip
-        await rank.publish_pages(room, pages, aux_index=aux_row)
+        await rank.publish_pages(room, pages, aux_index=aux_row, state_indices=((slot,),))
         handshake_s = time.perf_counter() - opened
         if on_published is not None:
             on_published()
@@ -211,7 +240,7 @@ class DecodeEngine:
             tokens = await anyio.to_thread.run_sync(
                 lambda: decode(
                     self.model, token, self.cache, table, prompt_len, max_new,
-                    allocate_pages=allocate_more,
+                    memory=self.memory.vector(slot), allocate_pages=allocate_more,
                 )
             )
         finally:

@@ -19,6 +19,7 @@ from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.engines import DecodeEngine, PrefillEngine, RoomOutcome, rank_kv
 from pdflow.demo.kvcache import PagedKVCache
 from pdflow.demo.model import TinyTransformer
+from pdflow.demo.state_slots import MemorySlots
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import Settings
@@ -90,6 +91,7 @@ class PrefillInstance:
         self.model = model
         self.caches = list(caches)
         self.aux = [AuxRows(AUX_ROWS) for _ in self.caches]
+        self.memory = [MemorySlots(model.config.d_model, AUX_ROWS) for _ in self.caches]
         self.settings = settings
         self.transports = transports
         self.bootstrap = bootstrap
@@ -118,7 +120,8 @@ class PrefillInstance:
     async def _serve(self) -> None:
         async with (
             self.transports.open() as transport,
-            PrefillNode(ranks=[rank_kv(c, a) for c, a in zip(self.caches, self.aux, strict=True)],
+            PrefillNode(ranks=[rank_kv(c, a, m) for c, a, m in zip(self.caches, self.aux,
+                                                                   self.memory, strict=True)],
                         transport=transport,
                         bootstrap=self.bootstrap, settings=self.settings,
                         staging_slot_bytes=self.staging_slot_bytes) as node,
@@ -126,7 +129,7 @@ class PrefillInstance:
         ):  # fmt: skip
             self.bootstrap = node.bootstrap
             self.incarnation = node.incarnation
-            self._engine = PrefillEngine(self.model, self.caches, self.aux, node)
+            self._engine = PrefillEngine(self.model, self.caches, self.aux, self.memory, node)
             self._tasks = tasks
             self.ready.set()
             await anyio.sleep_forever()
@@ -162,13 +165,14 @@ async def decode_instance(model: TinyTransformer, cache: PagedKVCache, settings:
                           transports: TransportFactory,
                           staging_bytes: int) -> AsyncIterator[DecodeEngine]:  # fmt: skip
     aux = AuxRows(AUX_ROWS)
+    memory = MemorySlots(model.config.d_model, AUX_ROWS)
     async with (
         transports.open() as transport,
-        DecodeNode(ranks=[rank_kv(cache, aux)], transport=transport, settings=settings,
+        DecodeNode(ranks=[rank_kv(cache, aux, memory)], transport=transport, settings=settings,
                    staging_bytes=staging_bytes) as node,
         anyio.create_task_group() as tasks,
     ):  # fmt: skip
-        engine = DecodeEngine(model, cache, aux, node)
+        engine = DecodeEngine(model, cache, aux, memory, node)
         tasks.start_soon(engine.watch_events)
         yield engine
         tasks.cancel_scope.cancel()

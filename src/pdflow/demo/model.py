@@ -4,6 +4,11 @@ The model is a llama-style stack (RMSNorm, RoPE, grouped-query attention, SwiGLU
 float32 on CPU, with weights drawn from a seeded ``torch.Generator``: no downloads, no global
 RNG, and identical weights for identical configs in every process.
 
+Besides attention the model carries one recurrent state, a ``d_model`` memory vector updated
+token by token (``memory = decay * memory + embedding``) and mixed into every position's input:
+the model-state component a PD transfer must move besides the KV (a stand-in for a Mamba
+layer's state). A decode that starts from a zero memory generates other tokens.
+
 Generation is split the way PD disaggregation splits it:
 
 * ``prefill`` / ``prefill_sharded`` run the prompt, write its K/V into pages of one cache or of
@@ -41,6 +46,7 @@ class ModelConfig:
     norm_eps: float = 1e-5
     page_size: int = 16
     seed: int = 0
+    memory_decay: float = 0.9
 
     def __post_init__(self) -> None:
         for name in (
@@ -156,6 +162,7 @@ class TinyTransformer:
         ]
         self.final_norm = torch.ones(d, dtype=DTYPE)
         self.lm_head = draw(config.vocab_size, d)
+        self.w_memory = draw(d, d)  # drawn last: the attention weights stay what they were
         self._inverse_frequencies = rope_inverse_frequencies(config.head_dim, config.rope_theta)
 
     def check_tokens(self, token_ids: Sequence[int]) -> torch.Tensor:
@@ -167,15 +174,27 @@ class TinyTransformer:
             raise ValueError(f"token ids {bad[:8]} outside [0, {self.config.vocab_size})")
         return torch.tensor(list(token_ids), dtype=torch.long)
 
+    def new_memory(self) -> torch.Tensor:
+        """The recurrent state before any token: zeros, ``[d_model]`` float32."""
+        return torch.zeros(self.config.d_model, dtype=DTYPE)
+
     @torch.inference_mode()
-    def forward(self, token_ids: torch.Tensor, start: int, kv: KVStore) -> torch.Tensor:
+    def forward(
+        self, token_ids: torch.Tensor, start: int, kv: KVStore, memory: torch.Tensor
+    ) -> torch.Tensor:
         """Logits ``[n, vocab]`` of tokens at positions ``[start, start + n)``.
 
-        Appends their K/V to ``kv``, which must already hold positions ``[0, start)``.
+        Appends their K/V to ``kv``, which must already hold positions ``[0, start)``, and
+        advances ``memory`` (the state after position ``start - 1``) over them, in place.
         """
         config = self.config
         positions = torch.arange(start, start + token_ids.shape[0])
         hidden = self.embedding[token_ids]
+        states = []
+        for embedded in hidden:  # token by token in every path, so every path rounds alike
+            memory.mul_(config.memory_decay).add_(embedded)
+            states.append(memory.clone())
+        hidden = hidden + torch.stack(states) @ self.w_memory.T
         for layer_index, layer in enumerate(self.layers):
             normed = _rms_norm(hidden, layer.attn_norm, config.norm_eps)
             hidden = hidden + self._attention(layer_index, layer, normed, positions, kv)
@@ -223,25 +242,30 @@ def _greedy(logits: torch.Tensor) -> int:
     return int(torch.argmax(logits[-1]))
 
 
-def _run_prompt(model: TinyTransformer, tokens: torch.Tensor, kv: KVStore) -> int:
-    return _greedy(model.forward(tokens, 0, kv))
+def _run_prompt(
+    model: TinyTransformer, tokens: torch.Tensor, kv: KVStore, memory: torch.Tensor
+) -> int:
+    return _greedy(model.forward(tokens, 0, kv, memory))
 
 
 def _continue(
-    model: TinyTransformer, token: int, position: int, max_new: int, kv: KVStore
-) -> list[int]:
+    model: TinyTransformer, token: int, position: int, max_new: int, kv: KVStore,
+    memory: torch.Tensor,
+) -> list[int]:  # fmt: skip
     generated: list[int] = []
     for step in range(max_new):
-        token = _greedy(model.forward(torch.tensor([token]), position + step, kv))
+        token = _greedy(model.forward(torch.tensor([token]), position + step, kv, memory))
         generated.append(token)
     return generated
 
 
 def prefill(
-    model: TinyTransformer, token_ids: Sequence[int], cache: PagedKVCache, pages: Sequence[int]
-) -> int:
-    """Write the prompt's K/V into ``pages`` of a TP=1 ``cache``; return the first token."""
-    return prefill_sharded(model, token_ids, [cache], [pages])
+    model: TinyTransformer, token_ids: Sequence[int], cache: PagedKVCache, pages: Sequence[int],
+    memory: torch.Tensor | None = None,
+) -> int:  # fmt: skip
+    """Write the prompt's K/V into ``pages`` of a TP=1 ``cache`` and its recurrent state into
+    ``memory`` (when given); return the first token."""
+    return prefill_sharded(model, token_ids, [cache], [pages], memory)
 
 
 def prefill_sharded(
@@ -249,15 +273,18 @@ def prefill_sharded(
     token_ids: Sequence[int],
     caches: Sequence[PagedKVCache],
     pages_per_rank: Sequence[Sequence[int]],
+    memory: torch.Tensor | None = None,
 ) -> int:
-    """Prefill with KV laid out over a TP group: rank r's cache gets its slice of KV heads.
+    """Prefill with KV laid out over a TP group: rank r's cache gets its slice of KV heads; the
+    recurrent state after the prompt goes into ``memory`` (zeroed first) when given.
 
     The arithmetic is the full model's; only the storage is split, as in a TP instance.
     """
     tokens = model.check_tokens(token_ids)
     _check_caches_fit(model, caches)
     kv = PagedSequenceKV(caches, pages_per_rank, capacity_tokens=len(tokens))
-    return _run_prompt(model, tokens, kv)
+    state = model.new_memory() if memory is None else memory.zero_()
+    return _run_prompt(model, tokens, kv, state)
 
 
 def decode(
@@ -268,9 +295,12 @@ def decode(
     prompt_len: int,
     max_new: int,
     *,
+    memory: torch.Tensor | None = None,
     allocate_pages: Callable[[int], list[int]] | None = None,
 ) -> list[int]:
-    """Generate ``max_new`` tokens after ``first_token`` from a prompt KV already in ``pages``.
+    """Generate ``max_new`` tokens after ``first_token`` from a prompt KV already in ``pages``
+    and the recurrent state after the prompt, ``memory`` (a copy is advanced; None: zeros, as
+    if the state had been withheld).
 
     The pages hold the prompt's ``prompt_len`` tokens (filled by ``prefill`` or by a transfer).
     Pages for the tokens still to come are taken up front, all at once, from
@@ -290,7 +320,8 @@ def decode(
         cache.check_pages(grown, total_tokens)
         pages[:] = grown
     kv = PagedSequenceKV([cache], [pages], capacity_tokens=total_tokens)
-    return _continue(model, first_token, prompt_len, max_new, kv)
+    state = model.new_memory() if memory is None else memory.clone()
+    return _continue(model, first_token, prompt_len, max_new, kv, state)
 
 
 def generate_reference(model: TinyTransformer, token_ids: Sequence[int], max_new: int) -> list[int]:
@@ -299,8 +330,9 @@ def generate_reference(model: TinyTransformer, token_ids: Sequence[int], max_new
         raise ValueError(f"max_new must be >= 0, got {max_new}")
     tokens = model.check_tokens(token_ids)
     kv = ContiguousKV(model.config, len(tokens) + max_new)
-    first = _run_prompt(model, tokens, kv)
-    return [first, *_continue(model, first, len(tokens), max_new, kv)]
+    memory = model.new_memory()
+    first = _run_prompt(model, tokens, kv, memory)
+    return [first, *_continue(model, first, len(tokens), max_new, kv, memory)]
 
 
 def make_prompts(seed: int, n: int, prompt_len: int, *, token_limit: int = 256) -> list[list[int]]:

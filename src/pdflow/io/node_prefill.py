@@ -24,6 +24,7 @@ import structlog
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
+from pdflow.core.dataplane.layout import StateKind
 from pdflow.core.dataplane.planning import (
     StagedSlices,
     WriteOp,
@@ -521,14 +522,18 @@ class PrefillNode(NodeLifecycle):
         return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
 
     def _state_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> tuple[WriteOp, ...]:
-        """The last chunk's model-state writes (whole items: equal TP only, for now)."""
+        """The last chunk's model-state writes: whole items. Between different TP sizes only
+        blobs (every TP rank holds the request's whole blob); Mamba and SWA state is split per
+        head like KV, which is not supported yet."""
         if not start.src_state and not start.dst_state:
             return ()
         local = self._planners[rank].local
-        if local.heads != peer_heads(args):
+        split = [c.kind.value for c, items in zip(local.state, start.src_state, strict=False)
+                 if items and c.kind is not StateKind.BLOB]  # fmt: skip
+        if local.heads != peer_heads(args) and split:
             raise InvalidInput(
-                "model state between ranks of different TP sizes is not supported yet (its "
-                "items would need splitting per head); run both sides with the same TP"
+                f"model state {split} between ranks of different TP sizes is not supported yet "
+                "(its items would need splitting per head); run both sides with the same TP"
             )
         return plan_state(local.state, args.state, start.src_state, start.dst_state)
 
