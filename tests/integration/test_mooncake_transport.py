@@ -354,3 +354,74 @@ async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
     for room in range(rooms):
         if room != bad:
             assert dst.sha256(room * page, page) == src.sha256(room * page, page)
+
+
+async def test_two_processes_rotation_cuts_an_accepted_write_and_serves_through_the_new_engine(
+) -> None:
+    """Fence by engine rotation: two engines in one process with the same memory registered in
+    both; destroying the old one (retire) cuts a paused writer's accepted request, so nothing
+    more of it lands after SIGCONT (the writer is told it failed), while the new engine, in the
+    same process and over the same memory, takes new writes."""
+    size = 256 << 20
+    memory = ctypes.create_string_buffer(size)
+    addr = ctypes.addressof(memory)
+    config = MooncakeConfig(host="127.0.0.1", protocol="tcp")
+    async with MooncakeTransport.open(config) as receiving, remote_peer(size, 0xAB) as writer:
+        receiving.register_buffer(addr, size)
+        assert receiving.can_rotate and not receiving.fence_is_real
+        old = receiving.session_id
+        assert writer.process.stdin is not None
+        await writer.process.stdin.send(f"write {old} {addr} {size}\n".encode())
+        with anyio.fail_after(30):
+            while ctypes.string_at(addr, 1) == b"\0":
+                await anyio.sleep(0.0002)
+        writer.process.send_signal(signal.SIGSTOP)
+        new = await receiving.rotate()
+        assert new != old and receiving.session_id == new
+        assert receiving.retiring_sessions == (old,)
+        with anyio.fail_after(30):
+            await receiving.retire(old)
+        assert receiving.retiring_sessions == ()
+        at_retire = landed_bytes(memory)
+        assert 0 < at_retire < size, "the write finished before the writer could be paused"
+        writer.process.send_signal(signal.SIGCONT)
+        result = await writer.read_reply()
+        assert result["ok"] is False, result
+        await anyio.sleep(0.3)  # anything the writer still pushes has had time to land
+        late = landed_bytes(memory) - at_retire
+        assert late == 0, f"{late} bytes of the cut write landed after retire"
+        # The same memory, registered in the new engine: a new write lands through it.
+        ctypes.memset(addr, 0, size)
+        through_new = await writer.command(f"write {new} {addr} 4096")
+        assert through_new["ok"] is True, through_new
+        assert landed_bytes(memory) == 4096
+        through_old = await writer.command(f"write {old} {addr + 8192} 4096")
+        assert through_old["ok"] is False, through_old
+        assert landed_bytes(memory) == 4096
+        with pytest.raises(TransportError, match="not an earlier session"):
+            await receiving.retire(old)
+        print(f"cut write: {at_retire} of {size} bytes landed before retire, {late} after")
+
+
+async def test_one_process_two_engines_share_the_same_registered_memory(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    # Before the old engine is retired, writes through either engine land in the one buffer.
+    sender, receiver = engine_pair
+    page = 4096
+    src, dst = LocalBuffer(4 * page, seed=10), LocalBuffer(4 * page, seed=11)
+    sender.register_buffer(src.addr, src.size)
+    receiver.register_buffer(dst.addr, dst.size)
+    old = receiver.session_id
+    new = await receiver.rotate()
+    first = await sender.batch_write(old, [Op(src.addr, dst.addr, page)])
+    second = await sender.batch_write(new, [Op(src.addr + page, dst.addr + page, page)])
+    assert first.ok and second.ok, (first.error, second.error)
+    assert dst.sha256(0, 2 * page) == src.sha256(0, 2 * page)
+    await receiver.retire(old)
+    refused = await sender.batch_write(old, [Op(src.addr, dst.addr + 2 * page, page)])
+    assert not refused.ok
+    third = await sender.batch_write(new, [Op(src.addr + 3 * page, dst.addr + 3 * page, page)])
+    assert third.ok, third.error
+    assert dst.sha256(3 * page, page) == src.sha256(3 * page, page)
+    assert dst.sha256(2 * page, page) != src.sha256(0, page)

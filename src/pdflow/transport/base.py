@@ -73,6 +73,10 @@ class FenceUnavailableError(TransportError):
     """`fence` was called on a transport whose receiver-side fence is not real."""
 
 
+class RotationUnavailableError(TransportError):
+    """`rotate` or `retire` was called on a transport whose `can_rotate` is False."""
+
+
 class Transport(abc.ABC):
     """Abstract async transport between engines addressed by session ids.
 
@@ -131,6 +135,26 @@ class Transport(abc.ABC):
         longer writes anything fenced (its drain ACKs). Raises `FenceUnavailableError` where
         `fence_is_real` is False.
         """
+
+    @property
+    def can_rotate(self) -> bool:
+        """Whether this transport fences by engine rotation (`rotate`, then `retire`).
+
+        A transport whose per-peer fence is not real may still offer this receiver-side cut for
+        every peer at once: open a new engine with the same memory registered, let new writes
+        go there, and destroy the old engine once nothing needs it.
+        """
+        return False
+
+    async def rotate(self) -> str:
+        """Open a new engine with every registered buffer registered in it too and make it the
+        current one; return its session id. The previous engine keeps serving until `retire`."""
+        raise RotationUnavailableError(f"{type(self).__name__} cannot rotate its engine")
+
+    async def retire(self, session_id: str) -> None:
+        """Destroy the engine behind a previous session id: once this returns, no byte of any
+        peer's write through it, in flight or later, can land in this process."""
+        raise RotationUnavailableError(f"{type(self).__name__} cannot rotate its engine")
 
     @abc.abstractmethod
     async def aclose(self) -> None:

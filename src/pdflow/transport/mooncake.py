@@ -28,6 +28,13 @@ connections or removes its endpoint. So unregistering a buffer refuses only requ
 header arrives later, and a paused writer's accepted request lands when it resumes
 (tests/integration/test_mooncake_transport.py shows it). Over RDMA the mechanism exists in the
 engine (docs/operations.md, "Fencing a dead writer") but the binding does not expose it.
+
+What does cut every peer at once is destroying the engine (its io thread joined, every
+connection closed), so the transport fences by rotation (`can_rotate`): `rotate` opens a second
+engine in this process with the same buffers registered (a new session id, new rpc port) and
+makes it current; `retire` destroys the old one, after which no write through it can land (a
+paused writer's accepted request fails when it resumes:
+tests/integration/test_mooncake_transport.py).
 """
 
 from __future__ import annotations
@@ -41,7 +48,12 @@ import anyio
 import anyio.to_thread
 import msgspec
 
-from pdflow.transport.base import RegistrationError, TransferOutcome, TransportError
+from pdflow.transport.base import (
+    RegistrationError,
+    RotationUnavailableError,
+    TransferOutcome,
+    TransportError,
+)
 from pdflow.transport.guarded import CheckedWrite, GuardedTransport
 
 SUPPORTED_PROTOCOLS = ("tcp", "rdma")
@@ -75,6 +87,21 @@ def load_engine_class() -> Any:
             "mooncake-transfer-engine-non-cuda and libibverbs1/librdmacm1)"
         ) from exc
     return TransferEngine
+
+
+def _start_engine(config: MooncakeConfig) -> tuple[Any, str]:
+    """A new engine listening on `config.host` and its session id, "host:rpc_port"."""
+    engine = load_engine_class()()
+    status = engine.initialize(
+        config.host, config.metadata_server, config.protocol, config.device_name
+    )
+    if status != 0:
+        raise TransportError(
+            f"Mooncake engine failed to initialise (status {status}) on host "
+            f"{config.host!r} with protocol {config.protocol!r}; check the host address "
+            "and, for rdma, that RDMA devices are present"
+        )
+    return engine, f"{config.host}:{engine.get_rpc_port()}"
 
 
 def _is_batch_id(handle: int) -> bool:
@@ -147,6 +174,8 @@ class MooncakeTransport(GuardedTransport):
         self._queued: list[_WriteCall] = []
         self._worker_freed = anyio.Event()
         self._jobs_running = 0
+        # Engines of earlier sessions, still serving their rooms until `retire` destroys them.
+        self._retiring: dict[str, Any] = {}
 
     @classmethod
     def open(cls, config: MooncakeConfig | None = None) -> MooncakeTransport:
@@ -159,17 +188,51 @@ class MooncakeTransport(GuardedTransport):
             )
         if config.max_concurrent_calls < 1 or config.max_outstanding_ops < 1:
             raise TransportError("max_concurrent_calls and max_outstanding_ops must be >= 1")
-        engine = load_engine_class()()
-        status = engine.initialize(
-            config.host, config.metadata_server, config.protocol, config.device_name
-        )
-        if status != 0:
-            raise TransportError(
-                f"Mooncake engine failed to initialise (status {status}) on host "
-                f"{config.host!r} with protocol {config.protocol!r}; check the host address "
-                "and, for rdma, that RDMA devices are present"
+        engine, session_id = _start_engine(config)
+        return cls(engine, session_id, config)
+
+    @property
+    def can_rotate(self) -> bool:
+        return True
+
+    @property
+    def retiring_sessions(self) -> tuple[str, ...]:
+        """Earlier sessions whose engines still run (rotated away from, not yet retired)."""
+        return tuple(self._retiring)
+
+    async def rotate(self) -> str:
+        """Open a second engine, register every buffer with it, and make it the current one."""
+        self._check_open()
+        engine, session_id = await anyio.to_thread.run_sync(_start_engine, self._config)
+        try:
+            for addr, length in self._regions.regions():
+                status = engine.register_memory(addr, length)
+                if status != 0:
+                    raise RegistrationError(
+                        f"the new Mooncake engine refused [{addr:#x}, +{length}) (status "
+                        f"{status}); the current engine {self._session_id} stays in use"
+                    )
+        except BaseException:
+            await anyio.to_thread.run_sync([engine].clear)
+            raise
+        self._retiring[self._session_id] = self._engine
+        self._engine, self._session_id = engine, session_id
+        return session_id
+
+    async def retire(self, session_id: str) -> None:
+        """Destroy the engine of an earlier session (its io thread joined, its connections
+        closed); waits first for this transport's own writes in flight."""
+        self._check_open()
+        if session_id not in self._retiring:
+            raise RotationUnavailableError(
+                f"{session_id!r} is not an earlier session of this transport (current "
+                f"{self._session_id!r}, retiring {sorted(self._retiring)}); rotate first"
             )
-        return cls(engine, f"{config.host}:{engine.get_rpc_port()}", config)
+        await self._inflight.wait_all_idle()
+        engine = self._retiring.pop(session_id)
+        for addr, _length in self._regions.regions():
+            engine.unregister_memory(addr)
+        await anyio.to_thread.run_sync([engine].clear, limiter=self._limiter)
 
     @property
     def session_id(self) -> str:
@@ -192,6 +255,8 @@ class MooncakeTransport(GuardedTransport):
             )
 
     def _engine_unregister(self, addr: int) -> None:
+        for retiring in self._retiring.values():  # an earlier engine must not take it either
+            retiring.unregister_memory(addr)
         status = self._engine.unregister_memory(addr)
         if status != 0:
             raise RegistrationError(f"Mooncake refused to unregister {addr:#x} (status {status})")
@@ -308,6 +373,7 @@ class MooncakeTransport(GuardedTransport):
     async def _engine_shutdown(self) -> None:
         # Dropping the last reference runs the engine's destructor, which joins its threads
         # and takes about a second; let a worker thread pay for it, not the event loop.
-        holder = [self._engine]
+        holder = [self._engine, *self._retiring.values()]
         self._engine = None
+        self._retiring.clear()
         await anyio.to_thread.run_sync(holder.clear, limiter=self._limiter)
