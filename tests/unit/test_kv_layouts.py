@@ -7,6 +7,7 @@ import pytest
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
+    ClearRoom,
     CloseSession,
     DecodeEndpointConfig,
     Dropped,
@@ -14,12 +15,14 @@ from pdflow.core.endpoints.endpoint_io import (
     OpenReceiver,
     PrefillEndpointConfig,
     Received,
+    RoomCall,
+    SessionRotated,
     TopologyKnown,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.framework.errors import LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import PublishPages
+from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import SendMessage
 from pdflow.core.resources.kv_layouts import (
@@ -27,9 +30,11 @@ from pdflow.core.resources.kv_layouts import (
     Contact,
     DecodeLayout,
     LayoutAnnouncement,
+    LayoutChanged,
     LayoutEvicted,
     PeerLost,
 )
+from pdflow.core.resources.page_ledger import PagesFreed, SessionRetired
 from tests.unit.test_endpoint_scenarios import BOOT, DECODE, PREFILL_A, TIMEOUTS, info
 
 LAYOUT = packed_layout(base_addr=4096, num_layers=2, num_pages=8, page_size=16, num_heads=8,
@@ -161,3 +166,48 @@ def test_cells_outside_the_tables_are_refused_and_change_nothing() -> None:
     with pytest.raises(LocalProtocolError):
         layout.fire(LayoutEvicted(), 0.0)
     assert layout.announcement is None
+
+
+def test_a_rotated_session_is_announced_again_and_retired_only_once_no_live_room_uses_it() -> None:
+    d = decode_endpoint()
+    d.handle(OpenReceiver(1, 1, BOOT), 0.0)
+    d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
+    d.handle(PublishPages(1, (0, 1), aux_index=0), 0.1)
+    d.handle(Received(KvArgsAccepted(PREFILL_A, DECODE, "10.0.0.1:7100")), 0.2)
+    d.handle(OpenReceiver(2, 1, BOOT), 0.3)  # opened, not yet published: moves with the rotation
+    with pytest.raises(InvalidInput, match="new transport session"):
+        d.handle(SessionRotated("10.0.1.1:9000"), 0.4)
+    rotated = d.handle(SessionRotated("10.0.1.1:9001"), 0.5)
+    assert fired(rotated) == [("LayoutAnnouncement", "ACCEPTED", "LayoutChanged", "STALE")]
+    step = d.handle(PublishPages(2, (2,), aux_index=0), 0.6)
+    messages = [o.message for o in step.outputs if isinstance(o, SendMessage)]
+    assert [type(m) for m in messages] == [KvArgs, RoomMetadata]
+    assert [m.session_id for m in messages if isinstance(m, (KvArgs, RoomMetadata))] == [
+        "10.0.1.1:9001", "10.0.1.1:9001"]  # fmt: skip
+    assert fired(step) == [("LayoutAnnouncement", "STALE", "Contact", "ANNOUNCED")]
+    # Room 1 still writes through the old session: retiring it is refused, nothing changes.
+    before = d.snapshot()
+    with pytest.raises(InvalidInput, match=r"rooms \[1\] still depend on it"):
+        d.handle(SessionRetired("10.0.1.1:9000"), 0.7)
+    with pytest.raises(InvalidInput, match="current one"):
+        d.handle(SessionRetired("10.0.1.1:9001"), 0.7)
+    assert d.snapshot() == before
+    # Room 1 fails (its writer never drains): quarantined, then freed by the retirement.
+    d.handle(RoomCall(1, AbortRequested("test")), 0.8)
+    assert d.quarantined_pages == 2 and d.live_rooms_on("10.0.1.1:9000") == ()
+    retired = d.handle(SessionRetired("10.0.1.1:9000"), 0.9)
+    assert [o for o in retired.outputs if isinstance(o, PagesFreed)] == [PagesFreed(1, 1, (0, 1))]
+    assert d.quarantined_pages == 0
+    assert d.snapshot().counters["sessions_rotated"] == 1
+    assert d.snapshot().counters["sessions_retired"] == 1
+    d.handle(ClearRoom(1), 1.0)
+
+
+def test_a_stale_announcement_keeps_the_writer_session_for_its_fence() -> None:
+    machine = LayoutAnnouncement(PREFILL_A)
+    machine.fire(Contact(announcement(DECODE)), 0.0)
+    machine.fire(LayoutChanged(), 0.1)
+    machine.fire(AcceptArrived(KvArgsAccepted(PREFILL_A, DECODE, "s")), 0.2)
+    assert machine.session_id == "s" and machine.state.name == "STALE"
+    with pytest.raises(LocalProtocolError):
+        LayoutAnnouncement(PREFILL_A).fire(LayoutChanged(), 0.0)

@@ -22,6 +22,7 @@ from pdflow.core.resources.page_ledger import (
     RoomPages,
     RoomPagesState,
     SessionClosed,
+    SessionRetired,
     VerifyDone,
     VerifyStarted,
     WriterDead,
@@ -59,6 +60,7 @@ SAMPLES: dict[str, Input] = {
     "AckArrived": AckArrived(1, 1, A),
     "WriterDead": WriterDead(A),
     "SessionClosed": SessionClosed(A),
+    "SessionRetired": SessionRetired("10.0.1.1:9000"),
 }
 
 
@@ -303,3 +305,26 @@ def test_a_finished_verification_leaves_a_plain_reservation() -> None:
     ledger.handle(VerifyDone(7, 1), 1.1)
     assert ledger.state_of(7, 1) is RoomPagesState.RESERVED
     assert [f.pages for f in _freed(ledger.handle(ReleaseAfterSuccess(7, 1), 1.2))] == [(0, 1)]
+
+
+def test_retiring_a_session_frees_exactly_the_fenced_rooms_published_under_it() -> None:
+    """Fence by engine rotation: the old engine's destruction clears every writer of the rooms
+    published under its session, alive or dead, and nothing else."""
+    ledger = PageLedger(POOL)
+    ledger.handle(Reserve(7, 1, (0, 1)), 0.0)
+    ledger.handle(Fence(7, 1, (A, B), "old:1"), 1.0)
+    ledger.handle(Reserve(8, 1, (2, 3)), 0.0)
+    ledger.handle(Fence(8, 1, (A,), "new:2"), 1.0)
+    ledger.handle(Reserve(9, 1, (4,)), 0.0)  # live, not fenced: never touched
+    ledger.handle(WriterDead(A), 2.0)
+    assert ledger.dead_held_pages() == 2  # room 8 waits on dead A only; room 7 on B too
+    assert ledger.sessions_held() == {"old:1", "new:2"}
+    step = ledger.handle(SessionRetired("old:1"), 3.0)
+    assert _freed(step) == [PagesFreed(7, 1, (0, 1))]
+    assert [f.on for f in step.fired] == ["SessionRetired"]
+    assert ledger.state_of(8, 1) is RoomPagesState.FENCED
+    assert ledger.state_of(9, 1) is RoomPagesState.RESERVED
+    assert ledger.snapshot().retired_sessions == ("old:1",)
+    # A fence armed later for a room of a retired session frees at once: nothing can land.
+    ledger.handle(Reserve(10, 1, (5,)), 4.0)
+    assert _freed(ledger.handle(Fence(10, 1, (B,), "old:1"), 5.0)) == [PagesFreed(10, 1, (5,))]

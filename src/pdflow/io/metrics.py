@@ -82,6 +82,14 @@ class NodeMetrics:
             "pdflow_admission_admitted",
             "Decode requests admitted and not yet finished (their pages are counted)", registry=r,
         )  # fmt: skip
+        self.session_rotations = Counter(
+            "pdflow_session_rotations", "Decode transport engines rotated and retired (fence by "
+            "engine rotation), by what asked", ["reason"], registry=r,
+        )  # fmt: skip
+        self.rotation_released_pages = Counter(
+            "pdflow_rotation_released_pages", "Quarantined pages released by retiring an engine",
+            registry=r,
+        )
         self.quarantine_oldest_age = Gauge(
             "pdflow_quarantine_oldest_age_seconds", "Age of the oldest quarantined room", registry=r
         )

@@ -3,8 +3,10 @@
 It fetches prefill topologies from their bootstrap registries, hands each rank's core its KV
 layout (the core announces it to every prefill rank before its first message), heartbeats the
 prefill instances it knows, closes the transport sessions of writers the core declared dead,
-and recomputes checksums when the core asks. Pages come back to the engine only through
-:class:`~pdflow.io.node_common.PagesReleased` events; see docs/embedding.md.
+and recomputes checksums when the core asks. Where the transport has no per-peer fence but can
+rotate its engine, it fences by rotation (:meth:`DecodeNode.reclaim_quarantine`). Pages come
+back to the engine only through :class:`~pdflow.io.node_common.PagesReleased` events; see
+docs/embedding.md.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import anyio
 import anyio.to_thread
+import msgspec
 import structlog
 
 from pdflow.core.cluster.registry import declared_checksum, declared_is_mla
@@ -38,6 +41,7 @@ from pdflow.core.endpoints.endpoint_io import (
     RegisteredPrefillRank,
     RoomCall,
     RoomRemoved,
+    SessionRotated,
     StagingPlaced,
     TopologyFailed,
     TopologyKnown,
@@ -56,6 +60,7 @@ from pdflow.core.resources.page_ledger import (
     PagesQuarantined,
     QuarantinedRoom,
     SessionClosed,
+    SessionRetired,
 )
 from pdflow.dataplane.executor import Executor
 from pdflow.io.admission_gate import AdmissionGate
@@ -92,13 +97,26 @@ from pdflow.io.node_common import (
     peer_key,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
-from pdflow.transport.base import Transport, TransportError
+from pdflow.transport.base import RotationUnavailableError, Transport, TransportError
 
 log = structlog.get_logger("pdflow.decode")
 
 DP_RANK_POLL_S = 0.01
 """How often the decode asks the registry for a room's DP rank the prefill has not registered
 yet (it does so as it opens the room, usually within milliseconds)."""
+
+# How often a rotation looks again for live rooms of the old session (each ends by its own timers).
+_DRAIN_POLL_S = 0.02
+
+
+class RotationReport(msgspec.Struct, frozen=True):
+    """One fence by engine rotation: the sessions, and what the retirement gave back."""
+
+    old_session: str
+    new_session: str
+    reason: str
+    released_pages: int
+    drain_s: float
 
 
 def request_id(room: int, generation: int) -> str:
@@ -329,6 +347,9 @@ class DecodeNode(NodeLifecycle):
         # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
         self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
         self.admission: dict[int, AdmissionGate] = {}
+        self._rotation_lock = anyio.Lock()
+        self._rotation_wanted = False
+        self.rotations: list[RotationReport] = []
 
     async def _start(self) -> None:
         for rank_kv in self.rank_kv:
@@ -436,6 +457,77 @@ class DecodeNode(NodeLifecycle):
         oldest_age = anyio.current_time() - min(fenced) if fenced else 0.0
         staging = sum(host.endpoint.quarantined_staging_bytes for host in self._hosts)
         self.runtime.metrics.quarantine(pages, oldest_age, staging)
+        if self._wants_rotation():
+            self._rotation_wanted = True
+            self.spawn(lambda: self._rotate_when_wanted("quarantine_threshold"))
+
+    def _wants_rotation(self) -> bool:
+        """Pages held only for dead writers (or their staging bytes) past the setting, on any
+        rank: only a rotation gives them back on a transport without a per-peer fence."""
+        percent = self.settings.rotate_quarantine_percent
+        if not percent or self._rotation_wanted or not self.transport.can_rotate:
+            return False
+        for host in self._hosts:
+            endpoint, cfg = host.endpoint, host.endpoint.config
+            limit = percent / 100 * cfg.num_pages
+            ring_limit = percent / 100 * cfg.staging_capacity
+            cheap = endpoint.quarantined_pages  # an upper bound, O(1): walk only past it
+            if cheap <= limit and not (ring_limit and cheap * cfg.staging_page_bytes > ring_limit):
+                continue
+            dead = endpoint.dead_held_pages
+            if dead > limit or (ring_limit and dead * cfg.staging_page_bytes > ring_limit):
+                return True
+        return False
+
+    async def _rotate_when_wanted(self, reason: str) -> None:
+        try:
+            await self.reclaim_quarantine(reason=reason)
+        finally:
+            self._rotation_wanted = False
+
+    async def reclaim_quarantine(self, *, reason: str = "requested") -> RotationReport:
+        """Fence by engine rotation: release every page quarantined for writers that never
+        drain (a killed prefill), on a transport that cannot fence one peer.
+
+        Opens a new engine with the same memory registered and hands its session to every rank
+        (rooms opened from now on, and rooms not yet published, use it; the layout is announced
+        again). Live rooms of the old session are never cut: they finish or fail by their own
+        timers. Once none is left the old engine is destroyed, so no write of any writer
+        through it can land, and only then the ranks are told (SessionRetired) and free every
+        fenced room published under it. Raises ``RotationUnavailableError`` where the transport
+        cannot rotate.
+        """
+        if not self.transport.can_rotate:
+            raise RotationUnavailableError(
+                f"{type(self.transport).__name__} cannot rotate its engine; its quarantined "
+                "pages wait for their writers' drain ACKs"
+            )
+        async with self._rotation_lock:
+            old = self.transport.session_id
+            new = await self.transport.rotate()
+            for host in self._hosts:
+                await host.call(SessionRotated(new))
+            held = sum(host.endpoint.quarantined_pages for host in self._hosts)
+            log.info("session_rotated", node=self.runtime.node_id, old_session=old,
+                     new_session=new, reason=reason, quarantined_pages=held)  # fmt: skip
+            started = anyio.current_time()
+            while any(host.endpoint.live_rooms_on(old) for host in self._hosts):
+                await anyio.sleep(_DRAIN_POLL_S)
+            drain_s = anyio.current_time() - started
+            await self.transport.retire(old)  # its io thread joined, its connections closed
+            released = 0
+            for host in self._hosts:
+                before = host.endpoint.quarantined_pages
+                await host.call(SessionRetired(old))
+                released += before - host.endpoint.quarantined_pages
+            report = RotationReport(old, new, reason, released, drain_s)
+            self.rotations.append(report)
+            self.runtime.metrics.session_rotations.labels(reason).inc()
+            self.runtime.metrics.rotation_released_pages.inc(released)
+            log.info("session_retired", node=self.runtime.node_id,
+                     **msgspec.structs.asdict(report))  # fmt: skip
+            self.update_quarantine()
+            return report
 
     # ---- topology ------------------------------------------------------------------------------
     def _client(self, bootstrap: str) -> BootstrapClient:
@@ -543,8 +635,10 @@ class DecodeNode(NodeLifecycle):
         if session is None or not self.transport.fence_is_real:
             why = ("its transport session is unknown" if session is None
                    else "the transport has no receiver-side fence")  # fmt: skip
+            then = (" or an engine rotation (reclaim_quarantine)" if self.transport.can_rotate
+                    else "")  # fmt: skip
             log.warning("writer_not_fenced", endpoint=host.endpoint_id, writer=peer_key(peer),
-                        reason=f"{why}; its pages stay quarantined until its drain ACK")
+                        reason=f"{why}; its pages stay quarantined until its drain ACK{then}")
             return
         self._channels[host.rank].forget(peer.address)
         await self.transport.fence(session)

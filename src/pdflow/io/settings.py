@@ -47,6 +47,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     control_max_peers: int = 1024
     control_max_early_pages: int = 1 << 20
     control_mac_window: float = 30.0
+    rotate_quarantine_percent: float = 0.0
+    """Decode: rotate the transport engine (fence by engine rotation, docs/operations.md) when a
+    rank's pages held only for dead writers exceed this percent of its pool, or (staged ranks)
+    the ring bytes those pages take exceed this percent of the ring; 0 turns it off."""
     metrics_port: int | None = None
     """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
 
@@ -139,6 +143,11 @@ def _transport(value: Any) -> str | None:
     return None if ok else f"{value!r} must be one of {', '.join(TRANSPORT_PROTOCOLS)}"
 
 
+def _percent(value: Any) -> str | None:
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value <= 100
+    return None if ok else f"{value!r} must be a percent between 0 and 100 (0: off)"
+
+
 def _policy(value: Any) -> str | None:
     ok = isinstance(value, AllocationPolicy)
     return None if ok else f"{value!r} must be an AllocationPolicy"
@@ -180,6 +189,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_early_pages": _Field(_parse_int, _positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
     "metrics_port": _Field(_parse_int, _optional_port),
+    "rotate_quarantine_percent": _Field(_parse_float, _percent),
 }
 
 # The variable pdflow reads for a field, where it is not simply PDFLOW_<FIELD NAME>.

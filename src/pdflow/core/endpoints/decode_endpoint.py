@@ -4,6 +4,11 @@ It resolves each room's prefill ranks from the registry's topology (cached per i
 routes status reports to rooms and drain ACKs to the ledger, counts heartbeat failures per
 prefill instance, and on a dead instance fails its rooms, marks its writers dead and asks the
 shell to close their transport sessions: the ledger frees a dead writer's pages only after that.
+
+Where the transport has no per-peer fence, the shell fences by rotating the engine: it hands
+the endpoint a new session (SessionRotated; new rooms use it, the layout is announced again),
+waits until no live room depends on the old one, destroys that engine, and only then reports
+SessionRetired, which frees every fenced room published under it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from pdflow.core.endpoints.endpoint_io import (
     PrefillInfo,
     Received,
     RoomCall,
+    SessionRotated,
     StagingPlaced,
     TimerFired,
     TopologyFailed,
@@ -89,6 +95,7 @@ from pdflow.core.resources.page_ledger import (
     Reserve,
     RoomPagesState,
     SessionClosed,
+    SessionRetired,
     VerifyDone,
     VerifyStarted,
     WriterDead,
@@ -153,6 +160,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._step_fired: list[Fired] = []
         self._opening = OpenReceiver(0, 0, "")
         self.announcements = LayoutAnnouncements()
+        # The transport session rooms opened now are published under (rotated by the shell).
+        self.session_id = config.session_id or config.me.address
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
@@ -181,6 +190,10 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             self._heartbeat(inp, now, out, fired)
         elif isinstance(inp, SessionClosed):
             self._ledger(inp, now, out, fired)
+        elif isinstance(inp, SessionRotated):
+            self._rotate(inp, now, fired)
+        elif isinstance(inp, SessionRetired):
+            self._retire(inp, now, out, fired)
         elif isinstance(inp, ChecksumChecked):
             self._slot(inp.room, inp.generation, inp, now, out, fired)
         elif isinstance(inp, TimerFired):
@@ -221,7 +234,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         room = ReceiverRoom(
             room_id, generation, self.me, now,
             policy=cfg.policy, timeouts=cfg.timeouts,
-            session_id=cfg.session_id or self.me.address,
+            session_id=self.session_id,
             # A staged room is finished by the shell (scatter, then checksums) before Success.
             verify_checksums=self.staging is not None,
             require_checksums=cfg.verify_checksums,
@@ -557,6 +570,50 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             if self.announcements.is_announced(peer):
                 fired.append(self.announcements.fire(peer, PeerLost(), now)[1])
 
+    # ---- fence by engine rotation ----------------------------------------------------------------
+    def _rotate(self, inp: SessionRotated, now: float, fired: list[Fired]) -> None:
+        if not inp.session or inp.session == self.session_id:
+            raise InvalidInput(
+                f"SessionRotated must name a new transport session, got {inp.session!r} "
+                f"(current {self.session_id!r}); open a new engine first"
+            )
+        self.session_id = inp.session
+        for room in self.rooms.values():
+            if room.published is None and not room.poll.is_terminal:
+                room.session_id = inp.session  # no writer has been told its session yet
+        fired.extend(self.announcements.layout_changed(now))
+        self.counters["sessions_rotated"] += 1
+
+    def _retire(
+        self, inp: SessionRetired, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        if inp.session == self.session_id:
+            raise InvalidInput(
+                f"cannot retire transport session {inp.session!r}: it is the current one; "
+                "rotate first (SessionRotated)"
+            )
+        live = self.live_rooms_on(inp.session)
+        if live:
+            raise InvalidInput(
+                f"cannot retire transport session {inp.session!r}: rooms {list(live)} still "
+                "depend on it; destroy its engine and retire it once they ended"
+            )
+        self.counters["sessions_retired"] += 1
+        self._ledger(inp, now, out, fired)
+
+    def live_rooms_on(self, session: str) -> tuple[int, ...]:
+        """Rooms not ended whose writers were (or will be) told to write through ``session``:
+        its engine must outlive them."""
+        return tuple(
+            room_id for room_id, room in sorted(self.rooms.items())
+            if room.session_id == session and not room.poll.is_terminal
+        )  # fmt: skip
+
+    @property
+    def dead_held_pages(self) -> int:
+        """Quarantined pages waiting only on writers declared dead (O(fenced rooms))."""
+        return self.ledger.dead_held_pages()
+
     def _forget_waiting(self, bootstrap: str, room_id: int) -> None:
         waiting = self.awaiting_topology.get(bootstrap)
         if waiting and room_id in waiting:
@@ -593,7 +650,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     def _kv_args(self, layout: KvLayout, prefill: PeerId) -> KvArgs:
         cfg = self.config
         return KvArgs(
-            decode=self.me, prefill=prefill, session_id=cfg.session_id or self.me.address,
+            decode=self.me, prefill=prefill, session_id=self.session_id,
             layout=layout, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
             total_kv_heads=cfg.num_kv_heads, staging_addr=cfg.staging_addr, state=cfg.state,
         )  # fmt: skip
@@ -607,7 +664,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             out.append(output)
             if isinstance(output, ArmFence):
                 # The ledger learns of the fence in the same step, before any ABORT is sent.
-                self._ledger(Fence(output.room, output.generation, output.writers), now, out, fired)
+                fence = Fence(output.room, output.generation, output.writers, room.session_id)
+                self._ledger(fence, now, out, fired)
             elif isinstance(output, VerifyChecksums):
                 # The shell's verification writes the pages too (the staged scatter).
                 self._ledger(VerifyStarted(output.room, output.generation), now, out, fired)

@@ -22,7 +22,7 @@ from pdflow.core.protocol.inputs import (
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 from pdflow.core.protocol.outputs import Output
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
-from pdflow.core.resources.page_ledger import SessionClosed
+from pdflow.core.resources.page_ledger import SessionClosed, SessionRetired
 
 
 class EndpointInput(msgspec.Struct, frozen=True, tag_field="type"):
@@ -151,6 +151,15 @@ class CloseSession(Output, frozen=True, tag="close_session"):
     """The writer's transport session, as its KvArgsAccepted named it (None: never heard)."""
 
 
+class SessionRotated(EndpointInput, frozen=True, tag="SessionRotated"):
+    """Decode: the shell opened a new transport engine (same memory registered) under
+    ``session``. Rooms opened from now on, and rooms not yet published, use it; the layout is
+    announced again, with it, to every prefill rank before its next message. The previous
+    session stays until the shell retires it (SessionRetired), once no live room uses it."""
+
+    session: str
+
+
 class StagingPlaced(Output, frozen=True, tag="staging_placed"):
     """Decode: the room's staging region (writers fill it back to back in rank order); the shell
     scatters it into the room's pages when asked to verify the room, then it is released."""
@@ -227,6 +236,8 @@ DecodeEndpointInput = (
     | Received
     | HeartbeatResult
     | SessionClosed
+    | SessionRotated
+    | SessionRetired
     | ChecksumChecked
     | TimerFired
 )

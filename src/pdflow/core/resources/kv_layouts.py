@@ -9,7 +9,9 @@ sides are table machines, one per peer:
   ANNOUNCED on first contact (emits the KvArgs; repeated before each message until answered,
   since a lost announcement would silence the rank) -> ACCEPTED when the answer arrives. An
   answer from a prefill rank never announced to is refused. Forgotten when the prefill
-  instance is lost (its PeerIds never come back: a restart draws a new incarnation).
+  instance is lost (its PeerIds never come back: a restart draws a new incarnation). When the
+  decode rotates its transport session (fence by engine rotation), every announcement goes
+  STALE (LayoutChanged) and is said again, with the new session, before the next message.
 - :class:`DecodeLayout` (prefill side, one per decode rank): ABSENT -> KNOWN on an
   announcement (emits the answer); a later life of the same decode rank replaces it. At most
   ``limit`` are kept: past it, the least recently heard from is evicted (back to ABSENT).
@@ -26,7 +28,7 @@ from typing import cast
 
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
-from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId
+from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId, peer_order
 from pdflow.core.protocol.outputs import Output, SendMessage
 
 
@@ -35,6 +37,7 @@ class AnnouncementState(enum.Enum):
     UNANNOUNCED = "UNANNOUNCED"
     ANNOUNCED = "ANNOUNCED"
     ACCEPTED = "ACCEPTED"
+    STALE = "STALE"
 
 
 class Contact(Input, frozen=True, tag="Contact"):
@@ -45,6 +48,10 @@ class Contact(Input, frozen=True, tag="Contact"):
 
 class AcceptArrived(Input, frozen=True, tag="AcceptArrived"):
     accepted: KvArgsAccepted
+
+
+class LayoutChanged(Input, frozen=True, tag="LayoutChanged"):
+    """The decode rank's announcement changed (a new transport session): say it again."""
 
 
 class PeerLost(Input, frozen=True, tag="PeerLost"):
@@ -76,7 +83,7 @@ ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
     machine="LayoutAnnouncement",
     states=AnnouncementState,
     initial=AnnouncementState.UNANNOUNCED,
-    inputs=(Contact, AcceptArrived, PeerLost),
+    inputs=(Contact, AcceptArrived, PeerLost, LayoutChanged),
     remote_inputs=(AcceptArrived,),
     rows=[
         row(
@@ -88,6 +95,13 @@ ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
         row(_A.ANNOUNCED, PeerLost, _A.UNANNOUNCED),
         row(_A.ACCEPTED, AcceptArrived, _A.ACCEPTED, action=_LA._act_record_session),
         row(_A.ACCEPTED, PeerLost, _A.UNANNOUNCED),
+        row(_A.ANNOUNCED, LayoutChanged, _A.STALE),
+        row(_A.ACCEPTED, LayoutChanged, _A.STALE),
+        # The prefill rank holds an older announcement: the next message is preceded by the new.
+        row(_A.STALE, Contact, _A.ANNOUNCED, emits=["send.kv_args"], action=_LA._act_announce),
+        row(_A.STALE, AcceptArrived, _A.STALE, action=_LA._act_record_session),
+        row(_A.STALE, PeerLost, _A.UNANNOUNCED),
+        row(_A.STALE, LayoutChanged, _A.STALE),
     ],
 )
 LayoutAnnouncement.table = ANNOUNCEMENT_TABLE
@@ -122,6 +136,11 @@ class LayoutAnnouncements:
         else:
             self._peers[prefill] = machine
         return outputs, fired
+
+    def layout_changed(self, now: float) -> list[Fired]:
+        """Every announced prefill rank holds an outdated layout: each goes STALE."""
+        peers = sorted(self._peers, key=peer_order)
+        return [self.fire(peer, LayoutChanged(), now)[1] for peer in peers]
 
     def __len__(self) -> int:
         return len(self._peers)

@@ -3,7 +3,9 @@
 A page is FREE, RESERVED by one room instance ``(room, generation)``, or QUARANTINED by a fenced
 room. A room that failed after publishing its pages is fenced: each prefill rank that may still
 write into them (a *writer*) must be cleared first, by its drain ACK, or by being declared dead
-*and* fenced on the decode's receiving side (SessionClosed: then no write can land). Neither a
+*and* fenced on the decode's receiving side (SessionClosed: then no write can land), or by the
+retirement of the transport session the room was published under (SessionRetired: the decode
+destroyed that engine, so no write of any writer through it can land). Neither a
 heartbeat verdict alone (WriterDead) nor a timeout ever frees a quarantined page;
 :meth:`PageLedger.report` shows how long each has been held instead, and
 :attr:`PageLedger.allocatable` leaves quarantined pages out so admission sees the smaller pool.
@@ -81,11 +83,15 @@ class ReleaseUnpublished(Input, frozen=True, tag="ReleaseUnpublished"):
 
 
 class Fence(Input, frozen=True, tag="Fence"):
-    """The room failed after publishing: hold its pages until every writer is cleared."""
+    """The room failed after publishing: hold its pages until every writer is cleared.
+
+    ``session`` is the decode's transport session the room told its writers to write to;
+    retiring it (SessionRetired) clears every writer of the room at once."""
 
     room: int
     generation: int
     writers: tuple[PeerId, ...]
+    session: str = ""
 
 
 class AckArrived(Input, frozen=True, tag="AckArrived"):
@@ -115,6 +121,17 @@ class SessionClosed(Input, frozen=True, tag="SessionClosed"):
     writer: PeerId
 
 
+class SessionRetired(Input, frozen=True, tag="SessionRetired"):
+    """The shell destroyed the decode's transport engine behind this session (its io thread
+    joined, every connection closed): no write of any writer through it can land any more.
+
+    Handed over only after the engine's destruction returned (fence by engine rotation,
+    docs/operations.md); it frees every fenced room published under that session.
+    """
+
+    session: str
+
+
 LedgerInput = (
     Reserve
     | VerifyStarted
@@ -125,6 +142,7 @@ LedgerInput = (
     | AckArrived
     | WriterDead
     | SessionClosed
+    | SessionRetired
 )
 
 
@@ -165,6 +183,7 @@ class LedgerSnapshot(msgspec.Struct, frozen=True):
     rooms: tuple[RoomPagesSnapshot, ...]
     dead_writers: tuple[PeerId, ...]
     closed_sessions: tuple[PeerId, ...]
+    retired_sessions: tuple[str, ...] = ()
 
 
 class QuarantinedRoom(msgspec.Struct, frozen=True):
@@ -213,6 +232,7 @@ class WriterHealth:
     def __init__(self) -> None:
         self.dead: set[PeerId] = set()
         self.closed: set[PeerId] = set()
+        self.retired: set[str] = set()
 
     def cannot_write(self, writer: PeerId) -> bool:
         return writer in self.dead and writer in self.closed
@@ -233,12 +253,15 @@ class RoomPages(TableMachine[RoomPagesState]):
         self.writers: tuple[PeerId, ...] = ()
         self.acked: set[PeerId] = set()
         self.fenced_at: float | None = None
+        self.session = ""
 
     def holds_pages(self) -> bool:
         return self.state is not RoomPagesState.FREE
 
     def pending_writers(self) -> tuple[PeerId, ...]:
-        """Writers of a fenced room not yet cleared."""
+        """Writers of a fenced room not yet cleared (none once its session is retired)."""
+        if self.session and self.session in self._health.retired:
+            return ()
         return tuple(
             w for w in self.writers if w not in self.acked and not self._health.cannot_write(w)
         )
@@ -256,7 +279,7 @@ class RoomPages(TableMachine[RoomPagesState]):
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, (WriterDead, SessionClosed)):
+        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired)):
             return
         keyed = cast(
             Reserve | VerifyStarted | VerifyDone | ReleaseAfterSuccess | ReleaseUnpublished
@@ -274,7 +297,10 @@ class RoomPages(TableMachine[RoomPagesState]):
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_no_writer_can_land(self, inp: Input, now: float) -> bool:
-        return all(self._health.cannot_write(w) for w in cast(Fence, inp).writers)
+        fence = cast(Fence, inp)
+        if fence.session and fence.session in self._health.retired:
+            return True
+        return all(self._health.cannot_write(w) for w in fence.writers)
 
     def _guard_clears_last_writer(self, inp: Input, now: float) -> bool:
         return self.pending_writers() == (cast(AckArrived, inp).writer,)
@@ -293,7 +319,9 @@ class RoomPages(TableMachine[RoomPagesState]):
         return []
 
     def _act_quarantine(self, inp: Input, now: float) -> list[Output]:
-        self.writers = cast(Fence, inp).writers
+        fence = cast(Fence, inp)
+        self.writers = fence.writers
+        self.session = fence.session
         self.fenced_at = now
         return [PagesQuarantined(self.key, self.generation, self.pages, self.pending_writers())]
 
@@ -328,6 +356,7 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
         AckArrived,
         WriterDead,
         SessionClosed,
+        SessionRetired,
     ),
     remote_inputs=(AckArrived,),
     rows=[
@@ -361,6 +390,9 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
         row(_P.FENCED, SessionClosed, _P.FREE,
             guard=_M._guard_all_writers_cleared, emits=[_FREED], action=_M._act_free),
         row(_P.FENCED, SessionClosed, _P.FENCED),
+        row(_P.FENCED, SessionRetired, _P.FREE,
+            guard=_M._guard_all_writers_cleared, emits=[_FREED], action=_M._act_free),
+        row(_P.FENCED, SessionRetired, _P.FENCED),  # published under another session
     ],
 )  # fmt: skip
 RoomPages.table = PAGE_LEDGER_TABLE
@@ -428,6 +460,7 @@ class PageLedger:
             rooms=rooms,
             dead_writers=tuple(sorted(self._health.dead, key=peer_order)),
             closed_sessions=tuple(sorted(self._health.closed, key=peer_order)),
+            retired_sessions=tuple(sorted(self._health.retired)),
         )
 
     def report(self, now: float) -> tuple[QuarantinedRoom, ...]:
@@ -447,7 +480,7 @@ class PageLedger:
 
     # ---- driving -------------------------------------------------------------------------------
     def handle(self, inp: LedgerInput, now: float) -> Step:
-        if isinstance(inp, (WriterDead, SessionClosed)):
+        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired)):
             return self._writer_news(inp, now)
         key = (inp.room, inp.generation)
         machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
@@ -479,15 +512,32 @@ class PageLedger:
                                  for k, r in self._fenced.items()]  # fmt: skip
             heapq.heapify(self._fence_times)
 
-    def _writer_news(self, inp: WriterDead | SessionClosed, now: float) -> Step:
-        facts = self._health.dead if isinstance(inp, WriterDead) else self._health.closed
-        facts.add(inp.writer)
+    def dead_held_pages(self) -> int:
+        """Pages of fenced rooms that wait only on writers declared dead (O(fenced rooms)):
+        what a rotation of the transport session would give back."""
+        return sum(
+            len(r.pages) for r in self._fenced.values()
+            if r.pending_writers() and all(w in self._health.dead for w in r.pending_writers())
+        )  # fmt: skip
+
+    def sessions_held(self) -> set[str]:
+        """The sessions fenced rooms were published under."""
+        return {r.session for r in self._fenced.values()}
+
+    def _writer_news(self, inp: WriterDead | SessionClosed | SessionRetired, now: float) -> Step:
+        if isinstance(inp, SessionRetired):
+            self._health.retired.add(inp.session)
+        else:
+            facts = self._health.dead if isinstance(inp, WriterDead) else self._health.closed
+            facts.add(inp.writer)
         outputs: list[Output] = []
         fired: list[Fired] = []
         # Only fenced rooms can be waiting on a writer: the reserved ones are never visited.
         for key in sorted(self._fenced):
             machine = self._fenced[key]
-            if inp.writer not in machine.writers:
+            concerned = (machine.session == inp.session if isinstance(inp, SessionRetired)
+                         else inp.writer in machine.writers)  # fmt: skip
+            if not concerned:
                 continue
             pages = len(machine.pages)
             out, one = machine.fire(inp, now)

@@ -1,0 +1,176 @@
+"""Fence by engine rotation, for real: a prefill killed -9 (or paused) with writes in flight
+leaves its pages quarantined on a Mooncake TCP decode (no per-peer fence); rotating the decode's
+engine gives them back without a restart, no late write lands in them, and new rooms are
+served through the new engine."""
+
+from __future__ import annotations
+
+import signal
+from typing import Any
+
+import anyio
+import pytest
+
+from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeTransport
+
+from .node_harness import DecodeEngine, decode_caches, prefill_process
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
+
+HEARTBEAT_S, MAX_FAILURES = 0.5, 2
+POOL = 512
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+def node_settings(tmp: str, rotate_percent: float = 0.0) -> dict[str, Any]:
+    return {"trace_dir": tmp, "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+            "heartbeat_max_failure": MAX_FAILURES,
+            "rotate_quarantine_percent": rotate_percent}  # fmt: skip
+
+
+def quarantined(node: DecodeNode) -> int:
+    return sum(len(q.pages) for rank in node.ranks for q in rank.quarantine())
+
+
+async def serve_new_rooms(engine: DecodeEngine, prefill: Any, bootstrap: str,
+                          rooms: range) -> None:  # fmt: skip
+    for room in rooms:
+        await prefill.start_room(room, 0, 48)
+        with anyio.fail_after(15):
+            assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
+
+
+async def test_kill_9_mid_transfer_then_the_quarantine_threshold_rotates_the_engine_and_frees_it(
+    tmp_path: anyio.Path,
+) -> None:
+    """The setting, not a call, rotates: pages held for the dead prefill pass 5% of the pool."""
+    settings = node_settings(str(tmp_path), rotate_percent=5.0)
+    caches = decode_caches(2, num_pages=POOL)
+    transport = MooncakeTransport.open()
+    stalled_rooms = range(100, 120)
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            first_session = transport.session_id
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": POOL}
+            async with prefill_process(tasks, options) as first:
+                bootstrap = first.ready["bootstrap"]
+                for room in range(5):
+                    await first.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                outcomes: dict[int, str] = {}
+
+                async def stalled_room(room: int) -> None:
+                    await first.start_room(room, 0, 128, stall=True)
+                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 128)
+
+                async with anyio.create_task_group() as rooms:
+                    for room in stalled_rooms:
+                        rooms.start_soon(stalled_room, room)
+                    with anyio.fail_after(10):  # each stalled room wrote its first chunk
+                        while sum(isinstance(e, RoomStatus) and e.room >= 100 and e.poll == 3
+                                  for e in engine.events) < 2 * len(stalled_rooms):  # fmt: skip
+                            await anyio.sleep(0.01)
+                    first.kill()
+                with anyio.fail_after(5):
+                    await first.process.wait()
+            assert set(outcomes.values()) == {"Failed"}
+            with anyio.fail_after(10):
+                while not node.rotations:
+                    await anyio.sleep(0.02)
+            [rotation] = node.rotations
+            assert rotation.reason == "quarantine_threshold"
+            assert rotation.old_session == first_session != rotation.new_session
+            assert transport.session_id == rotation.new_session
+            for rank in node.ranks:
+                assert rank.quarantine() == () and rank.allocatable == POOL
+            assert await engine.settled_leak_report() == []  # the engine has every page back
+            held = sum(len(e.pages) for e in engine.events
+                       if isinstance(e, PagesHeld) and e.room in stalled_rooms)  # fmt: skip
+            assert rotation.released_pages == held > 0
+            assert engine.order_of(WriterFenced) == []  # no per-peer fence was claimed
+            await anyio.sleep(0.3)
+            assert engine.written_after_release() == []
+            options["bootstrap"] = bootstrap
+            async with prefill_process(tasks, options) as second:
+                await serve_new_rooms(engine, second, bootstrap, range(200, 210))
+            assert engine.corrupt == []
+            assert await engine.settled_leak_report() == []
+            print(f"kill -9: rooms failed {len(outcomes)}, pages held {held}, released by "
+                  f"rotation {rotation.released_pages} (drain {rotation.drain_s:.3f}s), "
+                  f"late writes in released pages {len(engine.written_after_release())}")
+        tasks.cancel_scope.cancel()
+
+
+async def test_sigstop_then_reclaim_quarantine_frees_pages_and_the_resumed_writes_fail(
+    tmp_path: anyio.Path,
+) -> None:
+    """A paused prefill declared dead: reclaim_quarantine rotates the engine while it is still
+    paused; its held writes, released after SIGCONT, go to the destroyed engine and fail, and
+    no byte lands in the released pages (canaries). It then serves new rooms through the new
+    engine."""
+    settings = node_settings(str(tmp_path))
+    caches = decode_caches(2, num_pages=256)
+    transport = MooncakeTransport.open()
+    rooms = range(100, 108)
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
+                       "gate_writes": True}  # fmt: skip
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                for room in range(3):
+                    await prefill.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                await prefill.send(op="hold_writes")
+                outcomes: dict[int, str] = {}
+
+                async def held_room(room: int) -> None:
+                    await prefill.start_room(room, 0, 64)
+                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
+
+                async with anyio.create_task_group() as group:
+                    for room in rooms:
+                        group.start_soon(held_room, room)
+                    with anyio.fail_after(10):
+                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
+                            await anyio.sleep(0.01)
+                    prefill.process.send_signal(signal.SIGSTOP)
+                assert set(outcomes.values()) == {"Failed"}
+                held = quarantined(node)
+                assert held > 0 and not engine.order_of(PagesReleased, room=rooms[0])
+                with anyio.fail_after(30):
+                    rotation = await node.reclaim_quarantine()
+                assert rotation.reason == "requested" and rotation.released_pages == held
+                for rank in node.ranks:
+                    assert rank.quarantine() == () and rank.allocatable == 256
+                prefill.process.send_signal(signal.SIGCONT)
+                await prefill.send(op="release_writes")
+                with anyio.fail_after(30):
+                    for room in rooms:
+                        await prefill.room_done[room].wait()
+                await anyio.sleep(0.5)  # time for anything still on its way to land
+                results = {room: prefill.rooms[room] for room in rooms}
+                late = engine.written_after_release()
+                print(f"SIGSTOP + rotation: rooms failed {len(outcomes)}, pages released by "
+                      f"rotation {rotation.released_pages}, prefill results {results}, late "
+                      f"writes in released pages {len(late)}")
+                assert late == [], f"late writes landed in released pages: {late}"
+                assert engine.landed_while_held == []
+                await serve_new_rooms(engine, prefill, bootstrap, range(200, 205))
+                assert engine.corrupt == []
+                assert await engine.settled_leak_report() == []
+                assert engine.written_after_release() == []
+        tasks.cancel_scope.cancel()
