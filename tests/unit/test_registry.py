@@ -409,3 +409,18 @@ def test_sglang_registrations_without_order_still_replace_their_rank() -> None:
     assert _reply(registry, QueryRank(0, 0, 0, 0)).status == 503  # not ready, but replaced
     assert registry.ranks[(0, 0, 0, 0)].rank_port == 40009
     assert registry.snapshot().superseded == ()
+
+
+def test_the_same_life_registers_again_after_a_restart_and_while_registered() -> None:
+    """Chaos finding 2: a prefill re-registers its ranks with a restarted (empty) registry, and
+    re-registering while still held must stay harmless: one life is never its own successor."""
+    live = Registry()
+    _lives(live, "p-a", 5.0, 40001)
+    again = _reply(live, rank(0, port=40001, incarnation="p-a", started_at=5.0))
+    assert again.status == 200 and live.snapshot().superseded == ()
+    restarted = Registry()  # a new registry process: nothing of the old one survives
+    _lives(restarted, "p-a", 5.0, 40001)
+    assert restarted.state.name == "READY" and restarted.snapshot().superseded == ()
+    assert _reply(restarted, QueryRank(0, 0, 0, 0)).body == {
+        "rank_ip": "127.0.0.1", "rank_port": 40001, "incarnation": "p-a", "started_at": 5.0,
+    }

@@ -52,7 +52,12 @@ from pdflow.core.protocol.inputs import (
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.executor import Executor
-from pdflow.io.bootstrap_client import BootstrapClient
+from pdflow.io.bootstrap_client import (
+    BootstrapClient,
+    BootstrapError,
+    BootstrapUnavailable,
+    RankNotFound,
+)
 from pdflow.io.bootstrap_server import serve
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
@@ -321,6 +326,8 @@ class PrefillNode(NodeLifecycle):
         self.ranks: list[PrefillRank] = []
         self._hosts: list[EndpointHost] = []
         self._registered: list[tuple[int, int]] = []
+        self.reregistrations = 0
+        """Times this node registered again with a registry that had forgotten it."""
         # Heterogeneous TP: one local staging slot per transfer queue (a queue runs one write
         # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
         self.staging_slot_bytes = staging_slot_bytes
@@ -356,6 +363,8 @@ class PrefillNode(NodeLifecycle):
             self._tasks.start_soon(host.run_timer)
             self._tasks.start_soon(channel.receive_forever, self._deliverer(host, channel))
         await self._register_ranks()
+        if not self.serve_bootstrap:
+            self._tasks.start_soon(self._keep_registered)
         log.info("prefill_node_ready", node=self.runtime.node_id, bootstrap=self.bootstrap,
                  ranks=[h.me.address for h in self._hosts])  # fmt: skip
 
@@ -402,6 +411,51 @@ class PrefillNode(NodeLifecycle):
                     started_at=self.started_at, checksum=self.settings.checksum,
                     is_mla=self.is_mla,
                 ))  # fmt: skip
+
+    async def _keep_registered(self) -> None:
+        """A standalone registry that restarted has forgotten this node: decodes get 503 until
+        it re-registers. Every heartbeat interval, ask the registry for each own rank; when one
+        is missing, register every rank again with the same incarnation and started_at (the
+        registry takes it as this same life; a newer life of the rank would refuse it, 409)."""
+        while True:
+            await anyio.sleep(self.settings.heartbeat_interval)
+            missing = await self._unregistered_ranks()
+            if not missing:
+                continue
+            log.warning("registration_lost", node=self.runtime.node_id, bootstrap=self.bootstrap,
+                        ranks=missing)  # fmt: skip
+            try:
+                await self._register_ranks()
+            except BootstrapError as exc:
+                log.warning("reregistration_failed", node=self.runtime.node_id,
+                            bootstrap=self.bootstrap, error=str(exc))  # fmt: skip
+                continue
+            self.reregistrations += 1
+            log.info("reregistered", node=self.runtime.node_id, bootstrap=self.bootstrap,
+                     incarnation=self.incarnation, ranks=missing)  # fmt: skip
+
+    async def _unregistered_ranks(self) -> list[int]:
+        """The tp ranks of this node the registry does not hold (an unreachable registry tells
+        nothing: none). A rank held by another incarnation is left to it."""
+        place = self.placement
+        missing = []
+        async with self._registry_client() as client:
+            for rank_kv in self.rank_kv:
+                try:
+                    held = await client.get_rank(place.dp_rank, place.cp_rank, rank_kv.tp_rank, 0)
+                except RankNotFound:
+                    missing.append(rank_kv.tp_rank)
+                except BootstrapUnavailable as exc:
+                    if exc.status == 503:  # up, but collecting: some rank is missing
+                        missing.append(rank_kv.tp_rank)
+                except BootstrapError as exc:
+                    log.warning("registration_probe_failed", node=self.runtime.node_id,
+                                bootstrap=self.bootstrap, error=str(exc))  # fmt: skip
+                else:
+                    if held.incarnation not in (None, self.incarnation):
+                        log.warning("rank_held_by_other_incarnation", node=self.runtime.node_id,
+                                    rank=rank_kv.tp_rank, incarnation=held.incarnation)  # fmt: skip
+        return missing
 
     async def _release(self) -> None:
         self._queues.close()
