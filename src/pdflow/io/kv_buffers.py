@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Any, Protocol
 
 import msgspec
 
@@ -38,7 +38,7 @@ from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.protocol.messages import KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.backend import load_optional
-from pdflow.dataplane.executor import Executor
+from pdflow.dataplane.executor import Executor, make_executor
 from pdflow.dataplane.numpy_backend import NumpyExecutor
 from pdflow.dataplane.pure import PythonExecutor
 
@@ -55,6 +55,9 @@ class RankKv(msgspec.Struct, frozen=True):
     state: tuple[StateBuffers, ...] = ()
     """The model-state components (Mamba slots, sliding-window pages, blobs) the engine hands
     pdflow, in the order ``state_indices`` name them."""
+    device: str = "cpu"
+    """Whose memory the KV, state and staging addresses name: "cpu" or "cuda[:n]"; it picks the
+    executor the shell checksums, gathers and scatters with (aux rows are host memory)."""
 
     def buffers(self) -> tuple[tuple[int, int], ...]:
         """``(address, bytes)`` of every buffer a transport must register for this rank."""
@@ -269,6 +272,39 @@ def default_executor() -> Executor:
     """Host-memory checksums: numpy when installed (no torch import on this path), else Python."""
     numpy = load_optional("numpy")
     return PythonExecutor() if numpy is None else NumpyExecutor(numpy)
+
+
+def executor_for(ranks: Sequence[RankKv]) -> Executor:
+    """The executor for the memory the ranks' buffers live in: host memory as
+    :func:`default_executor`, device memory the best of Triton and torch there."""
+    devices = sorted({rank.device for rank in ranks})
+    if len(devices) != 1:
+        raise InvalidInput(
+            f"a node's ranks must all live in one device's memory, got {devices}; run one node "
+            "per device"
+        )
+    device = devices[0]
+    return default_executor() if device == "cpu" else make_executor(device)
+
+
+class EngineMemory(msgspec.Struct, frozen=True):
+    """Bytes an engine owns and lends pdflow, e.g. a staging region it allocated itself."""
+
+    addr: int
+    nbytes: int
+
+    @classmethod
+    def of_tensor(cls, tensor: Any) -> EngineMemory:
+        """A contiguous tensor's storage (torch: ``data_ptr()``, ``numel() * element_size()``)."""
+        if not tensor.is_contiguous():
+            raise InvalidInput("staging memory must be one contiguous tensor")
+        return cls(int(tensor.data_ptr()), int(tensor.numel() * tensor.element_size()))
+
+    def check_holds(self, nbytes: int, what: str) -> None:
+        if self.nbytes < nbytes:
+            raise InvalidInput(
+                f"{what} needs {nbytes} bytes but the engine's memory holds {self.nbytes}"
+            )
 
 
 # ---- aux rows ------------------------------------------------------------------------------------

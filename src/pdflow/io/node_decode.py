@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import random
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
 from typing import Any
@@ -69,12 +69,13 @@ from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.heartbeat import run_heartbeat
 from pdflow.io.kv_buffers import (
+    EngineMemory,
     RankKv,
     StateIndices,
     aux_buffer_of,
     check_state_indices,
-    default_executor,
     exchanged_span,
+    executor_for,
     kv_digest,
     staged_slices,
     staging_page_bytes,
@@ -316,6 +317,7 @@ class DecodeNode(NodeLifecycle):
         codec: WireCodec | None = None,
         rng: random.Random | None = None,
         staging_bytes: int = 0,
+        staging_memory: Mapping[int, EngineMemory] | None = None,
         admission_reserve_tokens: int = NUM_RESERVED_DECODE_TOKENS,
         admission_clip_max_new: int = CLIP_MAX_NEW_TOKENS,
     ) -> None:
@@ -343,6 +345,10 @@ class DecodeNode(NodeLifecycle):
         # one bulk write per chunk; the node scatters them into pages before Success).
         self.staging_bytes = staging_bytes
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
+        self.staging_memory = dict(staging_memory or {})
+        """Per TP rank, the engine's own staging ring memory; a rank without one gets a host
+        ring the node allocates."""
+        self._staging_base: dict[int, int] = {}
         self.room_staging: dict[tuple[int, int], int] = {}
         # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
         self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
@@ -354,16 +360,23 @@ class DecodeNode(NodeLifecycle):
     async def _start(self) -> None:
         for rank_kv in self.rank_kv:
             if self.staging_bytes:
-                ring = (ctypes.c_uint8 * self.staging_bytes)()
-                self._staging[rank_kv.tp_rank] = ring
-                self.transport.register_buffer(ctypes.addressof(ring), self.staging_bytes)
-                self._registered.append(ctypes.addressof(ring))
+                lent = self.staging_memory.get(rank_kv.tp_rank)
+                if lent is None:
+                    ring = (ctypes.c_uint8 * self.staging_bytes)()
+                    self._staging[rank_kv.tp_rank] = ring
+                    base = ctypes.addressof(ring)
+                else:
+                    lent.check_holds(self.staging_bytes, "the staging ring")
+                    base = lent.addr
+                self._staging_base[rank_kv.tp_rank] = base
+                self.transport.register_buffer(base, self.staging_bytes)
+                self._registered.append(base)
             self._add_rank(rank_kv, self.runtime.open_channel())
             for addr, size in rank_kv.buffers():
                 self.transport.register_buffer(addr, size)
                 self._registered.append(addr)
         if (self.settings.checksum or self.staging_bytes) and self._executor is None:
-            self._executor = default_executor()
+            self._executor = executor_for(self.rank_kv)
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         metrics = self.runtime.metrics
         gates = self.admission.values()
@@ -410,8 +423,7 @@ class DecodeNode(NodeLifecycle):
         self.ranks.append(DecodeRank(self, host, rank_kv))
 
     def _staging_addr(self, rank: int) -> int | None:
-        ring = self._staging.get(rank)
-        return None if ring is None else ctypes.addressof(ring)
+        return self._staging_base.get(rank)
 
     async def _release(self) -> None:
         for client in self._clients.values():
@@ -671,7 +683,7 @@ class DecodeNode(NodeLifecycle):
         """Move each writer's staged slices of the room into the room's pages."""
         if self._executor is None:
             return
-        base = ctypes.addressof(self._staging[rank]) + offset
+        base = self._staging_base[rank] + offset
         for writer in writers:
             region = writer_region(kv.layout, kv.heads, self._writer_heads[writer])
             if region is None:

@@ -62,12 +62,13 @@ from pdflow.io.bootstrap_server import serve
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.kv_buffers import (
+    EngineMemory,
     RankKv,
     TransferPlanner,
     aux_buffer_of,
     check_state_indices,
-    default_executor,
     exchanged_span,
+    executor_for,
     kv_digest,
     peer_heads,
     plan_state,
@@ -290,6 +291,7 @@ class PrefillNode(NodeLifecycle):
         planner_factory: type[TransferPlanner] = TransferPlanner,
         rng: random.Random | None = None,
         staging_slot_bytes: int = 0,
+        staging_memory: EngineMemory | None = None,
         transfer_lanes: int = 4,
         started_at: float | None = None,
         is_mla: bool = False,
@@ -332,6 +334,9 @@ class PrefillNode(NodeLifecycle):
         # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
         self.staging_slot_bytes = staging_slot_bytes
         self._staging: ctypes.Array[ctypes.c_uint8] | None = None
+        self.staging_memory = staging_memory
+        """The engine's own staging memory (device memory, say); None: the node allocates it."""
+        self.staging_base: int | None = None
 
     async def _start(self) -> None:
         settings = self.settings
@@ -351,11 +356,16 @@ class PrefillNode(NodeLifecycle):
                 self._registered.append((addr, size))
         if self.staging_slot_bytes:
             size = self.staging_slot_bytes * self._queues.workers
-            self._staging = (ctypes.c_uint8 * size)()
-            self.transport.register_buffer(ctypes.addressof(self._staging), size)
-            self._registered.append((ctypes.addressof(self._staging), size))
+            if self.staging_memory is None:
+                self._staging = (ctypes.c_uint8 * size)()
+                self.staging_base = ctypes.addressof(self._staging)
+            else:
+                self.staging_memory.check_holds(size, "a staging slot per transfer queue")
+                self.staging_base = self.staging_memory.addr
+            self.transport.register_buffer(self.staging_base, size)
+            self._registered.append((self.staging_base, size))
         if (self.settings.checksum or self.staging_slot_bytes) and self._executor is None:
-            self._executor = default_executor()
+            self._executor = executor_for(self.rank_kv)
         self._tasks = await self._stack.enter_async_context(anyio.create_task_group())
         self._queues.start(self._tasks)
         await self._serve_metrics()
@@ -551,7 +561,7 @@ class PrefillNode(NodeLifecycle):
         gather goes to the running worker's own slot."""
         local = self._planners[rank].local
         if (
-            self._staging is None
+            self.staging_base is None
             or start.staging_offset is None
             or args.staging_addr is None
             or local.heads == peer_heads(args)
@@ -569,7 +579,7 @@ class PrefillNode(NodeLifecycle):
             )
         if not start.src_pages:
             return StagedWrite((), ())
-        slot = ctypes.addressof(self._staging) + worker * self.staging_slot_bytes
+        slot = self.staging_base + worker * self.staging_slot_bytes
         dst = (args.staging_addr + start.staging_offset
                + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
         gather = staged_slices(local.layout, start.src_pages, region, slot)
