@@ -210,6 +210,13 @@ def _row_retargeted(table: Table[Any], source: str, on: str, target: Any,
     return (table, "_cells", swap)
 
 
+def _succeed_without_aux(original: Any) -> Any:
+    def succeed(self: ReceiverRoom, inp: Input, now: float) -> list[Output]:
+        return list(self._act_count_success(inp, now))  # the aux row is never stored
+
+    return succeed
+
+
 def _no_ack(original: Any) -> Any:
     def cancel(self: PrefillRoomSlot, inp: Any, now: float) -> list[Output]:
         original(self, inp, now)
@@ -342,6 +349,9 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("newer_generation_taken_as_stale", "issue 11 bug B (stale_generation)",
            "while one generation is hosted, messages of a newer one are handled as stale",
            ((PrefillRoomSlot, "_classify", _newer_generation_stale),)),
+    Mutant("success_before_aux_row", "sglang metadata gate (Success before the aux row landed)",
+           "the decode reports Success without storing the room's aux row in its slot",
+           (_rows_swapped(RECEIVER_TABLE, "action", "succeed", _succeed_without_aux),)),
     Mutant("answering_abort_kept_forever", "issue 11 bug C (early arrivals grow)",
            "the decode's ABORT answering a cleared failure is kept as a pending cancel",
            ((PrefillRoomSlot, "step", _late_abort_kept),)),
