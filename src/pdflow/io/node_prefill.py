@@ -21,6 +21,12 @@ import anyio.to_thread
 import msgspec
 import structlog
 
+from pdflow.core.cluster.registration import (
+    RanksProbed,
+    RegisterAgain,
+    RegistrationAnswered,
+    RegistrationKeeper,
+)
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
@@ -328,8 +334,8 @@ class PrefillNode(NodeLifecycle):
         self.ranks: list[PrefillRank] = []
         self._hosts: list[EndpointHost] = []
         self._registered: list[tuple[int, int]] = []
-        self.reregistrations = 0
-        """Times this node registered again with a registry that had forgotten it."""
+        self.registration = RegistrationKeeper()
+        """This node's hold on its standalone registry entry (re-registers after a restart)."""
         # Heterogeneous TP: one local staging slot per transfer queue (a queue runs one write
         # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
         self.staging_slot_bytes = staging_slot_bytes
@@ -424,29 +430,36 @@ class PrefillNode(NodeLifecycle):
 
     async def _keep_registered(self) -> None:
         """A standalone registry that restarted has forgotten this node: decodes get 503 until
-        it re-registers. Every heartbeat interval, ask the registry for each own rank; when one
-        is missing, register every rank again with the same incarnation and started_at (the
-        registry takes it as this same life; a newer life of the rank would refuse it, 409)."""
+        it registers again. Every heartbeat interval, ask the registry for each own rank and let
+        the core's RegistrationKeeper decide; its RegisterAgain re-registers every rank with the
+        same incarnation and started_at (the registry takes that as this same life)."""
+        keeper = self.registration
         while True:
             await anyio.sleep(self.settings.heartbeat_interval)
             missing = await self._unregistered_ranks()
-            if not missing:
-                continue
-            log.warning("registration_lost", node=self.runtime.node_id, bootstrap=self.bootstrap,
-                        ranks=missing)  # fmt: skip
-            try:
-                await self._register_ranks()
-            except BootstrapError as exc:
-                log.warning("reregistration_failed", node=self.runtime.node_id,
-                            bootstrap=self.bootstrap, error=str(exc))  # fmt: skip
-                continue
-            self.reregistrations += 1
-            log.info("reregistered", node=self.runtime.node_id, bootstrap=self.bootstrap,
-                     incarnation=self.incarnation, ranks=missing)  # fmt: skip
+            if missing is None:
+                continue  # unreachable: nothing learnt
+            outputs, _ = keeper.fire(RanksProbed(missing), anyio.current_time())
+            for output in outputs:
+                assert isinstance(output, RegisterAgain)
+                log.warning("registration_lost", node=self.runtime.node_id,
+                            bootstrap=self.bootstrap, ranks=list(output.missing))  # fmt: skip
+                try:
+                    await self._register_ranks()
+                except BootstrapError as exc:
+                    answer = RegistrationAnswered(False, str(exc))
+                    log.warning("reregistration_failed", node=self.runtime.node_id,
+                                bootstrap=self.bootstrap, error=str(exc))  # fmt: skip
+                else:
+                    answer = RegistrationAnswered(True)
+                    log.info("reregistered", node=self.runtime.node_id,
+                             bootstrap=self.bootstrap, incarnation=self.incarnation)  # fmt: skip
+                keeper.fire(answer, anyio.current_time())
 
-    async def _unregistered_ranks(self) -> list[int]:
-        """The tp ranks of this node the registry does not hold (an unreachable registry tells
-        nothing: none). A rank held by another incarnation is left to it."""
+    async def _unregistered_ranks(self) -> tuple[int, ...] | None:
+        """The tp ranks of this node the registry does not hold; None when the registry could
+        not be asked (unreachable tells nothing). A rank held by another incarnation is left
+        to it (this life is superseded)."""
         place = self.placement
         missing = []
         async with self._registry_client() as client:
@@ -456,16 +469,18 @@ class PrefillNode(NodeLifecycle):
                 except RankNotFound:
                     missing.append(rank_kv.tp_rank)
                 except BootstrapUnavailable as exc:
-                    if exc.status == 503:  # up, but collecting: some rank is missing
-                        missing.append(rank_kv.tp_rank)
+                    if exc.status != 503:  # unreachable
+                        return None
+                    missing.append(rank_kv.tp_rank)  # up, but collecting: some rank is missing
                 except BootstrapError as exc:
                     log.warning("registration_probe_failed", node=self.runtime.node_id,
                                 bootstrap=self.bootstrap, error=str(exc))  # fmt: skip
+                    return None
                 else:
                     if held.incarnation not in (None, self.incarnation):
                         log.warning("rank_held_by_other_incarnation", node=self.runtime.node_id,
                                     rank=rank_kv.tp_rank, incarnation=held.incarnation)  # fmt: skip
-        return missing
+        return tuple(missing)
 
     async def _release(self) -> None:
         self._queues.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from pdflow.core.cluster.registration import REGISTRATION_TABLE
 from pdflow.core.cluster.registry import REGISTRY_TABLE
 from pdflow.core.endpoints.decode_slots import DECODE_SLOT_TABLE
 from pdflow.core.endpoints.prefill_slots import PREFILL_SLOT_TABLE
@@ -21,6 +22,7 @@ MACHINES: dict[str, Table[Any]] = {
     SENDER_TABLE.machine: SENDER_TABLE,
     RECEIVER_TABLE.machine: RECEIVER_TABLE,
     REGISTRY_TABLE.machine: REGISTRY_TABLE,
+    REGISTRATION_TABLE.machine: REGISTRATION_TABLE,
     PAGE_LEDGER_TABLE.machine: PAGE_LEDGER_TABLE,
     STAGING_RING_TABLE.machine: STAGING_RING_TABLE,
     PREFILL_COMPLETE_TABLE.machine: PREFILL_COMPLETE_TABLE,
