@@ -321,7 +321,9 @@ def test_retiring_a_session_frees_exactly_the_fenced_rooms_published_under_it() 
     assert ledger.sessions_held() == {"old:1", "new:2"}
     step = ledger.handle(SessionRetired("old:1"), 3.0)
     assert _freed(step) == [PagesFreed(7, 1, (0, 1))]
-    assert [f.on for f in step.fired] == ["SessionRetired"]
+    # Every fenced room hears of it; room 8, published under the new session, stays held.
+    assert [(f.key, f.on, f.target) for f in step.fired] == [
+        (7, "SessionRetired", "FREE"), (8, "SessionRetired", "FENCED")]  # fmt: skip
     assert ledger.state_of(8, 1) is RoomPagesState.FENCED
     assert ledger.state_of(9, 1) is RoomPagesState.RESERVED
     assert ledger.snapshot().retired_sessions == ("old:1",)

@@ -62,6 +62,7 @@ from pdflow.core.resources.page_ledger import (
     ReleaseUnpublished,
     Reserve,
     SessionClosed,
+    SessionRetired,
     VerifyDone,
     VerifyStarted,
     WriterDead,
@@ -258,6 +259,7 @@ def ledger_cell_coverage() -> Counter[Transition]:
     after the session closed, an ACK for pages that are reserved but not fenced."""
     reached: Counter[Transition] = Counter()
     writer = PeerId("10.0.0.1:7000", "inc", 0)
+    alive = PeerId("10.0.0.1:7000", "inc", 1)
     ledger = PageLedger(4)
     steps: list[LedgerInput] = [
         Reserve(1, 1, (0,)), ReleaseUnpublished(1, 1), Reserve(2, 1, (1,)),
@@ -265,6 +267,10 @@ def ledger_cell_coverage() -> Counter[Transition]:
         Reserve(3, 1, (2,)), AckArrived(3, 1, writer),
         VerifyStarted(3, 1), AckArrived(3, 1, writer), ReleaseAfterSuccess(3, 1),
         AckArrived(3, 1, writer), VerifyDone(3, 1),
+        # Fence by engine rotation: room 4 was published under the retired session, room 5
+        # under the new one (its writer, alive, stays owed).
+        Reserve(4, 1, (2,)), Fence(4, 1, (alive,), "decode:old"),
+        Reserve(5, 1, (3,)), Fence(5, 1, (alive,), "decode:new"), SessionRetired("decode:old"),
     ]  # fmt: skip
     for inp in steps:
         _record(reached, ledger.handle(inp, 1.0).fired)

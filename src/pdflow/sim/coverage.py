@@ -55,6 +55,10 @@ _CELL_ONLY: dict[str, str] = {
         for state in ("VERIFYING", "RELEASING")},
     "PageLedger: FENCED --WriterDead[all_writers_cleared]--> FREE":
         "the endpoint declares a writer dead before its session can be reported closed",
+    **{f"PageLedger: FENCED --SessionRetired{guard}--> {target}":
+        "the simulated decode shell does not rotate its transport engine (fence by engine "
+        "rotation is proven with real processes: tests/integration/test_nodes_rotation.py)"
+        for guard, target in (("[all_writers_cleared]", "FREE"), ("", "FENCED"))},
 }  # fmt: skip
 """Protocol transitions no world can take through an endpoint, and why; the cell drives
 (:mod:`pdflow.sim.cells`) take them."""

@@ -535,9 +535,8 @@ class PageLedger:
         # Only fenced rooms can be waiting on a writer: the reserved ones are never visited.
         for key in sorted(self._fenced):
             machine = self._fenced[key]
-            concerned = (machine.session == inp.session if isinstance(inp, SessionRetired)
-                         else inp.writer in machine.writers)  # fmt: skip
-            if not concerned:
+            # A retirement is news for every fenced room (those of other sessions stay held).
+            if not isinstance(inp, SessionRetired) and inp.writer not in machine.writers:
                 continue
             pages = len(machine.pages)
             out, one = machine.fire(inp, now)
