@@ -90,15 +90,19 @@ async def prefill_process(
         tasks.start_soon(handle.pump)
         yield handle
     finally:
-        if process.returncode is None:
-            try:
-                await handle.send(op="quit")
-                with anyio.fail_after(10):
+        # Shielded: tests often cancel the task group from inside this block, and an unshielded
+        # cleanup was cancelled at its first await, leaving the prefill process running.
+        with anyio.CancelScope(shield=True):
+            if process.returncode is None:
+                try:
+                    await handle.send(op="quit")
+                    with anyio.fail_after(10):
+                        await process.wait()
+                except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError,
+                        OSError):  # fmt: skip
+                    process.kill()
                     await process.wait()
-            except (TimeoutError, anyio.BrokenResourceError, anyio.ClosedResourceError, OSError):
-                process.kill()
-                await process.wait()
-        await process.aclose()
+            await process.aclose()
 
 
 class DecodeEngine:
