@@ -145,11 +145,16 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         return Step(tuple(outputs), self.timer_at(), tuple(fired))
 
     def timer_at(self) -> float | None:
-        deadlines = [self.deadlines.next_deadline(), self.parking_deadlines.next_deadline()]
+        # Called once per step: no lists, no generator (most of the time only rooms are armed).
+        earliest = self.deadlines.next_deadline()
+        parking = self.parking_deadlines.next_deadline()
+        if parking is not None and (earliest is None or parking < earliest):
+            earliest = parking
         if self.ready_table is not None:
-            deadlines.append(self.ready_table.timer_at())
-        present = [d for d in deadlines if d is not None]
-        return min(present) if present else None
+            ready = self.ready_table.timer_at()
+            if ready is not None and (earliest is None or ready < earliest):
+                earliest = ready
+        return earliest
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
@@ -239,7 +244,10 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         outputs.extend(produced)
         fired.append(transition)
         self._arm(room)
-        failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed for o in produced)
+        # Only a room that is Failed now can have reported Failed in this step.
+        failed = room.poll is KVPoll.Failed and any(
+            isinstance(o, StatusChanged) and o.poll is KVPoll.Failed for o in produced
+        )
         if failed:
             fail = FailRoom(room.key, room.generation, room.reason)
             self._ready_table(fail, now, outputs, fired)

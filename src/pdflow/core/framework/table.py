@@ -80,6 +80,31 @@ def row(
     )
 
 
+@dataclass(frozen=True, slots=True)
+class _Compiled(Generic[S]):
+    """A row as one step uses it: the KVPoll it reports (None: unchanged) is worked out once."""
+
+    row: Row[S]
+    guard_fn: GuardFn | None
+    action_fn: ActionFn | None
+    target: S
+    target_name: str
+    status_poll: KVPoll | None
+    backwards: str | None
+    """Why the row breaks KVPoll monotonicity (only a mutated row can; tables refuse such rows)."""
+
+
+def _compile(r: Row[S], polls: dict[str, KVPoll] | None) -> _Compiled[S]:
+    status_poll: KVPoll | None = None
+    backwards: str | None = None
+    if polls is not None:
+        before, after = polls[r.source.name], polls[r.target.name]
+        status_poll = None if after is before else after
+        if not poll_may_follow(before, after):
+            backwards = f"KVPoll went {before.name} -> {after.name}"
+    return _Compiled(r, r.guard_fn, r.action_fn, r.target, r.target.name, status_poll, backwards)
+
+
 class Table(Generic[S]):
     def __init__(
         self,
@@ -120,6 +145,8 @@ class Table(Generic[S]):
             None if poll_of is None else {state.name: poll_of(state) for state in states}
         )
         self._check_status_rows(poll_of)
+        self._compiled: dict[tuple[str, str], tuple[_Compiled[S], ...]] = {}
+        self._compiled_from: object = None
 
     def _check_status_rows(self, poll_of: Callable[[S], KVPoll] | None) -> None:
         if poll_of is None:
@@ -152,6 +179,18 @@ class Table(Generic[S]):
 
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
         return self._cells.get((state._name_, on), ())
+
+    def compiled_cell(self, source: str, on: str) -> tuple[_Compiled[S], ...]:
+        """The cell's rows with everything a step needs worked out once, not on every step.
+        Rebuilt whenever ``_cells`` is replaced (a mutant swaps rows in by replacing it)."""
+        cells = self._cells
+        if cells is not self._compiled_from:
+            self._compiled = {
+                key: tuple(_compile(r, self.poll_by_name) for r in rows)
+                for key, rows in cells.items()
+            }
+            self._compiled_from = cells
+        return self._compiled.get((source, on), ())
 
     def transitions(self) -> set[tuple[str, str, str | None, str]]:
         return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
@@ -190,43 +229,37 @@ class TableMachine(Generic[S]):
         outputs, fired = self.fire(inp, now)
         return Step(tuple(outputs), self.timer_at(), (fired,))
 
-    def _guard(self, chosen: Row[S], inp: Input, now: float) -> bool:
-        check = chosen.guard_fn
-        return True if check is None else check(self, inp, now)
-
-    def _act(self, chosen: Row[S], inp: Input, now: float) -> list[Output]:
-        action = chosen.action_fn
-        return [] if action is None else action(self, inp, now)
-
     def _validate(self, inp: Input, now: float) -> None:
         """Raise InvalidInput or RemoteProtocolError before anything changes. Override."""
 
     def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         on = type(inp).__name__
-        cell = self.table.cell(self.state, on)
+        table = self.table
+        source = self.state._name_
+        cell = table.compiled_cell(source, on)
         if not cell:
-            raise self.table.refusal(self.state, on)
+            raise table.refusal(self.state, on)
         self._validate(inp, now)
-        chosen = next((r for r in cell if r.guard is None or self._guard(r, inp, now)), None)
-        if chosen is None:
-            raise self.table.refusal(self.state, on)
-        before = self.state
-        outputs = self._act(chosen, inp, now)
+        for chosen in cell:
+            check = chosen.guard_fn
+            if check is None or check(self, inp, now):
+                break
+        else:
+            raise table.refusal(self.state, on)
+        action = chosen.action_fn
+        outputs = [] if action is None else action(self, inp, now)
         self.state = chosen.target
-        polls = self.table.poll_by_name
-        source, target = before._name_, chosen.target._name_
-        if polls is not None:
-            poll_before, poll_after = polls[source], polls[target]
-            if poll_after is not poll_before:
-                # The driver, not each action, reports poll changes: one place, never forgotten.
-                outputs.append(StatusChanged(self.key, self.generation, poll_after, self.reason))
-            if not poll_may_follow(poll_before, poll_after):
-                raise ConformanceError(
-                    f"{self.table.machine}: KVPoll went {poll_before.name} -> {poll_after.name}"
-                )
-        self._self_check(chosen, outputs)
+        if chosen.status_poll is not None:
+            # The driver, not each action, reports poll changes: one place, never forgotten.
+            change = StatusChanged(self.key, self.generation, chosen.status_poll, self.reason)
+            outputs.append(change)
+        if chosen.backwards is not None:
+            raise ConformanceError(f"{table.machine}: {chosen.backwards}")
+        row_ = chosen.row
+        if outputs:
+            self._self_check(row_, outputs)
         key = self._fired_key(inp)
-        return outputs, Fired(self.table.machine, key, source, on, chosen.guard, target)
+        return outputs, Fired(table.machine, key, source, on, row_.guard, chosen.target_name)
 
     def _fired_key(self, inp: Input) -> int:
         """What a recorded transition is about: the machine's key (a room, for room machines);
@@ -234,9 +267,10 @@ class TableMachine(Generic[S]):
         return self.key
 
     def _self_check(self, chosen: Row[S], outputs: list[Output]) -> None:
+        emits = chosen.emits
         for output in outputs:
             name = emit_name(output)
-            if name not in chosen.emits:
+            if name not in emits:
                 raise ConformanceError(
                     f"{self.table.machine}: {chosen.source.name} --{chosen.on}--> "
                     f"{chosen.target.name} emitted {name}, not in its row"

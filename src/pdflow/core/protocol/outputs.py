@@ -81,10 +81,21 @@ class StoreAux(Output, frozen=True, tag="store_aux"):
     data: bytes
 
 
+_EMIT_NAMES: dict[type[msgspec.Struct], str] = {}
+"""Each output (and sent message) type's spec name, worked out once per type: one step checks
+every output it emits by name."""
+
+
 def emit_name(output: Output) -> str:
     """The name the spec uses for an output: ``send.<message tag>`` or the output's tag."""
     if isinstance(output, SendMessage):
-        tag = type(output.message).__struct_config__.tag
-        return f"send.{tag}"
-    tag = type(output).__struct_config__.tag
-    return str(tag)
+        sent = type(output.message)
+        name = _EMIT_NAMES.get(sent)
+        if name is None:
+            name = _EMIT_NAMES[sent] = f"send.{sent.__struct_config__.tag}"
+        return name
+    kind = type(output)
+    name = _EMIT_NAMES.get(kind)
+    if name is None:
+        name = _EMIT_NAMES[kind] = str(kind.__struct_config__.tag)
+    return name
