@@ -1,11 +1,13 @@
-"""Record core steps as trace lines through a structlog processor chain.
+"""Record core steps as trace lines: stamp, build the typed record, encode, write.
 
 The core never logs; whoever drives an endpoint (the I/O shell, the simulator) hands each step
 to a :class:`TraceRecorder`, or wraps the endpoint in a :class:`RecordingEndpoint` that does it.
-The chain is: stamp seq and time (never wall time) -> build the typed StepRecord -> render with
-msgspec (deterministic order; an unknown object raises instead of being stringified) -> a
-size-bounded, rotating file (or memory). A disabled recorder does nothing, and ``wrap`` then
-returns the bare endpoint, so switching tracing off costs nothing per step.
+Each step: stamp seq and time (never wall time) -> build the typed StepRecord -> encode with
+msgspec (deterministic order; an unknown object raises instead of being stringified) -> one
+write to a size-bounded, rotating file (or memory). This runs on every protocol step, so it is
+straight calls, not a structlog processor chain (the chain cost more than the encoding; the
+bytes are the same). A disabled recorder does nothing, and ``wrap`` then returns the bare
+endpoint, so switching tracing off costs nothing per step.
 
 Not thread-safe: one recorder per event loop (the shell) or per simulated world.
 """
@@ -13,13 +15,11 @@ Not thread-safe: one recorder per event loop (the shell) or per simulated world.
 from __future__ import annotations
 
 import time
-from collections.abc import MutableMapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import msgspec
-import structlog
 
 import pdflow
 from pdflow.core.endpoints.endpoint_io import AnyEndpointInput
@@ -71,48 +71,19 @@ class MemoryLines:
         path.write_bytes(b"".join(line + b"\n" for line in self.lines))
 
 
-Event = MutableMapping[str, Any]
-
-
 class _Stamp:
-    """Processor: per-endpoint seq, and the step's time (virtual, or the monotonic clock)."""
+    """Per-endpoint seq, and the step's time (virtual, or the monotonic clock)."""
 
     def __init__(self, clock: str) -> None:
         self.clock = clock
         self.next_seq: dict[str, int] = {}
 
-    def __call__(self, _: Any, __: str, event: MutableMapping[str, Any]) -> Event:
-        endpoint = event["endpoint"]
-        seq = self.next_seq[endpoint]
-        self.next_seq[endpoint] = seq + 1
-        event["seq"] = seq
-        if event["t"] is None:
-            if self.clock == "virtual":
-                raise ValueError("a virtual-clock trace needs the step's time: pass t=now")
-            event["t"] = time.monotonic()
-        return event
-
-
-def _to_record(_: Any, __: str, event: Event) -> Any:
-    # structlog types processor results as mappings; the renderer below takes any Struct.
-    return StepRecord(
-        seq=event["seq"],
-        t=event["t"],
-        endpoint=event["endpoint"],
-        input=event["input"],
-        outputs=event["outputs"],
-        fired=event["fired"],
-        rooms=event["rooms"],
-        timer_at=event["timer_at"],
-        error=event["error"],
-    )
-
-
-class _StepLogger(structlog.BoundLoggerBase):
-    """A structlog bound logger with one event, ``step``, sent to the sink's ``msg``."""
-
-    def step(self, **fields: Any) -> None:
-        self._proxy_to_logger("msg", "step", **fields)
+    def time_of(self, t: float | None) -> float:
+        if t is not None:
+            return t
+        if self.clock == "virtual":
+            raise ValueError("a virtual-clock trace needs the step's time: pass t=now")
+        return time.monotonic()
 
 
 class TraceRecorder:
@@ -142,16 +113,7 @@ class TraceRecorder:
             if self.path is None
             else RotatingLineFile(self.path, max_bytes=max_bytes, backups=backups)
         )
-        encoder = msgspec.json.Encoder(order="deterministic")
-        self._log = _StepLogger(
-            self._sink,
-            processors=[
-                self._stamp,
-                _to_record,
-                structlog.processors.JSONRenderer(serializer=lambda obj, **_: encoder.encode(obj)),
-            ],
-            context={},
-        )
+        self._encode = msgspec.json.Encoder(order="deterministic").encode
 
     # ---- endpoints -------------------------------------------------------------------------------
     def add_endpoint(
@@ -247,13 +209,19 @@ class TraceRecorder:
         self, endpoint_id: str, t: float | None, input: AnyEndpointInput, outputs: Any,
         fired: Any, rooms: Any, timer_at: float | None, error: StepError | None,
     ) -> int:  # fmt: skip
-        if endpoint_id not in self._stamp.next_seq:
+        next_seq = self._stamp.next_seq
+        seq = next_seq.get(endpoint_id)
+        if seq is None:
             raise ValueError(f"endpoint {endpoint_id} has no header: call add_endpoint first")
-        self._log.step(
-            endpoint=endpoint_id, t=t, input=input, outputs=outputs, fired=fired,
-            rooms=rooms, timer_at=timer_at, error=error,
+        stamped = self._stamp.time_of(t)
+        next_seq[endpoint_id] = seq + 1
+        record = StepRecord(
+            seq=seq, t=stamped, endpoint=endpoint_id, input=input, outputs=outputs,
+            fired=fired, rooms=rooms, timer_at=timer_at, error=error,
         )  # fmt: skip
-        return self._stamp.next_seq[endpoint_id] - 1
+        assert self._sink is not None  # only an enabled recorder emits
+        self._sink.msg(self._encode(record))
+        return seq
 
     # ---- lifetime --------------------------------------------------------------------------------
     @property

@@ -1,4 +1,4 @@
-"""A size-bounded JSON-lines file: the structlog "logger" the trace recorder writes through.
+"""A size-bounded JSON-lines file: where the trace recorder writes its lines.
 
 When the next line would pass ``max_bytes`` the file is rotated (``trace.jsonl`` becomes
 ``trace.jsonl.1``, ``.1`` becomes ``.2``, ... up to ``backups``; the oldest is deleted) and the
@@ -33,7 +33,7 @@ class RotatingLineFile:
         self._write(line)
 
     def msg(self, line: bytes) -> None:
-        """structlog calls this with the rendered line."""
+        """Write one encoded line (the recorder calls this once per step)."""
         if self._size + len(line) + 1 > self.max_bytes and self._size > self._preamble_size():
             self._rotate()
         self._write(line)
@@ -47,8 +47,7 @@ class RotatingLineFile:
             self._file.close()
 
     def _write(self, line: bytes) -> None:
-        self._file.write(line)
-        self._file.write(b"\n")
+        self._file.write(line + b"\n")  # one buffered write per line, not two
         self._size += len(line) + 1
 
     def _preamble_size(self) -> int:
