@@ -8,7 +8,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.sim.actions import apply, choices, settle
 from pdflow.sim.clock import VirtualClock
-from pdflow.sim.faults import ACTION_KINDS, FAULT_KINDS, draw_plan
+from pdflow.sim.faults import ACTION_KINDS, FAULT_KINDS, FAULT_PROFILES, draw_plan
 from pdflow.sim.invariants import InvariantViolation, check_quiescent
 from pdflow.sim.world import World
 
@@ -95,3 +95,15 @@ def _noop_step(world: World):  # type: ignore[no-untyped-def]
     from pdflow.core.framework.step import Step
 
     return TimerFired(), Step(), set(world.decode[0].endpoint.rooms)
+
+
+def test_each_seed_runs_one_fault_profile_and_every_profile_is_drawn() -> None:
+    """Swarm testing by feature omission: faults outside a seed's profile never happen."""
+    plans = [draw_plan(seed) for seed in range(200)]
+    assert {p.profile for p in plans} == set(FAULT_PROFILES)
+    for plan in plans:
+        outside = FAULT_KINDS - FAULT_PROFILES[plan.profile]
+        assert all(plan.weights[kind] == 0.0 for kind in outside), plan.profile
+    assert FAULT_PROFILES["all"] == FAULT_KINDS
+    focused = [kinds for name, kinds in FAULT_PROFILES.items() if name != "all"]
+    assert set().union(*focused) == FAULT_KINDS, "every fault is focused on by some profile"

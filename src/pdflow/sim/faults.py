@@ -108,6 +108,23 @@ LATE_KINDS = ("engine_race",)
 """Faults added after the others: their weights are drawn last, so every earlier draw of a seed
 keeps its value."""
 
+FAULT_PROFILES: dict[str, frozenset[str]] = {
+    "all": FAULT_KINDS,
+    "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt"}),
+    "liveness": frozenset(
+        {"crash_prefill", "crash_decode", "heartbeat_fail", "partition"}
+    ),
+    "room_races": frozenset(
+        {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim"}
+    ),
+}  # fmt: skip
+"""Swarm testing by feature omission: a seed runs under one profile, which switches off every
+fault outside it. A fault that only shows once a room survives to its end (a corrupt write
+reaching verification) is reached far more often without the faults that kill rooms, and each
+fault added later dilutes only the profiles it joins."""
+LIVENESS_FAULTS = FAULT_PROFILES["liveness"]
+PROFILE_WEIGHTS = {"all": 0.4, "data_path": 0.2, "liveness": 0.2, "room_races": 0.2}
+
 
 class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     seed: int
@@ -119,6 +136,8 @@ class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_open_requests: int
     room_reuse: bool
     """New requests may reuse a room id once every side has cleared it (next generation)."""
+    profile: str = "all"
+    """The fault profile (:data:`FAULT_PROFILES`): faults outside it have weight 0."""
 
     def to_builtins(self) -> dict[str, object]:
         built: dict[str, object] = msgspec.to_builtins(self)
@@ -192,6 +211,17 @@ def draw_plan(seed: int) -> FaultPlan:
     shape = msgspec.structs.replace(shape, receiver_fence=rng.random() < 0.7)
     for kind in LATE_KINDS:
         weights[kind] = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
+    (profile,) = rng.choices(list(PROFILE_WEIGHTS), list(PROFILE_WEIGHTS.values()))
+    for kind in FAULT_KINDS - FAULT_PROFILES[profile]:
+        weights[kind] = 0.0
+    if profile == "data_path":
+        # Few kinds of trouble, each met often: a write fails or arrives corrupt about as
+        # often as it lands whole.
+        for kind in ("write_fail", "write_corrupt"):
+            weights[kind] *= 5
+    if not FAULT_PROFILES[profile] & LIVENESS_FAULTS:
+        # Without a fault a heartbeat could notice, probing only slows the rooms down.
+        weights["heartbeat_ok"] *= 0.1
     return FaultPlan(
         seed=seed,
         shape=shape,
@@ -199,4 +229,5 @@ def draw_plan(seed: int) -> FaultPlan:
         reorder_within_link=reorder,
         max_open_requests=max_open,
         room_reuse=room_reuse,
+        profile=profile,
     )
