@@ -76,11 +76,11 @@ class PrefillProcess:
 
 @asynccontextmanager
 async def prefill_process(
-    tasks: TaskGroup, options: dict[str, Any]
+    tasks: TaskGroup, options: dict[str, Any], script: Path = PREFILL_SCRIPT
 ) -> AsyncIterator[PrefillProcess]:
     env = {**os.environ, "MC_LOG_LEVEL": "ERROR"}
     process = await anyio.open_process(
-        [sys.executable, str(PREFILL_SCRIPT), json.dumps(options)], env=env, stderr=None
+        [sys.executable, str(script), json.dumps(options)], env=env, stderr=None
     )
     handle = PrefillProcess(process)
     try:

@@ -16,6 +16,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, KvArgsAccepted, PeerId, RoomMetadata
@@ -165,7 +166,8 @@ async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path
         # The second forger announces a layout first, claiming 4 Mi pages.
         layout = packed_layout(base_addr=1 << 20, num_layers=1, num_pages=1 << 22, page_size=1,
                                num_heads=1, head_dim=1, dtype=KvDtype.FP16)  # fmt: skip
-        args = KvArgs(announced, rank.peer, "127.0.0.1:1", layout, 1, 0, 1)
+        args = KvArgs(announced, rank.peer, "127.0.0.1:1", KvBuffers.from_layout(layout, 1), 1,
+                      0, 1)  # fmt: skip
         await forge(rank.peer.address, [codec.encode(args, None)])
         pages = tuple(range(1 << 16, (1 << 16) + 209_000))  # 5 bytes each: just under 1 MiB
         before = rss_bytes()

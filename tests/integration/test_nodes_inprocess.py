@@ -16,7 +16,8 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdflow.core.dataplane.layout import KvDtype, rank_head_range
+from pdflow.core.dataplane.buffers import destination_slices, exchanged_slices
+from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId, StatusReport
 from pdflow.core.protocol.outputs import StartTransfer
@@ -25,7 +26,6 @@ from pdflow.io.codec import MAGIC, MsgpackCodec
 from pdflow.io.kv_buffers import (
     TransferPlanner,
     default_executor,
-    exchanged_span,
     host_cache_for_rank,
     kv_digest,
 )
@@ -175,15 +175,12 @@ def test_digest_matches_across_tp_and_catches_a_misplaced_page() -> None:
             start = StartTransfer(1, 0, 0, peer, "s", src_pages[lo:hi], dst_pages[lo:hi],
                                   hi == 3, None, None)  # fmt: skip
             memmove_write_ops(TransferPlanner(kv).plan(start, args))
-            span = exchanged_span(kv.layout, kv.heads, decode_kv.heads)
-            assert span is not None
-            sent += kv_digest(executor, kv.layout, span, start.src_pages, start.dst_pages, 16)
-        heads = rank_head_range(4, 2, kv.tp_rank)
-        span = exchanged_span(decode_kv.layout, decode_kv.heads, heads)
-        assert span is not None
-        received = kv_digest(executor, decode_kv.layout, span, dst_pages, dst_pages, 16)
+            sent_slices = exchanged_slices(kv.kv_buffers, True, kv.tp, decode_kv.tp, args.layout)
+            sent += kv_digest(executor, sent_slices, start.src_pages, start.dst_pages, 16)
+        slices = destination_slices(decode_kv.kv_buffers, kv.tp, decode_kv.tp)
+        received = kv_digest(executor, slices, dst_pages, dst_pages, 16)
         assert received == sent % (1 << 64)
         # The same bytes in the wrong page are caught.
-        moved = kv_digest(executor, decode_kv.layout, span, dst_pages, (5, 9, 6), 16)
+        moved = kv_digest(executor, slices, dst_pages, (5, 9, 6), 16)
         assert moved != received
     del decode_cache

@@ -15,6 +15,7 @@ import structlog
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 
+from pdflow.core.dataplane.buffers import KvBuffer, KvBuffers, KvRole, PageOrder
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import (
@@ -53,8 +54,12 @@ VERSION = str(PROTOCOL_VERSION).encode()
 _PEERS = st.builds(PeerId, st.sampled_from(["127.0.0.1:1", "127.0.0.1:notaport", "ipc:///x", ""]),
                    st.text(max_size=8), st.integers(-2, 2**40))  # fmt: skip
 _ROOM = st.integers(-(2**63), 2**64 - 1)
-_LAYOUT = packed_layout(base_addr=4096, num_layers=1, num_pages=8, page_size=1, num_heads=1,
-                        head_dim=1, dtype=KvDtype.FP16)  # fmt: skip
+_LAYOUT = KvBuffers.from_layout(packed_layout(base_addr=4096, num_layers=1, num_pages=8,
+                                               page_size=1, num_heads=1, head_dim=1,
+                                               dtype=KvDtype.FP16), 1)  # fmt: skip
+# Engine buffers: an MLA latent and a draft model's head-major K, item lengths of their own.
+_MLA_BUFFERS = KvBuffers(4, (KvBuffer(1 << 20, 4096, 512, 0, KvRole.LATENT),
+                             KvBuffer(1 << 21, 2048, 256, 1, KvRole.K, 2, True, PageOrder.HND)))
 
 MESSAGES: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(RoomMetadata, _ROOM, st.integers(0, 3), _PEERS, _PEERS, st.text(max_size=8),
@@ -65,8 +70,8 @@ MESSAGES: st.SearchStrategy[ControlMessage] = st.one_of(
               st.text(max_size=8), st.none() | st.integers(0, 2**64 - 1)),
     st.builds(Abort, _ROOM, st.integers(0, 3), _PEERS, _PEERS, st.text(max_size=8)),
     st.builds(AbortAck, _ROOM, st.integers(0, 3), _PEERS, _PEERS),
-    st.builds(KvArgs, _PEERS, _PEERS, st.text(max_size=8), st.just(_LAYOUT), st.integers(1, 4),
-              st.integers(0, 3), st.integers(1, 8)),
+    st.builds(KvArgs, _PEERS, _PEERS, st.text(max_size=8), st.sampled_from([_LAYOUT, _MLA_BUFFERS]),
+              st.integers(1, 4), st.integers(0, 3), st.integers(1, 8)),
     st.builds(KvArgsAccepted, _PEERS, _PEERS, st.text(max_size=8)),
 )  # fmt: skip
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import (
@@ -38,14 +39,17 @@ def metadata(pages: int = 4) -> RoomMetadata:
             DECODE,
             PREFILL,
             "127.0.0.1:9000",
-            packed_layout(
-                base_addr=4096,
-                num_layers=2,
-                num_pages=8,
-                page_size=4,
-                num_heads=2,
-                head_dim=8,
-                dtype=KvDtype.FP16,
+            KvBuffers.from_layout(
+                packed_layout(
+                    base_addr=4096,
+                    num_layers=2,
+                    num_pages=8,
+                    page_size=4,
+                    num_heads=2,
+                    head_dim=8,
+                    dtype=KvDtype.FP16,
+                ),
+                2,
             ),
             2,
             0,

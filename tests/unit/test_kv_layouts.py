@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
@@ -37,8 +38,10 @@ from pdflow.core.resources.kv_layouts import (
 from pdflow.core.resources.page_ledger import PagesFreed, SessionRetired
 from tests.unit.test_endpoint_scenarios import BOOT, DECODE, PREFILL_A, TIMEOUTS, info
 
-LAYOUT = packed_layout(base_addr=4096, num_layers=2, num_pages=8, page_size=16, num_heads=8,
-                       head_dim=4, dtype=KvDtype.FP16)  # fmt: skip
+LAYOUT = KvBuffers.from_layout(
+    packed_layout(base_addr=4096, num_layers=2, num_pages=8, page_size=16, num_heads=8,
+                  head_dim=4, dtype=KvDtype.FP16), 8
+)  # fmt: skip
 
 
 def decode_endpoint() -> DecodeEndpoint:

@@ -6,14 +6,17 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, PeerId, RoomMetadata, StatusReport
 from pdflow.io.limits import EarlyPages, PrefillRankLimits, SocketPool
 
 PREFILL = PeerId("127.0.0.1:6000", "p", 0)
-LAYOUT = packed_layout(base_addr=4096, num_layers=1, num_pages=8, page_size=1, num_heads=1,
-                       head_dim=1, dtype=KvDtype.FP16)  # fmt: skip
+LAYOUT = KvBuffers.from_layout(
+    packed_layout(base_addr=4096, num_layers=1, num_pages=8, page_size=1, num_heads=1,
+                  head_dim=1, dtype=KvDtype.FP16), 1
+)  # fmt: skip
 
 
 def decode(n: int, incarnation: str = "d") -> PeerId:

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdflow.core.dataplane.buffers import KvRole, PageOrder
 from pdflow.core.dataplane.layout import rank_head_range
 from pdflow.sglang.layout import UnsupportedByPdflow, rank_kv_from_kv_args
 
@@ -27,25 +28,43 @@ def kv_args(**overrides: object) -> SimpleNamespace:
 
 def test_kv_args_become_a_byte_exact_layout() -> None:
     rank = rank_kv_from_kv_args(kv_args(), tp_size=2, is_mla=False)
-    layout = rank.layout
-    assert layout.k_addrs == (0x10000, 0x20000) and layout.v_addrs == (0x30000, 0x40000)
-    assert layout.num_pages == 9 and layout.page_size == 4 and layout.num_heads == 2
-    assert layout.item_len == 128 and layout.head_bytes == 16
+    kv = rank.kv_buffers
+    assert [(b.addr, b.role, b.layer) for b in kv.buffers] == [
+        (0x10000, KvRole.K, 0), (0x20000, KvRole.K, 1), (0x30000, KvRole.V, 0),
+        (0x40000, KvRole.V, 1)]  # fmt: skip
+    assert kv.num_pages == 9 and kv.page_size == 4
+    assert {b.item_len for b in kv.buffers} == {128}
+    assert {kv.head_bytes(b, rank.tp) for b in kv.buffers} == {16}
     assert (rank.tp_size, rank.tp_rank, rank.total_kv_heads) == (2, 1, 4)
     assert rank.heads == rank_head_range(4, 2, 1)
+
+
+def test_mla_per_layer_item_lengths_and_hnd_pools_are_described_not_refused() -> None:
+    mla = rank_kv_from_kv_args(
+        kv_args(kv_data_ptrs=[0x10000, 0x20000, 0x30000], kv_data_lens=[9 * 576] * 3,
+                kv_item_lens=[576] * 3, kv_head_num=1, total_kv_head_num=1),
+        tp_size=2, is_mla=True)  # fmt: skip
+    assert [(b.role, b.layer, b.total_heads) for b in mla.kv_buffers.buffers] == [
+        (KvRole.LATENT, layer, 1) for layer in range(3)]  # fmt: skip
+    mixed = rank_kv_from_kv_args(kv_args(kv_item_lens=[128, 64, 128, 64],
+                                         kv_data_lens=[9 * 128, 9 * 64, 9 * 128, 9 * 64]),
+                                 tp_size=2, is_mla=False)  # fmt: skip
+    assert [mixed.kv_buffers.head_bytes(b, mixed.tp) for b in mixed.kv_buffers.buffers] == [
+        16, 8, 16, 8]  # fmt: skip
+    hnd = rank_kv_from_kv_args(kv_args(kv_layout="HND"), tp_size=2, is_mla=False)
+    assert {b.order for b in hnd.kv_buffers.buffers} == {PageOrder.HND}
 
 
 @pytest.mark.parametrize(
     ("overrides", "is_mla", "needle"),
     [
-        ({}, True, "MLA"),
         ({"state_types": [SimpleNamespace(value="mamba")]}, False, "model state ['mamba']"),
         ({"num_draft_entries": 2}, False, "draft-model KV"),
-        ({"kv_layout": "HND"}, False, "KV layout 'HND'"),
+        ({"kv_layout": "NCHW"}, False, "KV layout 'NCHW'"),
         ({"pp_rank": 1}, False, "pipeline parallelism"),
-        ({"kv_item_lens": [128, 128, 128, 64]}, False, "one page size in bytes"),
+        ({"kv_data_ptrs": [1, 2, 3]}, True, "one latent buffer per layer"),
         ({"kv_data_ptrs": [1, 2, 3]}, False, "K and V buffers of every layer"),
-        ({"kv_item_lens": [100] * 4, "kv_data_lens": [900] * 4}, False, "token-major"),
+        ({"kv_item_lens": [100] * 4, "kv_data_lens": [900] * 4}, False, "whole heads"),
     ],
 )
 def test_what_pdflow_cannot_move_is_refused_with_the_reason(

@@ -117,7 +117,7 @@ async def main(options: dict[str, Any]) -> None:
     rng = random.Random(options["seed"])
     pages = [RankPages(cache, kv, rng) for cache, kv in caches]
     staged = options["staging"]
-    staging_bytes = STAGING_PAGES * staging_page_bytes(caches[0][1].layout) if staged else 0
+    staging_bytes = STAGING_PAGES * staging_page_bytes(caches[0][1].kv_buffers) if staged else 0
     transport_class = NoopFenceTransport if mutant == NOOP_FENCE else MooncakeTransport
     transport = await anyio.to_thread.run_sync(
         transport_class.open, MooncakeConfig(host=settings.host)

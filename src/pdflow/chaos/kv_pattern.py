@@ -33,7 +33,7 @@ def pages_for(tokens: int) -> int:
 
 def page_view(cache: HostKvCache, kv: RankKv) -> np.ndarray:
     """``[buffer, page, token, head, byte]`` over the cache memory (no copy)."""
-    layout = kv.layout
+    layout = kv.token_layout
     return np.frombuffer(memoryview(cache.memory).cast("B"), dtype=np.uint8).reshape(
         2 * layout.num_layers, layout.num_pages, layout.page_size, layout.num_heads,
         layout.head_bytes,
@@ -41,7 +41,7 @@ def page_view(cache: HostKvCache, kv: RankKv) -> np.ndarray:
 
 
 def pattern(room: int, generation: int, positions: int, kv: RankKv) -> np.ndarray:
-    layout, heads = kv.layout, kv.heads
+    layout, heads = kv.token_layout, kv.heads
     b = np.arange(2 * layout.num_layers).reshape(-1, 1, 1, 1, 1)
     pos = np.arange(positions).reshape(1, -1, 1, 1, 1)
     t = np.arange(layout.page_size).reshape(1, 1, -1, 1, 1)

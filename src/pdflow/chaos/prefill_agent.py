@@ -84,7 +84,7 @@ async def main(options: dict[str, Any]) -> None:
     settings = load_settings(**options["settings"])
     tp, num_pages = options["tp"], options["num_pages"]
     caches = rank_caches(tp, num_pages)
-    slot = MAX_CHUNK_PAGES * staging_page_bytes(caches[0][1].layout)
+    slot = MAX_CHUNK_PAGES * staging_page_bytes(caches[0][1].kv_buffers)
     transport = await anyio.to_thread.run_sync(
         MooncakeTransport.open, MooncakeConfig(host=settings.host)
     )

@@ -23,6 +23,16 @@ from typing import Any, Protocol
 
 import msgspec
 
+from pdflow.core.dataplane.buffers import (
+    BufferSlice,
+    KvBuffers,
+    TpPlace,
+    destination_slices,
+    exchanged_slices,
+    feeding_ranks,
+    staging_groups,
+    writer_page_bytes,
+)
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
 from pdflow.core.dataplane.layout import (
     AuxBuffer,
@@ -33,7 +43,7 @@ from pdflow.core.dataplane.layout import (
     packed_layout,
     rank_head_range,
 )
-from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_head_slices, plan_pages
+from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_buffers
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.protocol.messages import KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
@@ -44,13 +54,18 @@ from pdflow.dataplane.pure import PythonExecutor
 
 
 class RankKv(msgspec.Struct, frozen=True):
-    """One rank's KV: its layout and its place among the TP ranks, and the engine's aux buffer
-    (where each request's first token and metadata row live), if it hands one to pdflow."""
+    """One rank's KV: its buffers and its place among the TP ranks, and the engine's aux buffer
+    (where each request's first token and metadata row live), if it hands one to pdflow.
 
-    layout: KvLayout
+    ``layout`` is either the engine's own buffer description (:class:`KvBuffers`: any tensors,
+    item lengths, layer ids, MLA latents, draft KV, page orders) or a classic :class:`KvLayout`
+    (K and V of every layer, token-major), which stands for ``KvBuffers.from_layout``."""
+
+    layout: KvLayout | KvBuffers
     tp_size: int
     tp_rank: int
     total_kv_heads: int
+    """The finest TP split of any tensor (MLA: 1); the topology splits ranks by it."""
     aux: AuxBuffer | None = None
     state: tuple[StateBuffers, ...] = ()
     """The model-state components (Mamba slots, sliding-window pages, blobs) the engine hands
@@ -59,9 +74,42 @@ class RankKv(msgspec.Struct, frozen=True):
     """Whose memory the KV, state and staging addresses name: "cpu" or "cuda[:n]"; it picks the
     executor the shell checksums, gathers and scatters with (aux rows are host memory)."""
 
+    def __post_init__(self) -> None:
+        described = self.kv_buffers
+        if described.total_heads != self.total_kv_heads:
+            raise InvalidInput(
+                f"total_kv_heads is {self.total_kv_heads} but the finest split of the rank's "
+                f"buffers is {described.total_heads} heads; pass the largest total_heads"
+            )
+        if isinstance(self.layout, KvLayout) and self.layout.num_heads != self.heads.count:
+            raise InvalidInput(
+                f"the layout holds {self.layout.num_heads} heads but TP rank {self.tp_rank} of "
+                f"{self.tp_size} holds {self.heads.count} of {self.total_kv_heads}"
+            )
+        for buffer in described.buffers:
+            described.head_bytes(buffer, self.tp)  # whole heads per page, or a clear error
+
+    @property
+    def kv_buffers(self) -> KvBuffers:
+        layout = self.layout
+        if isinstance(layout, KvLayout):
+            return KvBuffers.from_layout(layout, self.total_kv_heads)
+        return layout
+
+    @property
+    def token_layout(self) -> KvLayout:
+        """The classic layout, for tools that only read those (chaos patterns, canaries)."""
+        if not isinstance(self.layout, KvLayout):
+            raise InvalidInput("this rank describes its own buffers; it has no KvLayout")
+        return self.layout
+
+    @property
+    def tp(self) -> TpPlace:
+        return TpPlace(self.tp_size, self.tp_rank)
+
     def buffers(self) -> tuple[tuple[int, int], ...]:
         """``(address, bytes)`` of every buffer a transport must register for this rank."""
-        kv = tuple((addr, self.layout.buffer_bytes) for addr in self.layout.buffer_addrs)
+        kv = tuple((buffer.addr, buffer.length) for buffer in self.kv_buffers.buffers)
         state = tuple(
             (addr, component.num_items * length)
             for component in self.state
@@ -76,12 +124,16 @@ class RankKv(msgspec.Struct, frozen=True):
     def kv_args(
         self, decode: PeerId, prefill: PeerId, session_id: str, staging_addr: int | None = None
     ) -> KvArgs:
-        return KvArgs(decode, prefill, session_id, self.layout, self.tp_size, self.tp_rank,
+        return KvArgs(decode, prefill, session_id, self.kv_buffers, self.tp_size, self.tp_rank,
                       self.total_kv_heads, staging_addr)  # fmt: skip
 
 
 def peer_heads(args: KvArgs) -> HeadRange:
     return rank_head_range(args.total_kv_heads, args.tp_size, args.tp_rank)
+
+
+def peer_place(args: KvArgs) -> TpPlace:
+    return TpPlace(args.tp_size, args.tp_rank)
 
 
 class TransferPlanner:
@@ -92,11 +144,8 @@ class TransferPlanner:
 
     def plan(self, start: StartTransfer, peer: KvArgs) -> tuple[WriteOp, ...]:
         """Raises ``InvalidInput`` (from planning) when the two layouts cannot exchange pages."""
-        src_heads, dst_heads = self.local.heads, peer_heads(peer)
-        if src_heads == dst_heads:
-            return plan_pages(self.local.layout, peer.layout, start.src_pages, start.dst_pages)
-        return plan_head_slices(self.local.layout, peer.layout, src_heads, dst_heads,
-                                start.src_pages, start.dst_pages)  # fmt: skip
+        return plan_buffers(self.local.kv_buffers, self.local.tp, peer.layout, peer_place(peer),
+                            start.src_pages, start.dst_pages)  # fmt: skip
 
 
 # ---- model state ---------------------------------------------------------------------------------
@@ -164,60 +213,61 @@ def state_digest(executor: ChecksumExecutor, state: Sequence[StateBuffers], indi
 class WriterRegion(msgspec.Struct, frozen=True):
     """Where one prefill rank's slices of one room sit in the decode's staging region.
 
-    The region of a room is writer-major: writer ``w`` (writers ordered by the decode heads they
-    fill) owns ``room_pages * page_bytes`` bytes starting at ``w * room_pages * page_bytes``, and
-    page ``i`` of the room sits at ``i * page_bytes`` inside it (each page laid out as
-    :func:`pdflow.core.dataplane.planning.plan_staged` lays out a one-page chunk), so every chunk of
-    one writer is one contiguous bulk write whatever the chunking.
+    The region of a room is writer-major: writers (the prefill ranks feeding the decode rank,
+    in rank order) follow each other, writer ``w`` owning ``room_pages * page_bytes`` bytes
+    after ``room_pages * before`` (``before``: the page bytes of the writers ahead of it), and
+    page ``i`` of the room sits at ``i * page_bytes`` inside it, its slices in
+    :func:`~pdflow.core.dataplane.buffers.staging_groups` order; so every chunk of one writer is
+    one contiguous bulk write whatever the chunking.
     """
 
-    writer_index: int
+    before: int
     page_bytes: int
-    slice_offset: int
-    slice_bytes: int
+    slices: tuple[BufferSlice, ...]
 
     def chunk_offset(self, room_pages: int, page_start: int) -> int:
-        return (self.writer_index * room_pages + page_start) * self.page_bytes
+        return self.before * room_pages + page_start * self.page_bytes
 
 
-def writer_region(layout: KvLayout, own: HeadRange, writer: HeadRange) -> WriterRegion | None:
-    """The staged region geometry of ``writer``'s heads, seen from a side whose heads are
-    ``own`` and whose pages are laid out by ``layout`` (either side can call it)."""
-    shared = own.intersect(writer)
-    if shared is None:
+def writer_region(own: KvBuffers, own_is_source: bool, src: TpPlace, dst: TpPlace,
+                  destination: KvBuffers) -> WriterRegion | None:  # fmt: skip
+    """The staged region of the writer ``src`` in the decode rank ``dst``, seen from either side
+    (``own``: this side's buffers; ``destination``: the decode's, which fix the order)."""
+    peer = destination if own_is_source else None
+    slices = exchanged_slices(own, own_is_source, src, dst, peer)
+    if not slices:
         return None
-    decode_start = min(own.start, writer.start) if own.count < writer.count else own.start
-    slice_bytes = shared.count * layout.head_bytes
-    return WriterRegion(
-        writer_index=(shared.start - decode_start) // shared.count,
-        page_bytes=len(layout.buffer_addrs) * layout.page_size * slice_bytes,
-        slice_offset=(shared.start - own.start) * layout.head_bytes,
-        slice_bytes=slice_bytes,
+    before = sum(
+        writer_page_bytes(destination_slices(destination, TpPlace(src.size, rank), dst))
+        for rank in feeding_ranks(src.size, dst)
+        if rank < src.rank
     )
+    return WriterRegion(before, writer_page_bytes(slices), slices)
 
 
-def staged_slices(layout: KvLayout, pages: Sequence[int], region: WriterRegion,
+def staged_slices(region: WriterRegion, pages: Sequence[int],
                   staging_addr: int) -> tuple[StagedSlices, ...]:  # fmt: skip
     """Gather (prefill) or scatter (decode) of one writer's slices of ``pages``, page after page
-    from ``staging_addr`` (one description per page: the layout must not depend on chunking)."""
-    return tuple(
-        StagedSlices(
-            buffer_addrs=layout.buffer_addrs,
-            pages=(page,),
-            page_size=layout.page_size,
-            item_len=layout.item_len,
-            token_bytes=layout.token_bytes,
-            slice_offset=region.slice_offset,
-            slice_bytes=region.slice_bytes,
-            staging_addr=staging_addr + index * region.page_bytes,
-        )
-        for index, page in enumerate(pages)
-    )
+    from ``staging_addr`` (one description per page and geometry group: the layout must not
+    depend on chunking)."""
+    found = []
+    groups = staging_groups(region.slices)
+    for index, page in enumerate(pages):
+        where = staging_addr + index * region.page_bytes
+        for group in groups:
+            cut = group[0].slice
+            found.append(StagedSlices(
+                buffer_addrs=tuple(member.addr for member in group), pages=(page,),
+                page_size=cut.pieces, item_len=group[0].item_len, token_bytes=cut.stride,
+                slice_offset=cut.offset, slice_bytes=cut.nbytes, staging_addr=where,
+            ))  # fmt: skip
+            where += len(group) * cut.pieces * cut.nbytes
+    return tuple(found)
 
 
-def staging_page_bytes(layout: KvLayout) -> int:
+def staging_page_bytes(kv: KvBuffers) -> int:
     """Bytes one destination page occupies in a staging region (every buffer, whole page)."""
-    return len(layout.buffer_addrs) * layout.item_len
+    return kv.page_bytes
 
 
 # ---- digest ------------------------------------------------------------------------------------
@@ -225,45 +275,16 @@ class ChecksumExecutor(Protocol):
     def checksum(self, ranges: Sequence[ByteRange]) -> Checksum: ...
 
 
-class SliceSpan(msgspec.Struct, frozen=True):
-    """Where, inside each token of one side's layout, the exchanged heads sit."""
-
-    offset: int
-    nbytes: int
-
-
-def exchanged_span(layout: KvLayout, own: HeadRange, other: HeadRange) -> SliceSpan | None:
-    """The bytes of each token this side exchanges with a rank holding ``other`` heads."""
-    shared = own.intersect(other)
-    if shared is None:
-        return None
-    return SliceSpan((shared.start - own.start) * layout.head_bytes,
-                     shared.count * layout.head_bytes)  # fmt: skip
-
-
-def kv_digest(
-    executor: ChecksumExecutor,
-    layout: KvLayout,
-    span: SliceSpan,
-    pages: Sequence[int],
-    dst_pages: Sequence[int],
-    dst_pool: int,
-) -> int:
-    """Digest of ``span`` of every token of ``pages`` (read through ``layout``), keyed by the
-    destination page each lands in; the decode calls it with ``pages == dst_pages``."""
-    whole = span.offset == 0 and span.nbytes == layout.token_bytes
+def kv_digest(executor: ChecksumExecutor, slices: Sequence[BufferSlice], pages: Sequence[int],
+              dst_pages: Sequence[int], dst_pool: int) -> int:  # fmt: skip
+    """Digest of the exchanged slice of every buffer in ``slices`` over ``pages``, keyed by the
+    destination buffer and page each lands in; the decode calls it with ``pages == dst_pages``
+    over its own slices (:func:`~pdflow.core.dataplane.buffers.destination_slices`)."""
     total = 0
-    for index in range(len(layout.buffer_addrs)):
+    for found in slices:
         for page, dst_page in zip(pages, dst_pages, strict=True):
-            base = layout.page_addr(index, page)
-            ranges: list[ByteRange] = (
-                [(base, layout.item_len)]
-                if whole
-                else [(base + t * layout.token_bytes + span.offset, span.nbytes)
-                      for t in range(layout.page_size)]
-            )  # fmt: skip
-            part = executor.checksum(ranges)
-            key = index * dst_pool + dst_page + 1
+            part = executor.checksum(found.ranges(page))
+            key = found.index * dst_pool + dst_page + 1
             total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
     return total
 

@@ -25,8 +25,8 @@ import structlog
 
 from pdflow.core.cluster.registry import declared_checksum, declared_is_mla
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.buffers import TpPlace, destination_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
-from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
 from pdflow.core.endpoints.effects import carry_out_decode
 from pdflow.core.endpoints.endpoint_io import (
@@ -74,7 +74,6 @@ from pdflow.io.kv_buffers import (
     StateIndices,
     aux_buffer_of,
     check_state_indices,
-    exchanged_span,
     executor_for,
     kv_digest,
     staged_slices,
@@ -334,7 +333,7 @@ class DecodeNode(NodeLifecycle):
         self._rng = rng or random.Random()
         self._stack = AsyncExitStack()
         self._clients: dict[str, BootstrapClient] = {}
-        self._writer_heads: dict[PeerId, HeadRange] = {}
+        self._writer_place: dict[PeerId, TpPlace] = {}
         self.room_pages: dict[tuple[int, int], tuple[int, ...]] = {}
         self.room_state: dict[tuple[int, int], StateIndices] = {}
         self.ranks: list[DecodeRank] = []
@@ -404,8 +403,8 @@ class DecodeNode(NodeLifecycle):
             heartbeat_max_failure=self.settings.heartbeat_max_failure,
             verify_checksums=self.settings.checksum,
             staging_capacity=self.staging_bytes,
-            staging_page_bytes=staging_page_bytes(layout),
-            kv_layout=layout, staging_addr=self._staging_addr(rank_kv.tp_rank),
+            staging_page_bytes=staging_page_bytes(rank_kv.kv_buffers),
+            kv_layout=rank_kv.kv_buffers, staging_addr=self._staging_addr(rank_kv.tp_rank),
             aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
             state=rank_kv.state,
         )  # fmt: skip
@@ -591,7 +590,6 @@ class DecodeNode(NodeLifecycle):
             raise BootstrapError(f"the registry at {bootstrap} reports no page size or KV dtype")
         parallel = Parallelism(tp=server.attn_tp_size, cp=server.attn_cp_size,
                                pp=server.pp_size, dp=server.dp_size)  # fmt: skip
-        total_heads = self.rank_kv[0].total_kv_heads
         ranks = []
         answers = []
         for dp in range(server.dp_size):
@@ -609,9 +607,7 @@ class DecodeNode(NodeLifecycle):
         declared = declared_is_mla(answers)
         is_mla = self.is_mla if declared is None else declared
         for registered in ranks:
-            self._writer_heads[registered.peer] = rank_head_range(
-                1 if is_mla else total_heads, server.attn_tp_size, registered.tp
-            )
+            self._writer_place[registered.peer] = TpPlace(server.attn_tp_size, registered.tp)
         return PrefillInfo(
             bootstrap=bootstrap, tp_size=server.attn_tp_size, cp_size=server.attn_cp_size,
             pp_size=server.pp_size, dp_size=server.dp_size, page_size=server.page_size,
@@ -684,12 +680,13 @@ class DecodeNode(NodeLifecycle):
         if self._executor is None:
             return
         base = self._staging_base[rank] + offset
+        own = kv.kv_buffers
         for writer in writers:
-            region = writer_region(kv.layout, kv.heads, self._writer_heads[writer])
+            region = writer_region(own, False, self._writer_place[writer], kv.tp, own)
             if region is None:
                 continue
             where = base + region.chunk_offset(len(pages), 0)
-            for page_slices in staged_slices(kv.layout, pages, region, where):
+            for page_slices in staged_slices(region, pages, where):
                 self._executor.scatter(page_slices)
 
     def _mismatch(self, rank: int, request: VerifyChecksums, writers: tuple[PeerId, ...]) -> str:
@@ -702,14 +699,15 @@ class DecodeNode(NodeLifecycle):
         if offset is not None:
             self._scatter(rank, kv, pages, offset, writers)
         problems = []
+        own = kv.kv_buffers
         for peer, expected in request.expected:
-            heads = self._writer_heads.get(peer)
-            span = None if heads is None else exchanged_span(kv.layout, kv.heads, heads)
-            if span is None:
-                problems.append(f"{peer.address}#{peer.rank}: its heads are unknown here")
+            place = self._writer_place.get(peer)
+            if place is None:
+                problems.append(f"{peer.address}#{peer.rank}: its TP rank is unknown here")
                 continue
+            slices = destination_slices(own, place, kv.tp)
             state = self.room_state.get((rank, request.room), ())
-            actual = (kv_digest(self._executor, kv.layout, span, pages, pages, kv.layout.num_pages)
+            actual = (kv_digest(self._executor, slices, pages, pages, own.num_pages)
                       + state_digest(self._executor, kv.state, state, state)) % ROOM_FOLD_MODULUS
             if actual != expected:
                 problems.append(f"{peer.address}#{peer.rank}: sent {expected:#x}, "

@@ -29,6 +29,7 @@ from pdflow.core.cluster.registration import (
 )
 from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
+from pdflow.core.dataplane.buffers import exchanged_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.dataplane.layout import StateKind
 from pdflow.core.dataplane.planning import (
@@ -73,10 +74,10 @@ from pdflow.io.kv_buffers import (
     TransferPlanner,
     aux_buffer_of,
     check_state_indices,
-    exchanged_span,
     executor_for,
     kv_digest,
     peer_heads,
+    peer_place,
     plan_state,
     read_aux_row,
     staged_slices,
@@ -582,7 +583,7 @@ class PrefillNode(NodeLifecycle):
             or local.heads == peer_heads(args)
         ):
             return None
-        region = writer_region(local.layout, local.heads, peer_heads(args))
+        region = writer_region(local.kv_buffers, True, local.tp, peer_place(args), args.layout)
         if region is None:
             raise InvalidInput(f"rank {rank} shares no heads with {start.peer.address}")
         nbytes = len(start.src_pages) * region.page_bytes
@@ -597,7 +598,7 @@ class PrefillNode(NodeLifecycle):
         slot = self.staging_base + worker * self.staging_slot_bytes
         dst = (args.staging_addr + start.staging_offset
                + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
-        gather = staged_slices(local.layout, start.src_pages, region, slot)
+        gather = staged_slices(region, start.src_pages, slot)
         return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
 
     def _state_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> tuple[WriteOp, ...]:
@@ -618,10 +619,10 @@ class PrefillNode(NodeLifecycle):
 
     def _digest(self, rank: int, start: StartTransfer, args: KvArgs) -> int:
         local = self._planners[rank].local
-        span = exchanged_span(local.layout, local.heads, peer_heads(args))
-        if span is None or self._executor is None:
+        if self._executor is None:
             return 0
-        kv = kv_digest(self._executor, local.layout, span, start.src_pages, start.dst_pages,
+        slices = exchanged_slices(local.kv_buffers, True, local.tp, peer_place(args), args.layout)
+        kv = kv_digest(self._executor, slices, start.src_pages, start.dst_pages,
                        args.layout.num_pages)  # fmt: skip
         state = state_digest(self._executor, local.state, start.src_state, start.dst_state)
         return (kv + state) % ROOM_FOLD_MODULUS

@@ -1,11 +1,12 @@
 """SGLang's ``KVArgs`` as pdflow's buffer description, and what the adapter cannot move yet.
 
 SGLang hands a transfer backend its KV pool as flat lists: ``kv_data_ptrs`` (K of every layer,
-then V of every layer, each a buffer of pages), ``kv_data_lens`` (bytes per buffer) and
-``kv_item_lens`` (bytes per page). pdflow's :class:`~pdflow.core.dataplane.layout.KvLayout`
-describes the same memory as ``[page, token, head, dim]`` buffers. Only bytes move, so the
-element type is described as bytes (``INT8``, ``head_dim`` = bytes per head): whole-page copies
-and head slices are exact, and a dtype mismatch between the sides shows as a layout mismatch.
+then V of every layer, or one MLA latent buffer per layer, each a buffer of pages),
+``kv_data_lens`` (bytes per buffer) and ``kv_item_lens`` (bytes per page, per buffer). pdflow's
+:class:`~pdflow.core.dataplane.buffers.KvBuffers` describes the same memory tensor by tensor
+(NHD or HND pages). Only bytes move, so the element type is described as bytes (``INT8``):
+whole-page copies and head slices are exact, and a dtype mismatch between the sides shows as a
+head-size mismatch.
 
 No SGLang import here: the checks run wherever pdflow runs.
 """
@@ -14,11 +15,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from pdflow.core.dataplane.layout import AuxBuffer, KvDtype, KvLayout
+from pdflow.core.dataplane.buffers import KvBuffer, KvBuffers, KvRole, PageOrder
+from pdflow.core.dataplane.layout import AuxBuffer
 from pdflow.io.kv_buffers import RankKv
 
 # What the backend needs before it can serve each refused feature (docs/sglang.md).
-FULL_PAYLOAD = "moving it needs pdflow's full payload (aux rows, model state, MLA, buffers)"
+FULL_PAYLOAD = "moving it needs pdflow's full payload (model state, draft KV, PP in the adapter)"
 
 
 class UnsupportedByPdflow(ValueError):
@@ -27,38 +29,36 @@ class UnsupportedByPdflow(ValueError):
 
 def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, is_mla: bool) -> RankKv:
     """The pdflow description of one SGLang rank's KV pool; refuses what it cannot move."""
-    refuse_unsupported(kv_args, is_mla=is_mla)
+    refuse_unsupported(kv_args)
     ptrs = [int(p) for p in kv_args.kv_data_ptrs]
     lens = [int(n) for n in kv_args.kv_data_lens]
     items = [int(n) for n in kv_args.kv_item_lens]
-    if not ptrs or len(ptrs) % 2 or not len(ptrs) == len(lens) == len(items):
+    per_layer = 1 if is_mla else 2
+    if not ptrs or len(ptrs) % per_layer or not len(ptrs) == len(lens) == len(items):
+        what = "one latent buffer per layer" if is_mla else "K and V buffers of every layer"
         raise UnsupportedByPdflow(
-            f"pdflow expects K and V buffers of every layer (an even, non-empty list with one "
-            f"length and item length each); SGLang gave {len(ptrs)} pointers, {len(lens)} "
-            f"lengths, {len(items)} item lengths"
-        )
-    if len(set(items)) != 1 or len(set(lens)) != 1:
-        raise UnsupportedByPdflow(
-            f"pdflow needs every KV buffer to have one page size in bytes; got item lengths "
-            f"{sorted(set(items))} and buffer lengths {sorted(set(lens))} (per-layer shapes: "
-            f"{FULL_PAYLOAD})"
+            f"pdflow expects {what} (a non-empty list with one length and item length each); "
+            f"SGLang gave {len(ptrs)} pointers, {len(lens)} lengths, {len(items)} item lengths"
         )
     page_size = int(kv_args.page_size)
-    heads = int(kv_args.kv_head_num)
-    item_len = items[0]
-    if item_len % (page_size * heads):
-        raise UnsupportedByPdflow(
-            f"a KV page of {item_len} bytes does not split into {page_size} tokens x {heads} "
-            "heads; pdflow needs token-major pages ([page, token, head, dim])"
-        )
-    layers = len(ptrs) // 2
-    layout = KvLayout(
-        page_size=page_size, num_heads=heads, head_dim=item_len // (page_size * heads),
-        dtype=KvDtype.INT8, num_pages=lens[0] // item_len,
-        k_addrs=tuple(ptrs[:layers]), v_addrs=tuple(ptrs[layers:]),
+    heads = 1 if is_mla else int(kv_args.kv_head_num)
+    for item_len in items:
+        if item_len % (page_size * heads):
+            raise UnsupportedByPdflow(
+                f"a KV page of {item_len} bytes does not split into {page_size} tokens x "
+                f"{heads} heads; pdflow needs pages of whole heads"
+            )
+    layers = len(ptrs) // per_layer
+    total = 1 if is_mla else int(kv_args.total_kv_head_num)
+    order = PageOrder.HND if getattr(kv_args, "kv_layout", None) == "HND" else PageOrder.NHD
+    roles = (KvRole.LATENT,) if is_mla else (KvRole.K, KvRole.V)
+    buffers = tuple(
+        KvBuffer(addr, length, item_len, index % layers, roles[index // layers], total,
+                 order=order)
+        for index, (addr, length, item_len) in enumerate(zip(ptrs, lens, items, strict=True))
     )  # fmt: skip
-    return RankKv(layout, tp_size=tp_size, tp_rank=int(kv_args.engine_rank),
-                  total_kv_heads=int(kv_args.total_kv_head_num),
+    return RankKv(KvBuffers(page_size, buffers), tp_size=tp_size,
+                  tp_rank=int(kv_args.engine_rank), total_kv_heads=total,
                   aux=aux_buffer_from_kv_args(kv_args))  # fmt: skip
 
 
@@ -79,19 +79,17 @@ def aux_buffer_from_kv_args(kv_args: Any) -> AuxBuffer | None:
     return AuxBuffer(tuple(ptrs), tuple(items), rows.pop())
 
 
-def refuse_unsupported(kv_args: Any, *, is_mla: bool) -> None:
+def refuse_unsupported(kv_args: Any) -> None:
     """Raise for KV pools whose transfer needs what pdflow does not move yet."""
     problems: list[str] = []
-    if is_mla:
-        problems.append("MLA latent caches (one buffer per layer, no V)")
     if list(getattr(kv_args, "state_types", None) or []):
         names = [getattr(t, "value", str(t)) for t in kv_args.state_types]
         problems.append(f"model state {names} (Mamba, sliding-window, DSA...)")
     if int(getattr(kv_args, "num_draft_entries", 0) or 0):
         problems.append("draft-model KV (speculative decoding)")
     layout = getattr(kv_args, "kv_layout", None)
-    if layout not in (None, "NHD"):
-        problems.append(f"KV layout {layout!r} (pdflow pages are token-major, NHD)")
+    if layout not in (None, "NHD", "HND"):
+        problems.append(f"KV layout {layout!r} (pdflow pages are NHD or HND)")
     if int(getattr(kv_args, "pp_rank", 0) or 0):
         problems.append("pipeline parallelism")
     if problems:

@@ -22,6 +22,7 @@ import itertools
 
 import msgspec
 
+from pdflow.core.dataplane.buffers import TpPlace, feeding_ranks, shared_heads
 from pdflow.core.dataplane.layout import HeadRange, rank_head_range
 from pdflow.core.framework.errors import InvalidInput
 
@@ -211,22 +212,13 @@ def head_slice(topology: PdTopology, prefill_tp_rank: int, decode_tp_rank: int) 
 
 def _tp_writers(topology: PdTopology, decode_tp_rank: int) -> dict[int, HeadSlice | None]:
     """Prefill TP ranks feeding this decode TP rank, each with its slice (``None``: dummy)."""
-    prefill_tp, decode_tp = topology.prefill.tp, topology.decode.tp
-    if decode_tp >= prefill_tp:
-        source = decode_tp_rank // (decode_tp // prefill_tp)
-        return {source: head_slice(topology, source, decode_tp_rank)}
-    per_decode = prefill_tp // decode_tp
-    group = range(decode_tp_rank * per_decode, (decode_tp_rank + 1) * per_decode)
-    writers: dict[int, HeadSlice | None] = {}
-    covered: set[HeadRange] = set()
-    for tp_rank in group:
-        found = head_slice(topology, tp_rank, decode_tp_rank)
-        if found is not None and found.shared not in covered:
-            covered.add(found.shared)
-            writers[tp_rank] = found
-        else:
-            writers[tp_rank] = None
-    return writers
+    decode = TpPlace(topology.decode.tp, decode_tp_rank)
+    return {
+        tp_rank: (head_slice(topology, tp_rank, decode_tp_rank)
+                  if shared_heads(topology.num_kv_heads, TpPlace(topology.prefill.tp, tp_rank),
+                                  decode) is not None else None)
+        for tp_rank in feeding_ranks(topology.prefill.tp, decode)
+    }  # fmt: skip
 
 
 def resolve_rank_mapping(

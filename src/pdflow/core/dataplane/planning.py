@@ -34,6 +34,15 @@ from collections.abc import Iterable, Iterator, Sequence
 
 import msgspec
 
+from pdflow.core.dataplane.buffers import (
+    BufferSlice,
+    KvBuffers,
+    PageOrder,
+    TpPlace,
+    destination_slices,
+    exchanged_slices,
+    page_slice,
+)
 from pdflow.core.dataplane.checksum import ByteRange
 from pdflow.core.dataplane.layout import HeadRange, KvLayout, kv_to_page_indices
 from pdflow.core.framework.errors import InvalidInput
@@ -47,8 +56,10 @@ __all__ = [
     "kv_to_page_indices",
     "pages_after_prefix",
     "partition_chunks",
+    "plan_buffers",
     "plan_head_slices",
     "plan_pages",
+    "plan_slice_pairs",
     "plan_staged",
     "source_ranges",
     "split_batches",
@@ -165,7 +176,8 @@ def _check_page_pairs(
     dst_layout.check_pages(dst_pages, "destination")
 
 
-def _runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:
+def _page_runs(src_pages: Sequence[int],
+               dst_pages: Sequence[int]) -> Iterator[tuple[int, int, int]]:  # fmt: skip
     """Maximal ``(src_start, dst_start, length)`` runs consecutive on both sides."""
     index = 0
     while index < len(src_pages):
@@ -178,6 +190,59 @@ def _runs(src_pages: Sequence[int], dst_pages: Sequence[int]) -> Iterator[tuple[
             length += 1
         yield src_pages[index], dst_pages[index], length
         index += length
+
+
+def plan_slice_pairs(pairs: Sequence[tuple[BufferSlice, BufferSlice]], src_pages: Sequence[int],
+                     dst_pages: Sequence[int]) -> tuple[WriteOp, ...]:  # fmt: skip
+    """The writes moving each source slice onto its destination slice, buffer by buffer: one
+    per run of pages consecutive on both sides when both hold the pages whole, else one per
+    (page, piece)."""
+    if len(src_pages) != len(dst_pages):
+        raise InvalidInput(
+            f"{len(src_pages)} source pages but {len(dst_pages)} destination pages; truncate to "
+            "the shorter list before planning"
+        )
+    ops: list[WriteOp] = []
+    for mine, theirs in pairs:
+        a, b = mine.slice, theirs.slice
+        if (a.pieces, a.nbytes) != (b.pieces, b.nbytes):
+            raise InvalidInput("the two sides slice a page differently; cannot pair the bytes")
+        if a.nbytes == mine.item_len and b.nbytes == theirs.item_len:
+            ops += [WriteOp(mine.addr + s * mine.item_len, theirs.addr + d * theirs.item_len,
+                            count * mine.item_len)
+                    for s, d, count in _page_runs(src_pages, dst_pages)]  # fmt: skip
+            continue
+        for s, d in zip(src_pages, dst_pages, strict=True):
+            ops += [WriteOp(src_addr, dst_addr, length)
+                    for (src_addr, length), (dst_addr, _) in zip(mine.ranges(s), theirs.ranges(d),
+                                                                 strict=True)]  # fmt: skip
+    return tuple(ops)
+
+
+def plan_buffers(
+    src: KvBuffers,
+    src_tp: TpPlace,
+    dst: KvBuffers,
+    dst_tp: TpPlace,
+    src_pages: Sequence[int],
+    dst_pages: Sequence[int],
+) -> tuple[WriteOp, ...]:
+    """Every write the source rank makes into the destination rank for these page pairs: the
+    tensors it writes under the TP rule (:func:`~pdflow.core.dataplane.buffers.shared_heads`),
+    in the destination's buffer order."""
+    src.check_pages(src_pages, "source")
+    dst.check_pages(dst_pages, "destination")
+    mine = exchanged_slices(src, True, src_tp, dst_tp, dst)
+    theirs = {found.index: found for found in destination_slices(dst, src_tp, dst_tp)}
+    return plan_slice_pairs([(m, theirs[m.index]) for m in mine], src_pages, dst_pages)
+
+
+def _layout_slices(layout: KvLayout, own: HeadRange, shared: HeadRange,
+                   whole: bool) -> tuple[BufferSlice, ...]:  # fmt: skip
+    cut = page_slice(layout.item_len, PageOrder.NHD, layout.page_size, layout.head_bytes, own,
+                     shared, whole)  # fmt: skip
+    return tuple(BufferSlice(index, addr, layout.item_len, cut, (0, 0, ""))
+                 for index, addr in enumerate(layout.buffer_addrs))  # fmt: skip
 
 
 def plan_pages(
@@ -193,13 +258,12 @@ def plan_pages(
             "layers); use plan_head_slices or plan_staged for heterogeneous TP"
         )
     _check_page_pairs(src_layout, dst_layout, src_pages, dst_pages)
-    item_len = src_layout.item_len
-    runs = list(_runs(src_pages, dst_pages))
-    return tuple(
-        WriteOp(src_base + src * item_len, dst_base + dst * item_len, length * item_len)
-        for src_base, dst_base in zip(src_layout.buffer_addrs, dst_layout.buffer_addrs, strict=True)
-        for src, dst, length in runs
-    )
+    heads = HeadRange(0, src_layout.num_heads)
+    return plan_slice_pairs(
+        list(zip(_layout_slices(src_layout, heads, heads, True),
+                 _layout_slices(dst_layout, heads, heads, True), strict=True)),
+        src_pages, dst_pages,
+    )  # fmt: skip
 
 
 class _SliceGeometry(msgspec.Struct, frozen=True):
@@ -210,7 +274,7 @@ class _SliceGeometry(msgspec.Struct, frozen=True):
 
 def _slice_geometry(
     src_layout: KvLayout, dst_layout: KvLayout, src_heads: HeadRange, dst_heads: HeadRange
-) -> _SliceGeometry:
+) -> HeadRange:
     if (src_layout.page_size, src_layout.head_dim, src_layout.dtype) != (
         dst_layout.page_size,
         dst_layout.head_dim,
@@ -233,12 +297,7 @@ def _slice_geometry(
             f"source heads {src_heads} and destination heads {dst_heads} share nothing; this "
             "rank pair exchanges no KV"
         )
-    head_bytes = src_layout.head_bytes
-    return _SliceGeometry(
-        src_offset=(shared.start - src_heads.start) * head_bytes,
-        dst_offset=(shared.start - dst_heads.start) * head_bytes,
-        slice_bytes=shared.count * head_bytes,
-    )
+    return shared
 
 
 def plan_head_slices(
@@ -250,24 +309,13 @@ def plan_head_slices(
     dst_pages: Sequence[int],
 ) -> tuple[WriteOp, ...]:
     """One write per (buffer, page, token) of the heads both ranks hold: the baseline."""
-    geometry = _slice_geometry(src_layout, dst_layout, src_heads, dst_heads)
+    shared = _slice_geometry(src_layout, dst_layout, src_heads, dst_heads)
     _check_page_pairs(src_layout, dst_layout, src_pages, dst_pages)
-    return tuple(
-        WriteOp(
-            src_base
-            + src * src_layout.item_len
-            + token * src_layout.token_bytes
-            + geometry.src_offset,
-            dst_base
-            + dst * dst_layout.item_len
-            + token * dst_layout.token_bytes
-            + geometry.dst_offset,
-            geometry.slice_bytes,
-        )
-        for src_base, dst_base in zip(src_layout.buffer_addrs, dst_layout.buffer_addrs, strict=True)
-        for src, dst in zip(src_pages, dst_pages, strict=True)
-        for token in range(src_layout.page_size)
-    )
+    return plan_slice_pairs(
+        list(zip(_layout_slices(src_layout, src_heads, shared, False),
+                 _layout_slices(dst_layout, dst_heads, shared, False), strict=True)),
+        src_pages, dst_pages,
+    )  # fmt: skip
 
 
 class StagedSlices(msgspec.Struct, frozen=True):
@@ -340,8 +388,12 @@ def plan_staged(
     dst_staging_addr: int,
 ) -> StagingPlan:
     """The staged equivalent of :func:`plan_head_slices` for one chunk of pages."""
-    geometry = _slice_geometry(src_layout, dst_layout, src_heads, dst_heads)
+    shared = _slice_geometry(src_layout, dst_layout, src_heads, dst_heads)
     _check_page_pairs(src_layout, dst_layout, src_pages, dst_pages)
+    head_bytes = src_layout.head_bytes
+    geometry = _SliceGeometry((shared.start - src_heads.start) * head_bytes,
+                              (shared.start - dst_heads.start) * head_bytes,
+                              shared.count * head_bytes)  # fmt: skip
     if not src_pages:
         raise InvalidInput("a chunk without pages has nothing to stage; skip the staging step")
     if src_staging_addr < 0 or dst_staging_addr < 0:

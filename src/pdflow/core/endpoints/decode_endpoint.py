@@ -25,7 +25,7 @@ from pdflow.core.cluster.topology import (
     TopologyOptions,
     resolve_rank_mapping,
 )
-from pdflow.core.dataplane.layout import KvLayout
+from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.endpoints.decode_slots import DecodeRoomSlot, StatusArrived
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
@@ -647,7 +647,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             ordered.append(output)
         return tuple(ordered)
 
-    def _kv_args(self, layout: KvLayout, prefill: PeerId) -> KvArgs:
+    def _kv_args(self, layout: KvBuffers, prefill: PeerId) -> KvArgs:
         cfg = self.config
         return KvArgs(
             decode=self.me, prefill=prefill, session_id=self.session_id,

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.dataplane.layout import KvLayout, StateBuffers
+from pdflow.core.dataplane.buffers import KvBuffers
+from pdflow.core.dataplane.layout import StateBuffers
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
@@ -214,7 +215,7 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     """Bytes of the staging ring for heterogeneous TP (prefill TP > decode TP); 0 turns it off."""
     staging_page_bytes: int = 0
     """Bytes one destination page takes in the staging region (all layers, K and V)."""
-    kv_layout: KvLayout | None = None
+    kv_layout: KvBuffers | None = None
     """Where this rank's KV lives, announced (KvArgs) to each prefill rank before any other
     message to it; None announces nothing (a core driven without a data plane)."""
     staging_addr: int | None = None

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
-from pdflow.core.dataplane.layout import KvLayout, StateBuffers
+from pdflow.core.dataplane.buffers import KvBuffers
+from pdflow.core.dataplane.layout import StateBuffers
 from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
@@ -103,7 +104,8 @@ class KvArgs(Message, frozen=True, tag="kv_args"):
     decode: PeerId
     prefill: PeerId
     session_id: str
-    layout: KvLayout
+    layout: KvBuffers
+    """Every KV buffer of this decode rank (``RankKv.kv_buffers``)."""
     tp_size: int
     tp_rank: int
     total_kv_heads: int
