@@ -10,14 +10,11 @@ every rank (two chunks when it has two pages or more) and prints ``{"event": "ro
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 from typing import Any
 
-import anyio
-import structlog
+from anyio.abc import TaskGroup
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
@@ -26,10 +23,7 @@ from pdflow.transport.mooncake import MooncakeTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
 from engine_buffers import EngineKv, pages_for, source_pages
-
-
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+from proc_commands import emit, room_on_every_rank, run_main, serve_commands
 
 
 async def run_rank(rank: PrefillRank, engine: EngineKv, num_pages: int,
@@ -64,34 +58,15 @@ async def main(options: dict[str, Any]) -> None:
     ) as node:  # fmt: skip
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid())
 
-        async def room(cmd: dict[str, Any]) -> None:
-            results: list[str] = []
+        def handle(cmd: dict[str, Any], tasks: TaskGroup) -> None:
+            async def one(index: int) -> str:
+                return await run_rank(node.ranks[index], engines[index], num_pages, cmd)
 
-            async def one(index: int) -> None:
-                results.append(await run_rank(node.ranks[index], engines[index], num_pages, cmd))
+            if cmd["op"] == "room":
+                tasks.start_soon(room_on_every_rank, tp, cmd, one)
 
-            async with anyio.create_task_group() as ranks:
-                for index in range(tp):
-                    ranks.start_soon(one, index)
-            emit(event="room", room=cmd["room"], results=sorted(results))
-
-        async with anyio.create_task_group() as tasks:
-            async for line in anyio.wrap_file(sys.stdin):
-                if not line.strip():
-                    continue
-                cmd = json.loads(line)
-                if cmd["op"] == "room":
-                    tasks.start_soon(room, cmd)
-                elif cmd["op"] == "quit":
-                    break
-            tasks.cancel_scope.cancel()
-        emit(event="stopped")
+        await serve_commands(handle)
 
 
 if __name__ == "__main__":
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
-    anyio.run(main, json.loads(sys.argv[1]), backend="asyncio")
+    run_main(main)

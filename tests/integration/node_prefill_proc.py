@@ -13,15 +13,13 @@ write that starts waiting prints ``{"event": "write_held"}``.
 
 from __future__ import annotations
 
-import json
-import logging
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
 import anyio
-import structlog
+from anyio.abc import TaskGroup
 
 from pdflow.chaos.prefill_agent import SourcePages
 from pdflow.core.dataplane.layout import KvDtype
@@ -34,10 +32,7 @@ from pdflow.transport.mooncake import MooncakeTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
 from node_kv_pattern import GEOMETRY, fill, pages_for
-
-
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+from proc_commands import emit, room_on_every_rank, run_main, serve_commands
 
 
 class GatedTransport(MooncakeTransport):
@@ -96,44 +91,24 @@ async def main(options: dict[str, Any]) -> None:
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid(),
              incarnation=node.incarnation, ranks=[r.peer.address for r in node.ranks])  # fmt: skip
 
-        async def room(cmd: dict[str, Any]) -> None:
-            results: list[str] = []
-
-            async def one(index: int) -> None:
+        def handle(cmd: dict[str, Any], tasks: TaskGroup) -> None:
+            async def one(index: int) -> str:
                 cache, kv = caches[index]
-                results.append(await run_rank(node.ranks[index], cache, kv, pools[index], cmd))
+                return await run_rank(node.ranks[index], cache, kv, pools[index], cmd)
 
-            async with anyio.create_task_group() as ranks:
-                for index in range(tp):
-                    ranks.start_soon(one, index)
-            emit(event="room", room=cmd["room"], results=sorted(results))
+            if cmd["op"] == "room":
+                tasks.start_soon(room_on_every_rank, tp, cmd, one)
+            elif cmd["op"] == "hold_writes" and isinstance(transport, GatedTransport):
+                transport.shut = anyio.Event()
+            elif cmd["op"] == "release_writes" and isinstance(transport, GatedTransport):
+                if transport.shut is not None:
+                    transport.shut.set()
+                transport.shut = None
+            elif cmd["op"] == "stats":
+                emit(event="stats", metrics=node.metrics_text)
 
-        async with anyio.create_task_group() as tasks:
-            async for line in anyio.wrap_file(sys.stdin):
-                if not line.strip():
-                    continue
-                cmd = json.loads(line)
-                if cmd["op"] == "room":
-                    tasks.start_soon(room, cmd)
-                elif cmd["op"] == "hold_writes" and isinstance(transport, GatedTransport):
-                    transport.shut = anyio.Event()
-                elif cmd["op"] == "release_writes" and isinstance(transport, GatedTransport):
-                    if transport.shut is not None:
-                        transport.shut.set()
-                    transport.shut = None
-                elif cmd["op"] == "stats":
-                    emit(event="stats", metrics=node.metrics_text)
-                elif cmd["op"] == "quit":
-                    break
-            tasks.cancel_scope.cancel()
-        emit(event="stopped")
+        await serve_commands(handle)
 
 
 if __name__ == "__main__":
-    # stdout carries the JSON events; logs go to stderr, warnings and up only.
-    structlog.configure(
-        processors=[structlog.processors.add_log_level, structlog.processors.JSONRenderer()],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
-        wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING),
-    )
-    anyio.run(main, json.loads(sys.argv[1]), backend="asyncio")
+    run_main(main)

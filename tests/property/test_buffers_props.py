@@ -150,12 +150,11 @@ MODELS = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None)
-@given(MODELS)
-def test_every_decode_byte_is_written_once_with_the_reference_byte(model: tuple) -> None:
-    tensors, prefill_tp, decode_tp, page_size, rng = model
-    num_pages = 5
-    count = rng.randint(0, num_pages)
+def filled_prefill(model: tuple, num_pages: int,
+                   min_pages: int) -> tuple[list[Rank], list[int], list[int]]:  # fmt: skip
+    """Every prefill rank of the model, filled, and a random chunk's page pairs."""
+    tensors, prefill_tp, _, page_size, rng = model
+    count = rng.randint(min_pages, num_pages)
     src_pages = rng.sample(range(num_pages), count)
     dst_pages = rng.sample(range(num_pages), count)
     order = list(range(len(tensors)))
@@ -163,7 +162,16 @@ def test_every_decode_byte_is_written_once_with_the_reference_byte(model: tuple)
                for r in range(prefill_tp)]  # fmt: skip
     for rank in prefill:
         rank.fill()
-    decode_order = order[::-1]
+    return prefill, src_pages, dst_pages
+
+
+@settings(max_examples=60, deadline=None)
+@given(MODELS)
+def test_every_decode_byte_is_written_once_with_the_reference_byte(model: tuple) -> None:
+    tensors, prefill_tp, decode_tp, page_size, _ = model
+    num_pages = 5
+    prefill, src_pages, dst_pages = filled_prefill(model, num_pages, min_pages=0)
+    decode_order = list(range(len(tensors)))[::-1]
     topology = PdTopology(Parallelism(tp=prefill_tp), Parallelism(tp=decode_tp), AttentionKind.MHA,
                           num_kv_heads=max(t.total_heads for t in tensors))  # fmt: skip
     executor = PythonExecutor()
@@ -203,16 +211,10 @@ def test_every_decode_byte_is_written_once_with_the_reference_byte(model: tuple)
 @settings(max_examples=40, deadline=None)
 @given(MODELS)
 def test_the_staged_path_lands_the_same_bytes_in_disjoint_writer_regions(model: tuple) -> None:
-    tensors, prefill_tp, decode_tp, page_size, rng = model
+    tensors, _, decode_tp, page_size, _ = model
     num_pages = 4
-    count = rng.randint(1, num_pages)
-    src_pages = rng.sample(range(num_pages), count)
-    dst_pages = rng.sample(range(num_pages), count)
-    order = list(range(len(tensors)))
-    prefill = [Rank(tensors, TpPlace(prefill_tp, r), page_size, num_pages, order)
-               for r in range(prefill_tp)]  # fmt: skip
-    for rank in prefill:
-        rank.fill()
+    prefill, src_pages, dst_pages = filled_prefill(model, num_pages, min_pages=1)
+    count, order = len(src_pages), list(range(len(tensors)))
     executor = PythonExecutor()
     for d in range(decode_tp):
         decode = Rank(tensors, TpPlace(decode_tp, d), page_size, num_pages, order[::-1])
