@@ -1,7 +1,11 @@
 """Transfer planning: from page lists and layouts to the byte writes a transport performs.
 
 A plan is data. ``WriteOp(src_addr, dst_addr, length)`` asks the transport to copy ``length``
-bytes from local address ``src_addr`` to remote address ``dst_addr``. Three plan shapes exist:
+bytes from local address ``src_addr`` to remote address ``dst_addr``. An engine's own buffer
+description (:class:`~pdflow.core.dataplane.buffers.KvBuffers`) is planned by
+:func:`plan_buffers`, which picks per tensor which of the shapes below applies (whole pages,
+head slices, or a replicated tensor from one writer); the classic :class:`KvLayout` functions are
+the same pairing (:func:`plan_slice_pairs`) over K and V buffers. Three plan shapes exist:
 
 * **Equal page format** (same TP, or MLA): :func:`plan_pages` writes whole pages, one op per run
   of pages that are consecutive on *both* sides, per buffer.
