@@ -6,7 +6,10 @@ loop in a daemon thread (anyio's blocking portal) and offers two ways in:
 
 * :meth:`LoopThread.submit` queues a coroutine call and returns immediately. Calls run one at a
   time in submission order, so a room's ``open``, ``init_transfer`` and chunks reach the core in
-  the order the scheduler made them; a call that raises is reported to its ``on_error``.
+  the order the scheduler made them; a call that raises is reported to its ``on_error``. The
+  loop is woken once for however many calls the scheduler queued before it ran (one
+  ``call_soon_threadsafe`` per burst, not per call: each wake is a self-pipe write and a thread
+  switch, which were a per-room cost of every scheduler tick).
 * :meth:`LoopThread.spawn` starts a coroutine call as its own task, beside the command queue
   (for waits that must not hold up the queue, like a topology fetch); returns immediately.
 * :meth:`LoopThread.call` blocks until a coroutine finishes: only for start-up and shutdown,
@@ -17,8 +20,8 @@ loop in a daemon thread (anyio's blocking portal) and offers two ways in:
 from __future__ import annotations
 
 import asyncio
-import math
 import threading
+from collections import deque
 from collections.abc import Awaitable, Callable
 from contextlib import AbstractContextManager
 from typing import Any, TypeVar
@@ -27,7 +30,6 @@ import anyio
 import anyio.from_thread
 import structlog
 from anyio.from_thread import BlockingPortal
-from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 log = structlog.get_logger("pdflow.sglang.loop")
 
@@ -46,9 +48,14 @@ class LoopThread:
         )
         self._portal = self._portal_cm.__enter__()
         self._loop: asyncio.AbstractEventLoop = self._portal.call(asyncio.get_running_loop)
-        send, receive = self._portal.call(_command_stream)
-        self._commands: MemoryObjectSendStream[Command] = send
-        self._portal.start_task_soon(self._run_commands, receive)
+        # Commands wait here (deque appends and pops are atomic); the lock guards only whether a
+        # wake-up of the loop is already on its way.
+        self._pending: deque[Command] = deque()
+        self._wake_lock = threading.Lock()
+        self._wake_scheduled = False
+        self._stopping = False
+        self._woken: asyncio.Event = self._portal.call(_new_event)
+        self._portal.start_task_soon(self._run_commands)
         self._closed = threading.Event()
         self._spawned: set[asyncio.Task[None]] = set()
 
@@ -65,7 +72,12 @@ class LoopThread:
         if self._closed.is_set():
             on_error(RuntimeError(f"{self.name}: the pdflow loop is shut down"))
             return
-        self._loop.call_soon_threadsafe(self._commands.send_nowait, (fn, on_error))
+        self._pending.append((fn, on_error))
+        with self._wake_lock:
+            if self._wake_scheduled:
+                return  # the loop has not drained yet: it will find this one too
+            self._wake_scheduled = True
+        self._loop.call_soon_threadsafe(self._woken.set)
 
     def spawn(self, fn: Callable[[], Awaitable[None]], on_error: ErrorHandler) -> None:
         """Run ``fn()`` as its own task on the loop; returns at once."""
@@ -89,13 +101,27 @@ class LoopThread:
         for task in list(self._spawned):
             task.cancel()
 
-    async def _run_commands(self, receive: MemoryObjectReceiveStream[Command]) -> None:
-        async with receive:
-            async for fn, on_error in receive:
+    async def _run_commands(self) -> None:
+        pending = self._pending
+        while True:
+            await self._woken.wait()
+            self._woken.clear()
+            with self._wake_lock:
+                # From here on a new submit wakes the loop again; what is queued now runs below.
+                self._wake_scheduled = False
+            while pending:
+                fn, on_error = pending.popleft()
                 try:
                     await fn()
                 except Exception as exc:
                     on_error(exc)
+            if self._stopping:
+                return
+
+    async def _stop_commands(self) -> None:
+        """Run what is queued, then end the command task (queued calls still run, in order)."""
+        self._stopping = True
+        self._woken.set()
 
     def close(self) -> None:
         if self._closed.is_set():
@@ -103,11 +129,10 @@ class LoopThread:
         self._closed.set()
         try:
             self._portal.call(self._cancel_spawned)
-            self._portal.call(self._commands.aclose)
+            self._portal.call(self._stop_commands)
         finally:
             self._portal_cm.__exit__(None, None, None)
 
 
-async def _command_stream() -> tuple[MemoryObjectSendStream[Command],
-                                     MemoryObjectReceiveStream[Command]]:  # fmt: skip
-    return anyio.create_memory_object_stream[Command](math.inf)
+async def _new_event() -> asyncio.Event:
+    return asyncio.Event()  # made on the loop it is waited on

@@ -1,0 +1,85 @@
+"""LoopThread, the event loop beside SGLang's scheduler: calls run in order, and a burst of
+calls wakes the loop once (counted, never timed)."""
+
+from __future__ import annotations
+
+import threading
+
+import anyio
+
+from pdflow.sglang.loop import LoopThread
+
+
+def test_a_burst_of_calls_runs_in_order_and_wakes_the_loop_once() -> None:
+    loop = LoopThread("test-loop")
+    wakes = 0
+    original = loop._loop.call_soon_threadsafe
+
+    scheduler = threading.current_thread()
+
+    def counting(*args: object) -> object:
+        nonlocal wakes
+        wakes += threading.current_thread() is scheduler  # not the worker thread's own hand-back
+        return original(*args)  # type: ignore[arg-type]
+
+    loop._loop.call_soon_threadsafe = counting  # type: ignore[method-assign]
+    release, ran, errors = threading.Event(), list[int](), list[BaseException]()
+    done = threading.Event()
+
+    async def hold() -> None:
+        await anyio.to_thread.run_sync(release.wait)
+
+    def call(index: int):  # type: ignore[no-untyped-def]
+        async def run() -> None:
+            ran.append(index)
+            if index == 99:
+                done.set()
+
+        return run
+
+    try:
+        loop.submit(hold, errors.append)
+        for index in range(100):  # queued while the loop is busy with the first call
+            loop.submit(call(index), errors.append)
+        release.set()
+        assert done.wait(30), f"only {len(ran)} of 100 calls ran"
+        submitted_wakes = wakes  # close() below talks to the loop too
+    finally:
+        loop.close()
+    assert ran == list(range(100)) and not errors
+    # One wake for the first call; the hundred queued behind it share at most one more.
+    assert submitted_wakes <= 2, f"{submitted_wakes} wake-ups for 101 calls"
+
+
+def test_a_failing_call_is_reported_and_the_next_still_runs() -> None:
+    loop = LoopThread("test-loop")
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    async def fails() -> None:
+        raise ValueError("refused")
+
+    async def after() -> None:
+        done.set()
+
+    try:
+        loop.submit(fails, errors.append)
+        loop.submit(after, errors.append)
+        assert done.wait(30)
+    finally:
+        loop.close()
+    assert [str(e) for e in errors] == ["refused"]
+
+
+def test_calls_queued_before_close_still_run() -> None:
+    loop = LoopThread("test-loop")
+    ran: list[int] = []
+    for index in range(20):
+
+        async def run(index: int = index) -> None:
+            await anyio.sleep(0)
+            ran.append(index)
+
+        loop.submit(run, lambda exc: None)
+    loop.close()
+    assert ran == list(range(20))
