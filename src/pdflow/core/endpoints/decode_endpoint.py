@@ -631,14 +631,17 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         layout = self.config.kv_layout
         if layout is None:
             return tuple(out)
-        known = {r.peer for info in self.topologies.values() for r in info.ranks}
+        # The known ranks are gathered only for a step that sends to a rank not yet accepted
+        # (every step runs this; most send nothing, or only to accepted ranks).
+        known: set[PeerId] | None = None
         ordered: list[Output] = []
         for output in out:
-            if (
-                isinstance(output, SendMessage)
-                and output.to in known
-                and not self.announcements.is_accepted(output.to)
-            ):
+            if isinstance(output, SendMessage) and not self.announcements.is_accepted(output.to):
+                if known is None:
+                    known = {r.peer for info in self.topologies.values() for r in info.ranks}
+                if output.to not in known:
+                    ordered.append(output)
+                    continue
                 produced, transition = self.announcements.fire(
                     output.to, Contact(self._kv_args(layout, output.to)), now
                 )
