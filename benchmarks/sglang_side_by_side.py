@@ -7,6 +7,9 @@ sender / receiver, ``--backend pdflow`` is pdflow's prefill and decode nodes beh
 interface. Same geometry, same rooms, every byte checked by the decode. Each shape runs its
 ``repeats`` batches (at each load) on one process pair per system, the systems alternating
 batch by batch so machine drift hits both alike; each figure is the median over the batches.
+Each pair first moves a warm-up batch of ``WARM_UP_ROOMS`` rooms (not measured), and the
+drivers run with structlog below WARNING off (``--quiet-logs``), as ``pdflow bench`` does in
+process.
 The 4 KiB shape also runs at 16 and 64 concurrent rooms, for the chart against concurrency.
 
 Shapes (SGLang's float32 pool, one buffer per layer for K and for V):
@@ -47,6 +50,9 @@ SHAPES: dict[str, dict[str, int]] = {
 PAGE_TOKENS = 16
 SYSTEMS = ("mooncake", "pdflow")  # SGLang's own backend first, then pdflow's
 STARTUP_S = 300.0
+WARM_UP_ROOMS = 8
+"""Rooms each process pair moves before the measured batches (connections, topology, first
+calls), for both systems alike; control_plane.py warms up the same way."""
 BATCH_S = 300.0
 
 
@@ -108,7 +114,8 @@ class _Pair:
             "--pool-pages", str(total_rooms * shape["pages"] + shape["pages"]),
             "--aux-slots", str(total_rooms),
         ]  # fmt: skip
-        common = ["--backend", system, "--bootstrap-port", str(self.port), *geometry]
+        common = ["--backend", system, "--bootstrap-port", str(self.port), "--quiet-logs",
+                  *geometry]  # fmt: skip
         env = _child_env()
         self.prefill = DriverProcess(
             "prefill", *common, "--serve-bootstrap", "--rooms", str(total_rooms),
@@ -153,12 +160,15 @@ def measure_shape(name: str, loads: tuple[int, ...], repeats: int, python: str, 
                   progress: Callable[[str], None]) -> list[dict[str, Any]]:  # fmt: skip
     """One row per load (concurrent rooms) of this shape, both systems, median of repeats."""
     shape = SHAPES[name]
-    total = sum(loads) * repeats
+    warm_up = min(WARM_UP_ROOMS, min(loads))
+    total = sum(loads) * repeats + warm_up
     pairs = {system: _Pair(system, shape, total, python, logs) for system in SYSTEMS}
     batches: dict[tuple[str, int], list[dict[str, Any]]] = {}
     try:
         for pair in pairs.values():
             pair.ready()
+        for pair in pairs.values():
+            pair.batch(warm_up)  # connections and first-use costs, not measured
         for _ in range(repeats):
             for load in loads:
                 for system, pair in pairs.items():  # alternating: drift hits both alike

@@ -562,7 +562,16 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=4)
     parser.add_argument("--pool-pages", type=int, default=1024)
     parser.add_argument("--aux-slots", type=int, default=256)
+    parser.add_argument("--quiet-logs", action="store_true",
+                        help="structlog below WARNING off (benchmarks: per-room info lines cost "
+                             "time SGLang's managers do not spend)")  # fmt: skip
     args = parser.parse_args()
+    if args.quiet_logs:
+        import logging
+
+        import structlog
+
+        structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.WARNING))
     global _events
     if args.events_fd is not None:
         _events = os.fdopen(args.events_fd, "w", buffering=1)
