@@ -10,19 +10,22 @@ from typing import Any
 
 import anyio
 import msgspec
+import numpy as np
 import pytest
 
+from pdflow.core.dataplane.buffers import TpPlace
 from pdflow.core.dataplane.layout import (
     KvDtype,
     MambaSlot,
     StateBuffers,
     StateKind,
     SwaWindow,
+    rank_head_range,
 )
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.dataplane.pure import PythonExecutor
-from pdflow.io.kv_buffers import host_cache_for_rank, state_digest
+from pdflow.io.kv_buffers import host_cache_for_rank, state_digest, state_slices
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
@@ -125,8 +128,122 @@ def test_the_state_digest_sees_a_changed_item_and_an_item_in_the_wrong_place() -
     state.fill()
     executor = PythonExecutor()
     chosen = indices(2, 1, 5)
-    base = state_digest(executor, state.components, chosen, chosen)
-    moved = state_digest(executor, state.components, chosen, indices(3, 1, 5))
+    cuts = state_slices(state.components, False, TpPlace(1, 0), TpPlace(1, 0))
+    base = state_digest(executor, cuts, chosen, chosen)
+    moved = state_digest(executor, cuts, chosen, indices(3, 1, 5))
     assert moved != base, "the same bytes keyed to another slot"
     ctypes.memset(state.components[2].item_addr(0, 5), 0, 1)
-    assert state_digest(executor, state.components, chosen, chosen) != base
+    assert state_digest(executor, cuts, chosen, chosen) != base
+
+
+# ---- across TP sizes ---------------------------------------------------------------------------
+# (kind, [(total heads, bytes per head)] per buffer, tokens per item, items): a Mamba slot whose
+# conv and SSM states split over 4 heads, an SWA pool of pages (4 tokens x 2 heads) and a blob.
+SPLIT_STATE = (
+    (StateKind.MAMBA, [(4, 6), (4, 12)], 1, 8),
+    (StateKind.SWA, [(2, 8)], 4, 16),
+    (StateKind.BLOB, [(1, 32)], 1, 8),
+)
+
+
+class SplitState:
+    """One TP rank's share of SPLIT_STATE; byte (item, token, global head, offset) of buffer b
+    of component c is a function of all of them, so replicas agree and a decode can check."""
+
+    def __init__(self, tp_size: int, tp_rank: int) -> None:
+        self.memory: list[Any] = []
+        self.shape: list[list[tuple[int, int, int, int]]] = []  # per buffer: items, t, heads, B
+        self.starts: list[list[int]] = []
+        components = []
+        for kind, buffers, tokens, items in SPLIT_STATE:
+            addrs, lens, shapes, starts = [], [], [], []
+            for total, head_bytes in buffers:
+                heads = rank_head_range(total, tp_size, tp_rank)
+                length = tokens * heads.count * head_bytes
+                memory = (ctypes.c_uint8 * (items * length))()
+                self.memory.append(memory)
+                addrs.append(ctypes.addressof(memory))
+                lens.append(length)
+                shapes.append((items, tokens, heads.count, head_bytes))
+                starts.append(heads.start)
+            components.append(StateBuffers(kind, tuple(addrs), tuple(lens), items,
+                                           tuple(t for t, _ in buffers), tokens))  # fmt: skip
+            self.shape.append(shapes)
+            self.starts.append(starts)
+        self.components = tuple(components)
+
+    def view(self, c: int, b: int) -> np.ndarray:
+        component = self.components[c]
+        size = component.num_items * component.item_lens[b]
+        data = (ctypes.c_uint8 * size).from_address(component.addrs[b])
+        return np.frombuffer(data, dtype=np.uint8).reshape(self.shape[c][b])
+
+    def pattern(self, c: int, b: int, item: int) -> np.ndarray:
+        _, tokens, heads, head_bytes = self.shape[c][b]
+        t = np.arange(tokens).reshape(-1, 1, 1)
+        h = np.arange(self.starts[c][b], self.starts[c][b] + heads).reshape(1, -1, 1)
+        d = np.arange(head_bytes).reshape(1, 1, -1)
+        return ((c * 61 + b * 37 + item * 19 + t * 13 + h * 7 + d) % 251 + 1).astype(np.uint8)
+
+    def fill(self) -> None:
+        for c, component in enumerate(self.components):
+            for b in range(len(component.addrs)):
+                for item in range(component.num_items):
+                    self.view(c, b)[item] = self.pattern(c, b, item)
+
+
+async def transfer_across_tp(prefill_tp: int, decode_tp: int) -> list[str]:
+    """Mamba, SWA and blob state from TP ``prefill_tp`` into TP ``decode_tp``; the decode
+    components that did not get the source items' bytes for their heads."""
+    settings = load_settings(trace_enabled=False, checksum=True)
+    fabric = InProcessFabric()
+    model = {**MODEL, "total_kv_heads": 4}
+    p_states = [SplitState(prefill_tp, r) for r in range(prefill_tp)]
+    d_states = [SplitState(decode_tp, r) for r in range(decode_tp)]
+    for state in p_states:
+        state.fill()
+    p_caches = [host_cache_for_rank(tp_size=prefill_tp, tp_rank=r, **model)  # type: ignore[arg-type]
+                for r in range(prefill_tp)]
+    p_kv = [msgspec.structs.replace(kv, state=p_states[r].components)
+            for r, (_, kv) in enumerate(p_caches)]  # fmt: skip
+    d_caches = [host_cache_for_rank(tp_size=decode_tp, tp_rank=r, **model)  # type: ignore[arg-type]
+                for r in range(decode_tp)]
+    d_kv = [msgspec.structs.replace(kv, state=d_states[r].components)
+            for r, (_, kv) in enumerate(d_caches)]  # fmt: skip
+    src, dst = ((3,), (1, 2), (6,)), ((5,), (7, 0), (2,))
+    async with (
+        fabric.create_transport() as p_transport,
+        fabric.create_transport() as d_transport,
+        PrefillNode(ranks=p_kv, transport=p_transport, bootstrap="127.0.0.1:0",
+                    settings=settings) as p_node,
+        DecodeNode(ranks=d_kv, transport=d_transport, settings=settings) as d_node,
+    ):  # fmt: skip
+        for rank in p_node.ranks:
+            await rank.open_room(1, 0)
+        for rank in d_node.ranks:
+            await rank.open(1, 0, p_node.bootstrap)
+            await rank.wait(1)
+            await rank.publish_pages(1, [4, 5], state_indices=dst)
+        for rank in p_node.ranks:
+            await rank.wait(1)
+            await rank.init_transfer(1, 2)
+            await rank.send_chunk(1, [0, 1], is_last=True, state_indices=src)
+        for rank in d_node.ranks:
+            status = await rank.wait(1, terminal=True)
+            assert status.poll is KVPoll.Success, status.reason
+    del p_caches, d_caches  # the KV memory lives until here
+    wrong = []
+    for r, state in enumerate(d_states):
+        for c, component in enumerate(state.components):
+            for b in range(len(component.addrs)):
+                for s, d in zip(src[c], dst[c], strict=True):
+                    if not np.array_equal(state.view(c, b)[d], state.pattern(c, b, s)):
+                        wrong.append(f"rank {r}: {component.kind.value} buffer {b} item {d}")
+    return wrong
+
+
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"), [(2, 1), (1, 2), (2, 2)])
+def test_mamba_swa_and_blob_state_are_split_by_the_tp_rule_across_tp_sizes(
+    prefill_tp: int, decode_tp: int
+) -> None:
+    assert anyio.run(transfer_across_tp, prefill_tp, decode_tp, backend="asyncio") == []

@@ -31,6 +31,7 @@ from pdflow.core.dataplane.buffers import (
     exchanged_slices,
     feeding_ranks,
     staging_groups,
+    state_kv_buffers,
     writer_page_bytes,
 )
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS, ByteRange, Checksum
@@ -163,50 +164,67 @@ def check_state_indices(state: Sequence[StateBuffers], indices: StateIndices, wh
         component.check_indices(chosen, what)
 
 
+def _same_components(local: Sequence[StateBuffers], peer: Sequence[StateBuffers]) -> None:
+    if len(local) != len(peer) or not all(
+        a.same_split(b) for a, b in zip(local, peer, strict=True)
+    ):
+        raise InvalidInput(
+            "the two ranks' model-state components differ in kind, buffers, TP split or tokens "
+            "per item; both engines must describe the same model's state in the same order"
+        )
+
+
 def plan_state(local: Sequence[StateBuffers], peer: Sequence[StateBuffers],
-               src: StateIndices, dst: StateIndices) -> tuple[WriteOp, ...]:  # fmt: skip
-    """One write per (component, buffer, item): item ``src[c][i]`` of each buffer of component
-    ``c`` into item ``dst[c][i]`` of the peer's same buffer."""
+               src: StateIndices, dst: StateIndices, src_tp: TpPlace,
+               dst_tp: TpPlace) -> tuple[WriteOp, ...]:  # fmt: skip
+    """Item ``src[c][i]`` of each buffer of component ``c`` into item ``dst[c][i]`` of the
+    peer's same buffer, split by the TP rule as KV is (:func:`state_kv_buffers`): whole items
+    between equal TP, this rank's heads of them otherwise, a replicated buffer from one writer."""
     if not src and not dst:
         return ()
-    same = len(local) == len(peer) and all(
-        a.same_format(b) for a, b in zip(local, peer, strict=True)
-    )
-    if not same:
-        raise InvalidInput(
-            "the two ranks' model-state components differ in kind or item sizes; both engines "
-            "must describe the same model's state in the same order"
-        )
+    _same_components(local, peer)
     check_state_indices(local, src, "the prefill")
     check_state_indices(peer, dst, "the decode")
+    ops: list[WriteOp] = []
+    for mine, theirs, src_items, dst_items in zip(local, peer, src, dst, strict=True):
+        ops += plan_buffers(state_kv_buffers(mine), src_tp, state_kv_buffers(theirs), dst_tp,
+                            src_items, dst_items)  # fmt: skip
+    return tuple(ops)
+
+
+StateSlices = tuple[tuple[BufferSlice, ...], ...]
+
+
+def state_slices(own: Sequence[StateBuffers], own_is_source: bool, src: TpPlace, dst: TpPlace,
+                 peer: Sequence[StateBuffers] = ()) -> StateSlices:  # fmt: skip
+    """Per component, the slices of its items the writer ``src`` moves into ``dst`` (a source
+    passes the decode's components as ``peer``)."""
+    if own_is_source:
+        _same_components(own, peer)
     return tuple(
-        WriteOp(mine.item_addr(b, s), theirs.item_addr(b, d), mine.item_lens[b])
-        for mine, theirs, src_items, dst_items in zip(local, peer, src, dst, strict=True)
-        for b in range(len(mine.addrs))
-        for s, d in zip(src_items, dst_items, strict=True)
-    )
+        exchanged_slices(state_kv_buffers(mine), own_is_source, src, dst,
+                         state_kv_buffers(peer[c]) if own_is_source else None)
+        for c, mine in enumerate(own)
+    )  # fmt: skip
 
 
 _STATE_KEY_BASE = 1 << 48
 """State terms of the digest are keyed above every KV key (buffer * pool + page + 1)."""
 
 
-def state_digest(executor: ChecksumExecutor, state: Sequence[StateBuffers], indices: StateIndices,
+def state_digest(executor: ChecksumExecutor, slices: StateSlices, indices: StateIndices,
                  dst_indices: StateIndices) -> int:  # fmt: skip
-    """The digest part of the model state: one term per (component, buffer, item), the item's
-    bytes as read through ``state`` at ``indices``, keyed by where it lands (``dst_indices``);
+    """The digest part of the model state: one term per (component, buffer, item), the slice
+    of the item at ``indices`` this writer moves, keyed by where it lands (``dst_indices``);
     the decode calls it with ``indices == dst_indices`` over its own state; 0 without state."""
     if not indices:
         return 0
-    total = 0
-    for c, (component, items, dst_items) in enumerate(zip(state, indices, dst_indices,
-                                                          strict=True)):  # fmt: skip
-        for b, length in enumerate(component.item_lens):
-            for item, dst in zip(items, dst_items, strict=True):
-                part = executor.checksum([(component.item_addr(b, item), length)])
-                key = _STATE_KEY_BASE + ((c << 8) + b) * (1 << 32) + dst + 1
-                total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
-    return total
+    return sum(
+        kv_digest(executor, component, items, dst_items, 1 << 32,
+                  key_base=_STATE_KEY_BASE + (c << 40))
+        for c, (component, items, dst_items) in enumerate(zip(slices, indices, dst_indices,
+                                                              strict=True))
+    ) % ROOM_FOLD_MODULUS  # fmt: skip
 
 
 # ---- staging -----------------------------------------------------------------------------------
@@ -276,7 +294,7 @@ class ChecksumExecutor(Protocol):
 
 
 def kv_digest(executor: ChecksumExecutor, slices: Sequence[BufferSlice], pages: Sequence[int],
-              dst_pages: Sequence[int], dst_pool: int) -> int:  # fmt: skip
+              dst_pages: Sequence[int], dst_pool: int, key_base: int = 0) -> int:  # fmt: skip
     """Digest of the exchanged slice of every buffer in ``slices`` over ``pages``, keyed by the
     destination buffer and page each lands in; the decode calls it with ``pages == dst_pages``
     over its own slices (:func:`~pdflow.core.dataplane.buffers.destination_slices`)."""
@@ -284,7 +302,7 @@ def kv_digest(executor: ChecksumExecutor, slices: Sequence[BufferSlice], pages: 
     for found in slices:
         for page, dst_page in zip(pages, dst_pages, strict=True):
             part = executor.checksum(found.ranges(page))
-            key = found.index * dst_pool + dst_page + 1
+            key = key_base + found.index * dst_pool + dst_page + 1
             total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
     return total
 

@@ -79,6 +79,7 @@ from pdflow.io.kv_buffers import (
     staged_slices,
     staging_page_bytes,
     state_digest,
+    state_slices,
     write_aux_row,
     writer_region,
 )
@@ -707,8 +708,9 @@ class DecodeNode(NodeLifecycle):
                 continue
             slices = destination_slices(own, place, kv.tp)
             state = self.room_state.get((rank, request.room), ())
+            cuts = state_slices(kv.state, False, place, kv.tp) if state else ()
             actual = (kv_digest(self._executor, slices, pages, pages, own.num_pages)
-                      + state_digest(self._executor, kv.state, state, state)) % ROOM_FOLD_MODULUS
+                      + state_digest(self._executor, cuts, state, state)) % ROOM_FOLD_MODULUS
             if actual != expected:
                 problems.append(f"{peer.address}#{peer.rank}: sent {expected:#x}, "
                                 f"received {actual:#x}")  # fmt: skip

@@ -31,7 +31,6 @@ from pdflow.core.cluster.registry import RegisterRank
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.buffers import exchanged_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
-from pdflow.core.dataplane.layout import StateKind
 from pdflow.core.dataplane.planning import (
     StagedSlices,
     WriteOp,
@@ -82,6 +81,7 @@ from pdflow.io.kv_buffers import (
     read_aux_row,
     staged_slices,
     state_digest,
+    state_slices,
     writer_region,
 )
 from pdflow.io.limits import PrefillRankLimits
@@ -602,20 +602,10 @@ class PrefillNode(NodeLifecycle):
         return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
 
     def _state_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> tuple[WriteOp, ...]:
-        """The last chunk's model-state writes: whole items. Between different TP sizes only
-        blobs (every TP rank holds the request's whole blob); Mamba and SWA state is split per
-        head like KV, which is not supported yet."""
-        if not start.src_state and not start.dst_state:
-            return ()
+        """The last chunk's model-state writes, split by the TP rule as KV is."""
         local = self._planners[rank].local
-        split = [c.kind.value for c, items in zip(local.state, start.src_state, strict=False)
-                 if items and c.kind is not StateKind.BLOB]  # fmt: skip
-        if local.heads != peer_heads(args) and split:
-            raise InvalidInput(
-                f"model state {split} between ranks of different TP sizes is not supported yet "
-                "(its items would need splitting per head); run both sides with the same TP"
-            )
-        return plan_state(local.state, args.state, start.src_state, start.dst_state)
+        return plan_state(local.state, args.state, start.src_state, start.dst_state, local.tp,
+                          peer_place(args))  # fmt: skip
 
     def _digest(self, rank: int, start: StartTransfer, args: KvArgs) -> int:
         local = self._planners[rank].local
@@ -624,5 +614,8 @@ class PrefillNode(NodeLifecycle):
         slices = exchanged_slices(local.kv_buffers, True, local.tp, peer_place(args), args.layout)
         kv = kv_digest(self._executor, slices, start.src_pages, start.dst_pages,
                        args.layout.num_pages)  # fmt: skip
-        state = state_digest(self._executor, local.state, start.src_state, start.dst_state)
+        state = 0
+        if start.src_state:
+            cuts = state_slices(local.state, True, local.tp, peer_place(args), args.state)
+            state = state_digest(self._executor, cuts, start.src_state, start.dst_state)
         return (kv + state) % ROOM_FOLD_MODULUS

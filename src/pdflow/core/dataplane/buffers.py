@@ -31,7 +31,13 @@ from collections.abc import Sequence
 
 import msgspec
 
-from pdflow.core.dataplane.layout import HeadRange, KvDtype, KvLayout, rank_head_range
+from pdflow.core.dataplane.layout import (
+    HeadRange,
+    KvDtype,
+    KvLayout,
+    StateBuffers,
+    rank_head_range,
+)
 from pdflow.core.framework.errors import InvalidInput
 
 
@@ -40,6 +46,8 @@ class KvRole(enum.Enum):
     V = "v"
     LATENT = "latent"
     """An MLA layer's compressed latent (and rope part): one buffer per layer, no V."""
+    STATE = "state"
+    """A model-state buffer (:func:`state_kv_buffers`; its "layer" is its buffer index)."""
 
 
 class PageOrder(enum.Enum):
@@ -319,3 +327,13 @@ def staging_groups(slices: Sequence[BufferSlice]) -> tuple[tuple[BufferSlice, ..
     for found in slices:
         groups.setdefault(found.group, []).append(found)
     return tuple(tuple(group) for group in groups.values())
+
+
+def state_kv_buffers(component: StateBuffers) -> KvBuffers:
+    """A model-state component as tensors the KV planner moves: an item is a page of
+    ``tokens`` token-major rows, split over TP by each buffer's total heads."""
+    return KvBuffers(component.tokens, tuple(
+        KvBuffer(addr, component.num_items * length, length, index, KvRole.STATE, heads)
+        for index, (addr, length, heads) in enumerate(
+            zip(component.addrs, component.item_lens, component.heads_per_buffer, strict=True))
+    ))  # fmt: skip

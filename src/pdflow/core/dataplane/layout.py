@@ -345,12 +345,20 @@ class StateKind(enum.Enum):
 class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """One model-state component's memory, SGLang's ``state_data_ptrs`` of one state type:
     buffer ``b`` holds ``num_items`` items of ``item_lens[b]`` bytes from ``addrs[b]``, all
-    indexed alike (a Mamba slot is an item in the conv buffer and one in the SSM buffer)."""
+    indexed alike (a Mamba slot is an item in the conv buffer and one in the SSM buffer).
+
+    Across TP sizes a buffer is split like KV: ``total_heads[b]`` heads over all TP ranks (1,
+    the default: every rank holds the item whole, e.g. a blob), and an item is ``tokens``
+    token-major rows of this rank's heads (``[token, head, ...]``: an SWA page has ``tokens`` =
+    page size; a Mamba SSM state ``[head, ...]`` has 1)."""
 
     kind: StateKind
     addrs: tuple[int, ...]
     item_lens: tuple[int, ...]
     num_items: int
+    total_heads: tuple[int, ...] = ()
+    """Heads of each buffer over all TP ranks; empty: every buffer replicated (1)."""
+    tokens: int = 1
 
     def __post_init__(self) -> None:
         if not self.addrs or len(self.addrs) != len(self.item_lens):
@@ -360,9 +368,20 @@ class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             )
         if any(addr < 0 for addr in self.addrs):
             raise InvalidInput("StateBuffers addresses must be >= 0")
-        _require_positive(num_items=self.num_items)
+        _require_positive(num_items=self.num_items, tokens=self.tokens)
         for length in self.item_lens:
             _require_positive(item_len=length)
+        if self.total_heads and len(self.total_heads) != len(self.addrs):
+            raise InvalidInput(
+                f"StateBuffers needs one total_heads per buffer (or none), got "
+                f"{len(self.total_heads)} for {len(self.addrs)} buffers"
+            )
+        for heads in self.total_heads:
+            _require_positive(total_heads=heads)
+
+    @property
+    def heads_per_buffer(self) -> tuple[int, ...]:
+        return self.total_heads or (1,) * len(self.addrs)
 
     def check_indices(self, indices: Sequence[int], what: str) -> None:
         for index in indices:
@@ -371,9 +390,10 @@ class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
                     f"{what} {self.kind.value} state index {index} is outside [0, {self.num_items})"
                 )
 
-    def same_format(self, other: StateBuffers) -> bool:
-        """True when an item of one is byte for byte an item of the other."""
-        return self.kind is other.kind and self.item_lens == other.item_lens
+    def same_split(self, other: StateBuffers) -> bool:
+        """True when both describe the same component (each rank's item sizes follow its TP)."""
+        return (self.kind, len(self.addrs), self.heads_per_buffer, self.tokens) == (
+            other.kind, len(other.addrs), other.heads_per_buffer, other.tokens)  # fmt: skip
 
     def item_addr(self, buffer: int, index: int) -> int:
         return self.addrs[buffer] + index * self.item_lens[buffer]
