@@ -4,7 +4,9 @@ every byte names its room, tensor, page position, token, global head and offset.
 
 A model is a list of tensor specs (JSON-able, so a prefill subprocess builds the same model):
 ``{"role": "k"|"v"|"latent", "layer": L, "heads": total heads (1: replicated),
-"head_bytes": B, "order": "nhd"|"hnd", "draft": false}``.
+"head_bytes": B, "order": "nhd"|"hnd", "draft": false}``, and ``"id"``, the tensor's number in the
+pattern (default: its position), so a pipeline stage holding some of the tensors fills them as
+the whole model would.
 """
 
 from __future__ import annotations
@@ -62,7 +64,9 @@ class EngineKv:
         token = np.arange(PAGE_SIZE).reshape(1, -1, 1, 1)
         head = np.arange(heads.start, heads.stop).reshape(1, 1, -1, 1)
         byte = np.arange(spec["head_bytes"]).reshape(1, 1, 1, -1)
-        values = (room * 7 + index * 53 + pos * 29 + token * 17 + head * 11 + byte * 3 + 1) % 251
+        tensor_id = spec.get("id", index)
+        values = (room * 7 + tensor_id * 53 + pos * 29 + token * 17 + head * 11 + byte * 3
+                  + 1) % 251  # fmt: skip
         values = values.astype(np.uint8)
         return values if spec["order"] == "nhd" else values.transpose(0, 2, 1, 3)
 

@@ -2,7 +2,10 @@
 over Mooncake TCP, driven by JSON lines like node_prefill_proc.py.
 
     python engine_buffers_proc.py '<json options: bootstrap, settings, model, tp, num_pages,
-                                    is_mla, staging_slot_bytes>'
+                                    is_mla, staging_slot_bytes, pp_size, pp_rank,
+                                    serve_bootstrap>'
+
+With ``pp_size`` > 1 the process is one pipeline stage (its model holds that stage's layers).
 
 ``{"op": "room", "room": R, "generation": G, "tokens": N}`` runs the prefill side of a room on
 every rank (two chunks when it has two pages or more) and prints ``{"event": "room", ...}``.
@@ -17,7 +20,7 @@ from typing import Any
 from anyio.abc import TaskGroup
 
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.io.node_prefill import PrefillNode, PrefillRank
+from pdflow.io.node_prefill import PrefillNode, PrefillPlacement, PrefillRank
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
@@ -55,6 +58,9 @@ async def main(options: dict[str, Any]) -> None:
         bootstrap=options["bootstrap"], settings=load_settings(**options["settings"]),
         is_mla=options.get("is_mla", False),
         staging_slot_bytes=options.get("staging_slot_bytes", 0),
+        serve_bootstrap=options.get("serve_bootstrap", True),
+        placement=PrefillPlacement(pp_size=options.get("pp_size", 1),
+                                   pp_rank=options.get("pp_rank", 0)),
     ) as node:  # fmt: skip
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid())
 

@@ -280,3 +280,15 @@ def test_per_layer_item_lengths_and_disagreeing_descriptions() -> None:
                [0, 1])  # fmt: skip
     with pytest.raises(InvalidInput, match="order nhd vs hnd"):
         plan_buffers(src.kv, src.tp, hnd.kv, hnd.tp, [0], [1])
+
+
+def test_a_pipeline_stage_writes_only_the_layers_it_holds() -> None:
+    layers = [Tensor((False, role, layer), 2, 4, PageOrder.NHD)
+              for layer in range(2) for role in (KvRole.K, KvRole.V)]  # fmt: skip
+    stage = Rank(layers[:2], TpPlace(1, 0), 2, 3, [0, 1])  # layer 0 only
+    whole = Rank(layers, TpPlace(1, 0), 2, 3, [0, 1, 2, 3])
+    ops = plan_buffers(stage.kv, stage.tp, whole.kv, whole.tp, [0, 2], [1, 2], stage=True)
+    landed = {whole.locate(op.dst_addr)[0].ctypes.data for op in ops}
+    assert landed == {a.ctypes.data for a in whole.arrays[:2]}, "layer 0's K and V, nothing else"
+    with pytest.raises(InvalidInput, match="different KV tensors"):
+        plan_buffers(stage.kv, stage.tp, whole.kv, whole.tp, [0], [1])

@@ -140,13 +140,16 @@ def peer_place(args: KvArgs) -> TpPlace:
 class TransferPlanner:
     """Plans the writes of one prefill rank. Override :meth:`plan` for a staged path."""
 
+    stage = False
+    """The rank is one pipeline stage: it writes only the tensors (layers) it holds."""
+
     def __init__(self, local: RankKv) -> None:
         self.local = local
 
     def plan(self, start: StartTransfer, peer: KvArgs) -> tuple[WriteOp, ...]:
         """Raises ``InvalidInput`` (from planning) when the two layouts cannot exchange pages."""
         return plan_buffers(self.local.kv_buffers, self.local.tp, peer.layout, peer_place(peer),
-                            start.src_pages, start.dst_pages)  # fmt: skip
+                            start.src_pages, start.dst_pages, self.stage)  # fmt: skip
 
 
 # ---- model state ---------------------------------------------------------------------------------

@@ -701,17 +701,23 @@ class DecodeNode(NodeLifecycle):
             self._scatter(rank, kv, pages, offset, writers)
         problems = []
         own = kv.kv_buffers
+        # The writers of one TP rank (one per pipeline stage) fill that rank's slices of every
+        # layer between them: their digests add up to the digest of those slices.
+        by_place: dict[TpPlace, list[tuple[PeerId, int]]] = {}
         for peer, expected in request.expected:
             place = self._writer_place.get(peer)
             if place is None:
                 problems.append(f"{peer.address}#{peer.rank}: its TP rank is unknown here")
                 continue
+            by_place.setdefault(place, []).append((peer, expected))
+        for place, sent in by_place.items():
             slices = destination_slices(own, place, kv.tp)
             state = self.room_state.get((rank, request.room), ())
             cuts = state_slices(kv.state, False, place, kv.tp) if state else ()
             actual = (kv_digest(self._executor, slices, pages, pages, own.num_pages)
                       + state_digest(self._executor, cuts, state, state)) % ROOM_FOLD_MODULUS
+            expected = sum(digest for _, digest in sent) % ROOM_FOLD_MODULUS
             if actual != expected:
-                problems.append(f"{peer.address}#{peer.rank}: sent {expected:#x}, "
-                                f"received {actual:#x}")  # fmt: skip
+                names = ", ".join(f"{peer.address}#{peer.rank}" for peer, _ in sent)
+                problems.append(f"{names}: sent {expected:#x}, received {actual:#x}")
         return "; ".join(problems)

@@ -118,10 +118,15 @@ class PrefillPlacement(msgspec.Struct, frozen=True):
     cp_size: int = 1
     cp_rank: int = 0
     load_balance_method: str | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    """The pipeline stage: its ranks hand pdflow only the layers they hold (KvBuffers with
+    those layer ids) and write only those; the decode waits for every stage."""
 
     def __post_init__(self) -> None:
         for name, size, rank in (("dp", self.dp_size, self.dp_rank),
-                                 ("cp", self.cp_size, self.cp_rank)):  # fmt: skip
+                                 ("cp", self.cp_size, self.cp_rank),
+                                 ("pp", self.pp_size, self.pp_rank)):  # fmt: skip
             if size < 1 or not 0 <= rank < size:
                 raise InvalidInput(f"{name}_rank {rank} is outside [0, {name}_size={size})")
 
@@ -324,6 +329,11 @@ class PrefillNode(NodeLifecycle):
                                    codec or MsgpackCodec())  # fmt: skip
         self._executor = executor
         self._planners = {r.tp_rank: planner_factory(r) for r in ranks}
+        for planner in self._planners.values():
+            planner.stage = self.placement.pp_size > 1
+        if self.placement.pp_size > 1 and any(r.state for r in ranks):
+            raise ValueError("model state with pipeline stages is not supported yet; run the "
+                             "prefill with pp_size=1 or without state components")  # fmt: skip
         self._rng = rng or random.Random()
         self.limits = {
             r.tp_rank: PrefillRankLimits(self.settings.control_max_early_pages,
@@ -387,8 +397,9 @@ class PrefillNode(NodeLifecycle):
 
     def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
         parallel = Parallelism(tp=rank_kv.tp_size, cp=self.placement.cp_size,
-                               dp=self.placement.dp_size)  # fmt: skip
-        unique = prefill_unique_rank(parallel, tp_rank=rank_kv.tp_rank, pp_rank=0,
+                               pp=self.placement.pp_size, dp=self.placement.dp_size)  # fmt: skip
+        unique = prefill_unique_rank(parallel, tp_rank=rank_kv.tp_rank,
+                                     pp_rank=self.placement.pp_rank,
                                      cp_rank=self.placement.cp_rank)  # fmt: skip
         me = PeerId(channel.address, self.incarnation, unique)
         config = PrefillEndpointConfig(me=me, policy=self.settings.allocation_policy,
@@ -419,7 +430,8 @@ class PrefillNode(NodeLifecycle):
                     attn_tp_size=rank_kv.tp_size, attn_tp_rank=rank_kv.tp_rank,
                     attn_cp_size=place.cp_size, attn_cp_rank=place.cp_rank,
                     attn_dp_size=place.dp_size, attn_dp_rank=place.dp_rank,
-                    pp_size=1, pp_rank=0, system_dp_size=1, system_dp_rank=0,
+                    pp_size=place.pp_size, pp_rank=place.pp_rank,
+                    system_dp_size=1, system_dp_rank=0,
                     load_balance_method=place.load_balance_method,
                     rank_ip=ip, rank_port=int(port), page_size=rank_kv.layout.page_size,
                     kv_cache_dtype=rank_kv.layout.dtype.value,
@@ -466,7 +478,8 @@ class PrefillNode(NodeLifecycle):
         async with self._registry_client() as client:
             for rank_kv in self.rank_kv:
                 try:
-                    held = await client.get_rank(place.dp_rank, place.cp_rank, rank_kv.tp_rank, 0)
+                    held = await client.get_rank(place.dp_rank, place.cp_rank, rank_kv.tp_rank,
+                                                 place.pp_rank)  # fmt: skip
                 except RankNotFound:
                     missing.append(rank_kv.tp_rank)
                 except BootstrapUnavailable as exc:
@@ -611,7 +624,8 @@ class PrefillNode(NodeLifecycle):
         local = self._planners[rank].local
         if self._executor is None:
             return 0
-        slices = exchanged_slices(local.kv_buffers, True, local.tp, peer_place(args), args.layout)
+        slices = exchanged_slices(local.kv_buffers, True, local.tp, peer_place(args), args.layout,
+                                  self.placement.pp_size > 1)  # fmt: skip
         kv = kv_digest(self._executor, slices, start.src_pages, start.dst_pages,
                        args.layout.num_pages)  # fmt: skip
         state = 0

@@ -252,20 +252,23 @@ class BufferSlice(msgspec.Struct, frozen=True):
         return self.slice.ranges(self.addr + page * self.item_len)
 
 
-def _matched(src: KvBuffers, dst: KvBuffers) -> list[tuple[KvBuffer, KvBuffer]]:
-    """The destination's buffers in order, each with the source's buffer of the same tensor."""
+def _matched(src: KvBuffers, dst: KvBuffers,
+             stage: bool = False) -> list[tuple[KvBuffer, KvBuffer]]:  # fmt: skip
+    """The destination's buffers in order, each with the source's buffer of the same tensor;
+    ``stage``: the source is one pipeline stage, holding only some of the tensors (the other
+    stages write the rest)."""
     if src.page_size != dst.page_size:
         raise InvalidInput(f"page sizes differ: source {src.page_size}, destination "
                            f"{dst.page_size}; both engines must page KV alike")  # fmt: skip
     by_key = {buffer.key: buffer for buffer in src.buffers}
-    missing = sorted(b.describe() for b in dst.buffers if b.key not in by_key)
+    missing = [] if stage else sorted(b.describe() for b in dst.buffers if b.key not in by_key)
     extra = sorted(b.describe() for b in src.buffers if b.key not in {d.key for d in dst.buffers})
     if missing or extra:
         raise InvalidInput(
             f"the two sides describe different KV tensors (only the destination has {missing}, "
             f"only the source {extra}); both engines must register the same model's buffers"
         )
-    pairs = [(by_key[d.key], d) for d in dst.buffers]
+    pairs = [(by_key[d.key], d) for d in dst.buffers if d.key in by_key]
     for s, d in pairs:
         if (s.total_heads, s.order) != (d.total_heads, d.order):
             raise InvalidInput(
@@ -276,19 +279,23 @@ def _matched(src: KvBuffers, dst: KvBuffers) -> list[tuple[KvBuffer, KvBuffer]]:
 
 
 def exchanged_slices(own: KvBuffers, own_is_source: bool, src: TpPlace, dst: TpPlace,
-                     peer: KvBuffers | None = None) -> tuple[BufferSlice, ...]:  # fmt: skip
+                     peer: KvBuffers | None = None,
+                     stage: bool = False) -> tuple[BufferSlice, ...]:  # fmt: skip
     """The buffers of ``own`` that the pair ``src -> dst`` exchanges, in the destination's
     buffer order, with each page's slice on this side. A source passes the destination's
     description as ``peer`` (it orders and checks the tensors); a destination passes None."""
     if own_is_source:
         if peer is None:
             raise InvalidInput("the source side needs the destination's buffers to plan")
-        pairs = _matched(own, peer)
+        pairs = _matched(own, peer, stage)
+        order = {buffer.key: index for index, buffer in enumerate(peer.buffers)}
     else:
         pairs = [(buffer, buffer) for buffer in own.buffers]
+        order = {buffer.key: index for index, buffer in enumerate(own.buffers)}
     place = src if own_is_source else dst
     found = []
-    for index, (src_buffer, dst_buffer) in enumerate(pairs):
+    for src_buffer, dst_buffer in pairs:
+        index = order[dst_buffer.key]
         mine = src_buffer if own_is_source else dst_buffer
         shared = shared_heads(mine.total_heads, src, dst)
         if shared is None:

@@ -230,13 +230,15 @@ def plan_buffers(
     dst_tp: TpPlace,
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
+    stage: bool = False,
 ) -> tuple[WriteOp, ...]:
     """Every write the source rank makes into the destination rank for these page pairs: the
     tensors it writes under the TP rule (:func:`~pdflow.core.dataplane.buffers.shared_heads`),
-    in the destination's buffer order."""
+    in the destination's buffer order; ``stage``: the source is one pipeline stage and writes
+    only the tensors (layers) it holds."""
     src.check_pages(src_pages, "source")
     dst.check_pages(dst_pages, "destination")
-    mine = exchanged_slices(src, True, src_tp, dst_tp, dst)
+    mine = exchanged_slices(src, True, src_tp, dst_tp, dst, stage)
     theirs = {found.index: found for found in destination_slices(dst, src_tp, dst_tp)}
     return plan_slice_pairs([(m, theirs[m.index]) for m in mine], src_pages, dst_pages)
 

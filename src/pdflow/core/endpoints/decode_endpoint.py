@@ -437,8 +437,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             self._room_input(room, StagingWait(), now, out, fired)
 
     def _stages(self, room: ReceiverRoom) -> bool:
-        """Staged when the ring is on and several prefill ranks write slices of one page."""
-        return self.staging is not None and len(room.writers) > 1
+        """Staged when the ring is on and several prefill TP ranks write slices of one page.
+        A prefill with pipeline stages writes its layers directly (its writer regions would
+        depend on each stage's layers)."""
+        info = self.topologies.get(self.room_bootstrap.get(room.key, ""))
+        single_stage = info is None or info.pp_size == 1
+        return self.staging is not None and len(room.writers) > 1 and single_stage
 
     def _place_staging(
         self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
