@@ -15,6 +15,7 @@ import time
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from functools import partial
+from typing import Protocol
 
 import anyio
 import anyio.to_thread
@@ -107,6 +108,13 @@ log = structlog.get_logger("pdflow.prefill")
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
 
 
+class SourceReady(Protocol):
+    """An engine's readiness of a chunk's source bytes, e.g. ``torch.cuda.Event``."""
+
+    def synchronize(self) -> None:
+        """Block until the bytes are written."""
+
+
 class PrefillPlacement(msgspec.Struct, frozen=True):
     """Where a node's TP ranks sit in their prefill instance: its DP group and CP rank (SGLang
     runs one scheduler per pair, so one node each). With DP > 1 a room is served by DP group
@@ -194,7 +202,8 @@ class PrefillRank:
 
     async def send_sequence(self, room: int, pages: Sequence[int], *, num_tokens: int,
                             chunk_tokens: int, aux_index: int | None = None,
-                            state_indices: Sequence[Sequence[int]] = ()) -> int:  # fmt: skip
+                            state_indices: Sequence[Sequence[int]] = (),
+                            ready: SourceReady | None = None) -> int:  # fmt: skip
         """Send a sequence's KV (``pages[i]`` holds its tokens ``[i, i + 1) * page_size``) in
         chunks of at most ``chunk_tokens``, skipping the pages the decode already holds
         (its ``decode_prefix_len``); returns how many pages were sent. Call at WaitingForInput."""
@@ -210,17 +219,24 @@ class PrefillRank:
         await self.init_transfer(room, len(to_send), aux_index)
         for chunk in chunks:
             await self.send_chunk(room, to_send[chunk.start : chunk.stop], chunk.is_last,
-                                  state_indices if chunk.is_last else ())  # fmt: skip
+                                  state_indices if chunk.is_last else (), ready=ready)  # fmt: skip
         return len(to_send)
 
     async def send_chunk(self, room: int, src_pages: Sequence[int], is_last: bool,
-                         state_indices: Sequence[Sequence[int]] = ()) -> None:  # fmt: skip
+                         state_indices: Sequence[Sequence[int]] = (),
+                         ready: SourceReady | None = None) -> None:  # fmt: skip
         """``state_indices`` (last chunk): the request's index list per model-state component
-        of this rank (``RankKv.state``), e.g. its Mamba slot and its sliding-window pages."""
+        of this rank (``RankKv.state``), e.g. its Mamba slot and its sliding-window pages.
+        ``ready``: what says the chunk's source bytes are written (SGLang's CUDA event after
+        the forward pass: anything with a blocking ``synchronize()``); the shell waits on it,
+        in a worker thread, before it reads the room's pages, state or aux row."""
         state = tuple(tuple(int(i) for i in c) for c in state_indices)
         if state:
             kv = self._node.rank_kv[self._node.rank_index(self.rank)]
             check_state_indices(kv.state, state, "send_chunk")
+        if ready is not None:
+            # The latest event of a room covers its earlier chunks (one stream, in order).
+            self._node.source_ready[(self.rank, room)] = ready
         await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last, state)))
 
     async def prefill_completed(self, room: int) -> None:
@@ -231,6 +247,7 @@ class PrefillRank:
 
     async def clear(self, room: int) -> None:
         await self._host.call(ClearRoom(room))
+        self._node.source_ready.pop((self.rank, room), None)
 
     def snapshot(self) -> PrefillSnapshot:
         """The endpoint's read-only state (rooms, counters)."""
@@ -335,6 +352,8 @@ class PrefillNode(NodeLifecycle):
             raise ValueError("model state with pipeline stages is not supported yet; run the "
                              "prefill with pp_size=1 or without state components")  # fmt: skip
         self._rng = rng or random.Random()
+        self.source_ready: dict[tuple[int, int], SourceReady] = {}
+        """(tp rank, room) -> the readiness the engine gave with the room's latest chunk."""
         self.limits = {
             r.tp_rank: PrefillRankLimits(self.settings.control_max_early_pages,
                                          self.settings.bootstrap_timeout)
@@ -557,6 +576,9 @@ class PrefillNode(NodeLifecycle):
             ops = (*ops, *self._state_plan(host.rank, start, args))
         except InvalidInput as exc:
             return failed(f"cannot plan writes into {start.peer.address}: {exc}")
+        ready = self.source_ready.get((host.rank, start.room))
+        if ready is not None:
+            await anyio.to_thread.run_sync(ready.synchronize)
         if staged is not None and staged.gather and self._executor is not None:
             await anyio.to_thread.run_sync(self._gather, self._executor, staged.gather)
         checksum = None

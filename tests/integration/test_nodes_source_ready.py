@@ -1,0 +1,81 @@
+"""The readiness hook: the prefill shell reads a chunk's source bytes only once the engine's
+readiness object (SGLang's CUDA event after the forward pass; here a gate) says they are
+written. Bytes the engine finishes after send_chunk, before the gate opens, are what land."""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+
+import anyio
+import pytest
+
+from pdflow.core.dataplane.layout import KvDtype
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.kv_buffers import host_cache_for_rank
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.node_prefill import PrefillNode
+from pdflow.io.settings import load_settings
+from pdflow.transport import InProcessFabric
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
+
+MODEL = {"total_kv_heads": 2, "num_layers": 2, "page_size": 4, "head_dim": 8,
+         "dtype": KvDtype.FP16, "num_pages": 8}  # fmt: skip
+
+
+class Gate:
+    """A readiness object the test opens: ``synchronize`` blocks until then."""
+
+    def __init__(self) -> None:
+        self.opened = threading.Event()
+        self.waits = 0
+
+    def synchronize(self) -> None:
+        self.waits += 1
+        assert self.opened.wait(20), "the gate was never opened"
+
+
+async def transfer() -> dict[str, object]:
+    settings = load_settings(trace_enabled=False, checksum=True)
+    fabric = InProcessFabric()
+    p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    gate = Gate()
+    async with (
+        fabric.create_transport() as p_transport,
+        fabric.create_transport() as d_transport,
+        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
+                    settings=settings) as p_node,
+        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
+    ):  # fmt: skip
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        await p_rank.open_room(1, 0)
+        await d_rank.open(1, 0, p_node.bootstrap)
+        await d_rank.wait(1)
+        await d_rank.publish_pages(1, [4, 5])
+        await p_rank.wait(1)
+        await p_rank.init_transfer(1, 2)
+        ctypes.memset(p_cache.base_addr, 0x11, p_cache.nbytes)  # the kernel has not finished
+        await p_rank.send_chunk(1, [0, 1], is_last=True, ready=gate)
+        with anyio.move_on_after(0.5) as early:
+            await d_rank.wait(1, terminal=True)
+        ctypes.memset(p_cache.base_addr, 0x2A, p_cache.nbytes)  # now it has
+        gate.opened.set()
+        status = await d_rank.wait(1, terminal=True)
+        layout = d_kv.token_layout
+        landed = {ctypes.string_at(layout.page_addr(b, page), layout.item_len)
+                  for b in range(len(layout.buffer_addrs)) for page in (4, 5)}  # fmt: skip
+        await d_rank.clear(1)
+        await p_rank.clear(1)
+        del d_cache
+    return {"early": not early.cancel_called, "poll": status.poll, "reason": status.reason,
+            "landed": landed, "waits": gate.waits, "item_len": layout.item_len}  # fmt: skip
+
+
+def test_the_shell_reads_source_pages_only_after_the_engine_says_they_are_ready() -> None:
+    result = anyio.run(transfer, backend="asyncio")
+    assert not result["early"], "the room finished before its source bytes were ready"
+    assert result["poll"] is KVPoll.Success, result["reason"]
+    assert result["landed"] == {bytes([0x2A]) * result["item_len"]}, "bytes finished in time"
+    assert result["waits"] == 1
