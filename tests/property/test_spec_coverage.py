@@ -1,11 +1,10 @@
 """Spec coverage: every transition of the protocol machines is reached by some run in CI.
 
 The simulated worlds (seeded runs within the CI budget) reach most rows. Rows a world cannot
-reach through its endpoints are reached by targeted drives below and counted too: guard-false
-``Tick`` rows and late inputs in terminal states (an endpoint only ticks a room whose deadline
-is due, and engines clear terminal rooms), by driving each room state with each input as the
-room-cell fixtures do; ``ReleaseUnpublished`` (the decode endpoint frees unpublished pages
-itself) and a writer declared dead after its session was closed, by driving the ledger.
+reach through its endpoints are reached by targeted drives (``pdflow.sim.cells``) and counted
+too; ``cell_only()`` lists them and why no world takes them (the staging path, engine
+rotation, a foreign prefill without an aux row, a writer declared dead after its session
+closed).
 """
 
 from __future__ import annotations
@@ -42,13 +41,16 @@ def test_every_protocol_transition_is_reached() -> None:
 
 def test_worlds_alone_reach_most_of_the_protocol() -> None:
     """The simulation itself (not the targeted drives) must keep reaching the bulk of the spec:
-    at least 90% of the transitions a world can take through its endpoints. A regression here
-    means the worlds stopped exploring part of the protocol."""
+    at least 90% of every protocol transition (issue 11), and every one a world can take but
+    a few. A regression here means the worlds stopped exploring part of the protocol."""
     reached = world_coverage()
+    every = missing((), PROTOCOL_MACHINES)
+    unreached = missing(reached, PROTOCOL_MACHINES)
+    assert len(every) - len(unreached) >= 0.9 * len(every), "\n".join(unreached)
     only_cells = cell_only()
-    reachable = [t for t in missing((), PROTOCOL_MACHINES) if t not in only_cells]
-    unreached = [t for t in missing(reached, PROTOCOL_MACHINES) if t not in only_cells]
-    assert len(unreached) <= 0.1 * len(reachable), "\n".join(unreached)
+    reachable = [t for t in every if t not in only_cells]
+    left = [t for t in unreached if t not in only_cells]
+    assert len(left) <= 0.1 * len(reachable), "\n".join(left)
 
 
 def test_what_only_a_cell_drive_reaches_is_listed_and_really_out_of_a_worlds_reach() -> None:

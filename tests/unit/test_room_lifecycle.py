@@ -30,8 +30,8 @@ from pdflow.core.protocol.outputs import (
     VerifyChecksums,
 )
 from pdflow.core.protocol.policy import AllocationPolicy
-from pdflow.core.rooms.receiver_room import ReceiverState
-from pdflow.core.rooms.sender_room import SenderState
+from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
+from pdflow.core.rooms.sender_room import SenderRoom, SenderState
 from tests.unit.room_fixtures import (
     AUX,
     DECODE,
@@ -150,9 +150,18 @@ def test_prefill_complete_policy_happy_path() -> None:
 
 
 # ---- timeouts: just before and exactly at the deadline -------------------------------------------
+def refused_early(room: SenderRoom | ReceiverRoom, now: float) -> None:
+    """An endpoint ticks a room only once its deadline is due: a Tick before it (or in a state
+    without a deadline) is a caller bug, refused without a change."""
+    before = (room.state, room.timer_at(), room.reason)
+    with pytest.raises(LocalProtocolError):
+        room.handle(Tick(), now)
+    assert (room.state, room.timer_at(), room.reason) == before
+
+
 def test_sender_bootstrap_timeout_early_policy() -> None:
     sender = new_sender(now=10.0)
-    sender.handle(Tick(), 309.999)
+    refused_early(sender, 309.999)
     assert sender.state is SenderState.BOOTSTRAPPING
     sender.handle(Tick(), 310.0)
     assert sender.state is SenderState.FAILED and "Bootstrapping" in sender.reason
@@ -160,10 +169,10 @@ def test_sender_bootstrap_timeout_early_policy() -> None:
 
 def test_sender_bootstrap_timeout_prefill_complete_counts_from_completion() -> None:
     sender = new_sender(PC, now=0.0)
-    sender.handle(Tick(), 1000.0)
+    refused_early(sender, 1000.0)
     assert sender.state is SenderState.BOOTSTRAPPING, "queue and compute time are not counted"
     sender.handle(PrefillCompleted(), 1000.0)
-    sender.handle(Tick(), 1299.999)
+    refused_early(sender, 1299.999)
     assert sender.state is SenderState.BOOTSTRAPPING
     sender.handle(Tick(), 1300.0)
     assert sender.state is SenderState.FAILED
@@ -171,7 +180,7 @@ def test_sender_bootstrap_timeout_prefill_complete_counts_from_completion() -> N
 
 def test_receiver_waiting_timeout_while_bootstrapping() -> None:
     receiver = new_receiver(now=5.0)
-    receiver.handle(Tick(), 304.999)
+    refused_early(receiver, 304.999)
     assert receiver.state is ReceiverState.BOOTSTRAPPING
     receiver.handle(Tick(), 305.0)
     assert receiver.poll is KVPoll.Failed and "waiting for the prefill" in receiver.reason
@@ -180,7 +189,7 @@ def test_receiver_waiting_timeout_while_bootstrapping() -> None:
 def test_receiver_waiting_timeout_for_ready_then_abort() -> None:
     receiver = new_receiver(PC)
     receiver.handle(resolved(), 100.0)
-    receiver.handle(Tick(), 399.999)
+    refused_early(receiver, 399.999)
     assert receiver.state is ReceiverState.AWAITING_READY
     step = receiver.handle(Tick(), 400.0)
     assert receiver.poll is KVPoll.Failed and sent(step, type(abort().abort))
@@ -192,7 +201,7 @@ def test_ready_resets_the_waiting_clock() -> None:
     receiver.handle(resolved(), 0.0)
     receiver.handle(ReadyArrived(PREFILL), 250.0)
     assert receiver.timer_at() == 550.0
-    receiver.handle(Tick(), 549.999)
+    refused_early(receiver, 549.999)
     assert receiver.state is ReceiverState.AWAITING_PAGES
     receiver.handle(Tick(), 550.0)
     assert receiver.poll is KVPoll.Failed
@@ -203,10 +212,10 @@ def test_transfer_budget_is_a_separate_clock_started_at_publish() -> None:
     receiver = new_receiver()
     receiver.handle(resolved(), 0.0)
     assert receiver.timer_at() is None, "early policy: waiting for memory is admission's job"
-    receiver.handle(Tick(), 10_000.0)
+    refused_early(receiver, 10_000.0)
     assert receiver.state is ReceiverState.AWAITING_PAGES
     receiver.handle(PUBLISH, 10_000.0)
-    receiver.handle(Tick(), 10_299.999)
+    refused_early(receiver, 10_299.999)
     assert receiver.state is ReceiverState.TRANSFERRING
     step = receiver.handle(Tick(), 10_300.0)
     assert receiver.poll is KVPoll.Failed
@@ -265,7 +274,7 @@ def test_terminal_states_are_sticky() -> None:
     with pytest.raises(RemoteProtocolError):
         receiver.handle(FailureArrived(PREFILL, "a failure after Success is a peer bug"), 1.5)
     receiver.handle(AbortRequested("too late"), 2.0)
-    receiver.handle(Tick(), 10_000.0)
+    refused_early(receiver, 10_000.0)
     assert receiver.poll is KVPoll.Success
 
 

@@ -167,6 +167,8 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "partition": _partitions,
     "heal": lambda w: [()] if w.network.cut else [],
     "engine_race": _racing,
+    "redeliver": lambda w: list(range(len(w.network.recent))) if len(w.network) < MAX_IN_FLIGHT
+    else [],
 }
 
 
@@ -316,7 +318,18 @@ def _abort(side: str) -> Callable[[World, tuple[int, int], int], None]:
 def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
     def run(world: World, choice: tuple[int, int], hint: int) -> None:
         process = (world.prefill if side == "prefill" else world.decode)[choice[0]]
-        world.clear(process, choice[1])
+        room = choice[1]
+        generation = process.endpoint.generation_of(room)
+        world.clear(process, room)
+        late = world.last_delivered.pop((process.name, room, generation), {})  # type: ignore[arg-type]
+        draining = generation is not None and isinstance(process, PrefillProcess) and (
+            process.endpoint.is_draining(room, generation)
+        )
+        if draining and world.plan.weights["redeliver"] > 0:
+            # A late copy of the room's metadata reaches it while it drains out of sight.
+            for kind in sorted(late):
+                if kind.startswith("RoomMetadata"):
+                    world.deliver(late[kind])
 
     return run
 
@@ -366,6 +379,7 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "partition": _partition,
     "heal": lambda w, choice, hint: w.network.heal(),
     "engine_race": _engine_race,
+    "redeliver": lambda w, index, hint: w.network.redeliver(index),
 }
 
 
@@ -404,8 +418,9 @@ def _last_races(world: World) -> None:
 
 def _late_calls(world: World) -> bool:
     """Engines that have not polled a finished room yet: before clearing it, a prefill engine
-    makes the call it had queued and repeats its completion notice, and every engine aborts it
-    (once per room instance)."""
+    makes the call it had queued and repeats its completion notice, a late copy of the last
+    message of each kind the room got arrives, and every engine aborts it (once per room
+    instance)."""
     did = False
     for side in ("prefill", "decode"):
         processes: list[PrefillProcess] | list[DecodeProcess] = (
@@ -413,11 +428,15 @@ def _late_calls(world: World) -> bool:
         )
         for process in processes:
             for room in process.endpoint.clearable_rooms():
-                key = (process.name, room, process.endpoint.generation_of(room))
-                if key in world.late_called:
+                generation = process.endpoint.generation_of(room)
+                key = (process.name, room, generation)
+                if key in world.late_called or generation is None:
                     continue
                 world.late_called.add(key)
                 did = True
+                late = world.last_delivered.get((process.name, room, generation), {})
+                for kind in sorted(late) if world.plan.weights["redeliver"] > 0 else ():
+                    world.deliver(late[kind])
                 if isinstance(process, PrefillProcess) and room in process.jobs:
                     for hint in (0, 1 << 20):
                         _engine_race(world, (process.rank, room), hint)

@@ -1,8 +1,7 @@
 """Cell drives: every room state reached through public inputs, and every input offered there.
 
-The simulated worlds reach most spec transitions; some rows no world can reach through an
-endpoint (a ``Tick`` in a state without a deadline: endpoints tick only due rooms; late engine
-calls in terminal states: engines clear terminal rooms). These drives build each room state from
+The simulated worlds reach most spec transitions; a few rows no world reaches through an
+endpoint (``pdflow.sim.coverage.cell_only()`` says why). These drives build each room state from
 its inputs alone and offer it every input, so together with the worlds every transition of the
 protocol machines is exercised. Shipped with the simulator, so an embedding can reuse them.
 """
@@ -15,19 +14,15 @@ from typing import Any
 
 import msgspec
 
-from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
-    ChecksumChecked,
     ClearRoom,
-    DecodeEndpointConfig,
     OpenRoom,
     PrefillEndpointConfig,
     Received,
     RoomCall,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.endpoints.prefill_slots import MAX_PARKED_PEERS, PrefillRoomSlot
 from pdflow.core.framework.errors import ProtocolError
 from pdflow.core.framework.table import Fired
 from pdflow.core.protocol.inputs import (
@@ -247,6 +242,11 @@ def room_cell_coverage() -> Counter[Transition]:
     receiver = new_receiver(require=True)
     for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
         _record(reached, receiver.fire(inp, 2.0)[1])
+    # The wait for pages expiring (prefill_complete: the ready signal restarts the wait clock);
+    # the worlds reach it only in some seeds, as the engine usually publishes in time.
+    receiver = new_receiver(AllocationPolicy.PREFILL_COMPLETE)
+    for inp in (resolved(), ReadyArrived(PREFILL), Tick()):
+        _record(reached, receiver.fire(inp, 1.0 if not isinstance(inp, Tick) else 10_000.0)[1])
     # A writer that sent no aux row into a room that published an aux slot.
     receiver = new_receiver()
     for inp in (resolved(), PUBLISH, SuccessArrived(PREFILL)):
@@ -265,8 +265,7 @@ def ledger_cell_coverage() -> Counter[Transition]:
         Reserve(1, 1, (0,)), ReleaseUnpublished(1, 1), Reserve(2, 1, (1,)),
         Fence(2, 1, (writer,)), SessionClosed(writer), WriterDead(writer),
         Reserve(3, 1, (2,)), AckArrived(3, 1, writer),
-        VerifyStarted(3, 1), AckArrived(3, 1, writer), ReleaseAfterSuccess(3, 1),
-        AckArrived(3, 1, writer), VerifyDone(3, 1),
+        VerifyStarted(3, 1), ReleaseAfterSuccess(3, 1), VerifyDone(3, 1),
         # Fence by engine rotation: room 4 was published under the retired session, room 5
         # under the new one (its writer, alive, stays owed).
         Reserve(4, 1, (2,)), Fence(4, 1, (alive,), "decode:old"),
@@ -282,7 +281,9 @@ def slot_cell_coverage() -> Counter[Transition]:
     parked, than a world has), a parked slot ticked before it is due, and, for completeness,
     every prefill slot story driven through a real endpoint."""
     reached: Counter[Transition] = Counter()
-    config = PrefillEndpointConfig(me=PREFILL, timeouts=TIMEOUTS, max_pending_room_ids=1)
+    config = PrefillEndpointConfig(
+        me=PREFILL, timeouts=TIMEOUTS, max_pending_room_ids=1, max_parked_peers=2
+    )
     endpoint = PrefillEndpoint(config)
 
     def feed(inp: AnyEndpointInput, now: float = 1.0) -> None:
@@ -295,12 +296,10 @@ def slot_cell_coverage() -> Counter[Transition]:
         return Received(Abort(room=room, generation=generation, decode=DECODE, prefill=PREFILL))
 
     feed(meta(1, 1))  # ABSENT -> PARKED
-    for rank in range(MAX_PARKED_PEERS + 1):  # PARKED: the 65th decode peer is refused
+    for rank in range(config.max_parked_peers + 1):  # PARKED: one decode peer too many
         feed(meta(1, 1, PeerId("10.0.0.3:8000", "d-many", rank)))
     feed(meta(2, 1))  # another room id while one is pending: over the cap
     feed(stray_abort(2, 1))
-    slot = PrefillRoomSlot(endpoint, 1, 1)
-    _record(reached, slot.fire(Tick(), 2.0)[1])  # ticked before its deadline
     feed(stray_abort(1, 1))  # PARKED -> CANCELLED
     feed(stray_abort(1, 1))
     feed(meta(1, 1))
@@ -324,9 +323,6 @@ def slot_cell_coverage() -> Counter[Transition]:
     # Metadata for a generation older than the one already parked.
     feed(meta(4, 3))
     feed(meta(4, 2))
-    # A checksum answer for a decode room that is not open (a shell bug, or a stray answer).
-    decode = DecodeEndpoint(DecodeEndpointConfig(me=DECODE, num_pages=4))
-    _record(reached, decode.handle(ChecksumChecked(5, 1, True), 1.0).fired)
     return reached
 
 

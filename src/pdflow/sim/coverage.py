@@ -21,40 +21,19 @@ tests; the staging ring is not part of the simulated data plane.) The admission 
 the prefill-complete table are reported, and covered by their own exhaustive tests."""
 
 
-_UNTICKED = (
-    "an endpoint ticks only a room whose deadline is due: never one without a deadline, or early"
-)
+_NO_STAGING = "the simulated data plane has no staging ring"
 _CELL_ONLY: dict[str, str] = {
-    **{f"SenderRoom: {state} --Tick--> {state}": _UNTICKED for state in (
-        "BOOTSTRAPPING", "WAITING_FOR_INPUT", "TRANSFERRING", "SUCCESS", "DRAINING", "FAILED")},
-    **{f"ReceiverRoom: {state} --Tick--> {state}": _UNTICKED for state in (
-        "BOOTSTRAPPING", "AWAITING_READY", "AWAITING_PAGES", "TRANSFERRING", "VERIFYING",
-        "SUCCESS", "FAILED")},
-    "PrefillRoomSlot: PARKED --Tick--> PARKED": _UNTICKED,
-    "ReceiverRoom: FAILED --PeerDied--> FAILED":
-        "a lost prefill instance fails only the rooms that are not terminal yet",
-    "ReceiverRoom: SUCCESS --PeerDied--> SUCCESS":
-        "a lost prefill instance fails only the rooms that are not terminal yet",
-    "PrefillRoomSlot: ABSENT --AbortArrived[unopened_full]--> ABSENT":
-        "needs max_pending_room_ids (65,536) room ids pending at once",
-    "PrefillRoomSlot: ABSENT --MetadataArrived[unopened_full]--> ABSENT":
-        "needs max_pending_room_ids (65,536) room ids pending at once",
-    "PrefillRoomSlot: PARKED --MetadataArrived[parking_full]--> PARKED":
-        "needs metadata from 65 decode peers for one room (topologies have at most 4)",
     "ReceiverRoom: AWAITING_PAGES --StagingWait--> AWAITING_PAGES":
-        "only a room deferred for staging-ring space waits that way, and the simulated data "
-        "plane has no staging ring",
+        f"only a room deferred for staging-ring space waits that way, and {_NO_STAGING}",
     "PageLedger: RESERVED --ReleaseUnpublished--> FREE":
-        "only the decode's staging path releases reserved pages it never published, and the "
-        "simulated data plane has no staging ring",
-    "DecodeRoomSlot: ABSENT --ChecksumChecked--> ABSENT":
-        "an answer for a cleared room goes to the page ledger, which holds the pages until it "
-        "comes, and a dead process's answers are dropped by its shell",
-    **{f"PageLedger: {state} --AckArrived--> {state}":
-        "no ABORT goes out for a room once every writer reported Success, so no ACK names it"
-        for state in ("VERIFYING", "RELEASING")},
+        f"only the decode's staging path releases reserved pages it never published, and "
+        f"{_NO_STAGING}",
+    "ReceiverRoom: TRANSFERRING --SuccessArrived[completes_without_aux]--> FAILED":
+        "a pdflow prefill refuses InitTransfer without an aux_index when a decode peer published "
+        "an aux slot, so only a foreign prefill reports Success without the aux row",
     "PageLedger: FENCED --WriterDead[all_writers_cleared]--> FREE":
-        "the endpoint declares a writer dead before its session can be reported closed",
+        "the endpoint declares a writer dead before its session can be reported closed (the row "
+        "keeps the ledger right under any order of the two facts)",
     **{f"PageLedger: FENCED --SessionRetired{guard}--> {target}":
         "the simulated decode shell does not rotate its transport engine (fence by engine "
         "rotation is proven with real processes: tests/integration/test_nodes_rotation.py)"

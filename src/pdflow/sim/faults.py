@@ -42,6 +42,10 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     receiver_fence: bool = True
     """Whether the decode's transport can fence a writer on its receiving side (in-process, a
     future RDMA binding) or not (Mooncake TCP): then a dead writer's pages wait for its ACK."""
+    max_pending_room_ids: int = 65_536
+    max_parked_peers: int = 64
+    """The prefill's slot bounds (PrefillEndpointConfig); some worlds draw them tiny, so early
+    metadata and ABORTs run into them as they would under a flood of room ids or peers."""
 
     @property
     def prefill_ranks(self) -> int:
@@ -85,6 +89,7 @@ ACTION_KINDS = (
     "partition",
     "heal",
     "engine_race",
+    "redeliver",
 )
 
 FAULT_KINDS = frozenset(
@@ -100,6 +105,7 @@ FAULT_KINDS = frozenset(
         "heartbeat_fail",
         "partition",
         "duplicate_claim",
+        "redeliver",
     }
 )
 
@@ -107,6 +113,8 @@ FAULT_KINDS = frozenset(
 LATE_KINDS = ("engine_race",)
 """Faults added after the others: their weights are drawn last, so every earlier draw of a seed
 keeps its value."""
+LAST_KINDS = ("redeliver",)
+"""Added after the fault profiles: drawn after them (and zeroed outside their profile)."""
 
 FAULT_PROFILES: dict[str, frozenset[str]] = {
     "all": FAULT_KINDS,
@@ -115,7 +123,7 @@ FAULT_PROFILES: dict[str, frozenset[str]] = {
         {"crash_prefill", "crash_decode", "heartbeat_fail", "partition"}
     ),
     "room_races": frozenset(
-        {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim"}
+        {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver"}
     ),
 }  # fmt: skip
 """Swarm testing by feature omission: a seed runs under one profile, which switches off every
@@ -190,7 +198,7 @@ def draw_plan(seed: int) -> FaultPlan:
     shape = draw_shape(rng)
     weights: dict[str, float] = {}
     for kind in ACTION_KINDS:
-        if kind in LATE_KINDS:
+        if kind in LATE_KINDS or kind in LAST_KINDS:
             continue
         if kind in FAULT_KINDS:
             # Swarm testing: each fault is switched off for some seeds and frequent in others.
@@ -222,6 +230,13 @@ def draw_plan(seed: int) -> FaultPlan:
     if not FAULT_PROFILES[profile] & LIVENESS_FAULTS:
         # Without a fault a heartbeat could notice, probing only slows the rooms down.
         weights["heartbeat_ok"] *= 0.1
+    for kind in LAST_KINDS:
+        drawn = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
+        weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
+    if rng.random() < 0.25:
+        shape = msgspec.structs.replace(
+            shape, max_pending_room_ids=rng.choice((1, 2)), max_parked_peers=1
+        )
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -98,6 +98,9 @@ class Monitor:
         self.chunks: dict[tuple[str, int, int], tuple[int, int]] = {}
         """(prefill process, room, generation) -> (pages sent in chunks, chunks marked last)."""
         self.acked_unopened: set[tuple[str, int, int]] = set()
+        self.acks_owed: dict[tuple[str, int, int], set[PeerId]] = {}
+        """(prefill process, room, generation) -> decode peers whose ABORT it took and has not
+        ACKed yet (drain_before_ack: owed only while the room still has writes in flight)."""
         """Room instances a prefill ACKed an ABORT for while it hosted no room of them."""
         self.checks = 0
         self._reported_uaf = 0
@@ -267,6 +270,7 @@ class Monitor:
     def _check_sender(self, process: PrefillProcess, inp: AnyEndpointInput, step: Step) -> None:
         """chunks_partition, drain_before_ack and abort_is_final, from what the sender did."""
         name, endpoint = process.name, process.endpoint
+        self._check_acks_owed(process, inp, step)
         if isinstance(inp, RoomCall) and isinstance(inp.call, SendChunk):
             generation = endpoint.generation_of(inp.room)
             if generation is not None:
@@ -307,6 +311,34 @@ class Monitor:
                 )
                 if not hosted and (endpoint.opened.get(ack.room, NONE) < ack.generation):
                     self.acked_unopened.add((name, ack.room, ack.generation))
+
+    def _check_acks_owed(self, process: PrefillProcess, inp: AnyEndpointInput, step: Step) -> None:
+        """drain_before_ack, its other half: an ABORT the prefill took is ACKed in the step its
+        room has no write left in flight (at once, when none was), not on a later duplicate."""
+        name = process.name
+        if isinstance(inp, Received) and isinstance(inp.message, Abort):
+            abort = inp.message
+            if not any(isinstance(o, Dropped) for o in step.outputs):
+                self.acks_owed.setdefault((name, abort.room, abort.generation), set()).add(
+                    abort.decode
+                )
+        for output in step.outputs:
+            if isinstance(output, SendMessage) and isinstance(output.message, AbortAck):
+                ack = output.message
+                owed = self.acks_owed.get((name, ack.room, ack.generation))
+                if owed is not None:
+                    owed.discard(ack.decode)
+        for key in [k for k, owed in self.acks_owed.items() if k[0] == name and not owed]:
+            del self.acks_owed[key]
+        in_flight = {(w.room, w.generation) for w in self.world.transport.writes.values()
+                     if w.writer == process.me}  # fmt: skip
+        for (owner, room, generation), owed in sorted(self.acks_owed.items()):
+            if owner == name and (room, generation) not in in_flight:
+                self.fail(
+                    "drain_before_ack",
+                    f"{name}: room {room}/{generation} has no write in flight but never ACKed "
+                    f"the ABORT of {sorted(p.address for p in owed)}",
+                )
 
     def _check_fence_before_abort(self, process: DecodeProcess, step: Step) -> None:
         ledger = process.endpoint.ledger
@@ -413,7 +445,8 @@ class Monitor:
 
 
 def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) -> bool:
-    """A room still fenced after settling is fine only if an ABORT or its ACK was lost, or,
+    """A room still fenced after settling is fine only if an ABORT or its ACK was lost (or the
+    ABORT refused past the prefill's max_pending_room_ids, which is not ACKed either), or,
     without a receiver-side fence, if every writer it waits on is a process life that ended
     (it will never ACK, and nothing proves its writes cannot land)."""
     if not world.shape.receiver_fence:
@@ -423,6 +456,9 @@ def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) ->
         if (room, gen) in held and not live.intersection(held[(room, gen)]):
             return True
     address = world.decode[decode_rank].me.address
+    for refused in world.refused_aborts:
+        if (refused.room, refused.generation) == (room, gen) and refused.decode.address == address:
+            return True
     for envelope in world.network.lost:
         message = envelope.message
         if (

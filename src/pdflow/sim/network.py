@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 
 Link = tuple[str, str]
+RECENT = 16
+"""Delivered messages kept for late redelivery."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +36,9 @@ class Network:
     lost: list[Envelope] = field(default_factory=list)
     """Every message dropped, in order (the liveness check forgives what they explain)."""
     sent: int = 0
+    recent: list[Envelope] = field(default_factory=list)
+    """The last messages delivered: a link may deliver one again, late (a retransmission that
+    crosses the original, a proxy that replays)."""
 
     def send(self, envelope: Envelope) -> None:
         self.sent += 1
@@ -61,6 +66,15 @@ class Network:
         envelope = self.queues[link].pop(position)
         if not self.queues[link]:
             del self.queues[link]
+        return envelope
+
+    def delivered(self, envelope: Envelope) -> None:
+        self.recent = [*self.recent[-(RECENT - 1) :], envelope]
+
+    def redeliver(self, index: int) -> Envelope:
+        """Queue a message delivered before once more, behind what its link holds now."""
+        envelope = self.recent[index]
+        self.send(envelope)
         return envelope
 
     def drop(self, where: tuple[Link, int]) -> Envelope:

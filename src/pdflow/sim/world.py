@@ -41,6 +41,7 @@ from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
     DecodeEndpointConfig,
+    Dropped,
     PrefillEndpointConfig,
     PrefillInfo,
     Received,
@@ -56,7 +57,7 @@ from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, Proto
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
-from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.core.protocol.outputs import (
     StartTransfer,
     StatusChanged,
@@ -147,6 +148,12 @@ class World:
         self.generations: dict[int, int] = {}
         self.local_events: list[LocalEvent] = []
         self.late_called: set[tuple[str, int, int | None]] = set()
+        self.last_delivered: dict[tuple[str, int, int], dict[str, Envelope]] = {}
+        """Per process and room instance, the last message of each kind it got (a late copy
+        of each may still arrive before the engine clears the room)."""
+        self.refused_aborts: list[Abort] = []
+        """ABORTs a prefill refused unanswered past max_pending_room_ids: no ACK ever comes,
+        exactly as if the network had lost them (liveness counts them so)."""
         """Room instances whose engine made its late calls while settling (once each)."""
         self.steps = 0
         self.actions = 0
@@ -172,6 +179,8 @@ class World:
                 policy=self.shape.policy,
                 timeouts=self.timeouts,
                 session_id=f"{PREFILL_IP}:{PREFILL_PORT + rank}",
+                max_pending_room_ids=self.shape.max_pending_room_ids,
+                max_parked_peers=self.shape.max_parked_peers,
             )
             name = f"prefill{rank}.{self.prefill_life}"
             process = PrefillProcess(
@@ -344,6 +353,9 @@ class World:
             raise
         seq = self._record(process, inp, step, None)
         self.steps += 1
+        refused = any(isinstance(o, Dropped) and o.kind == "unopened_full" for o in step.outputs)
+        if refused and isinstance(inp, Received) and isinstance(inp.message, Abort):
+            self.refused_aborts.append(inp.message)
         self.monitor.observe(process, inp, step, before)
         for index, output in enumerate(step.outputs):
             msg_id = f"{process.name}:{seq}:{index}"
@@ -512,6 +524,12 @@ class World:
 
     def deliver(self, envelope: Envelope) -> None:
         process = self.process_at(envelope.to.address)
+        self.network.delivered(envelope)
+        message = envelope.message
+        room, generation = getattr(message, "room", None), getattr(message, "generation", None)
+        if isinstance(room, int) and isinstance(generation, int):
+            kind = f"{type(message).__name__}.{getattr(message, 'status', '')}"
+            self.last_delivered.setdefault((process.name, room, generation), {})[kind] = envelope
         self.feed(process, Received(envelope.message, envelope.msg_id))
 
     # ---- writes ------------------------------------------------------------------------------

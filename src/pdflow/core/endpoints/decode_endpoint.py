@@ -528,9 +528,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             fired.append(transition)
             return
         if isinstance(message, AbortAck):
-            self._ledger(
-                AckArrived(message.room, message.generation, message.prefill), now, out, fired
-            )
+            ack = AckArrived(message.room, message.generation, message.prefill)
+            try:
+                self._ledger(ack, now, out, fired)
+            except RemoteProtocolError as exc:
+                # No ABORT goes out for pages being verified or released: a forged ACK.
+                self._drop(out, "protocol_error", str(exc))
             return
         self._slot(message.room, message.generation, StatusArrived(message), now, out, fired)
 

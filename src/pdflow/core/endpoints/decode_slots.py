@@ -101,11 +101,6 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
         # A late status for a cleared room, or for another use of the room id: no effect.
         return [self._drop("unknown_room", "status")]
 
-    def _act_drop_checksum(self, inp: ChecksumChecked, now: float) -> list[Output]:
-        # Late (the room failed and was cleared while its check ran), or for another generation.
-        kind = "stale_generation" if self.key in self.host.rooms else "unknown_room"
-        return [self._drop(kind, "checksum result")]
-
     def _drop(self, kind: str, what: str) -> Dropped:
         self.host.count(f"dropped_{kind}")
         return Dropped(kind, f"{what} for room {self.key}/{self.generation}, which is not open")
@@ -123,14 +118,14 @@ DECODE_SLOT_TABLE: Table[DecodeSlotState] = Table(
     hints={
         "OpenSlot": "the room id is already open with this generation",
         "ClearSlot": CLEAR_HINT,
+        "ChecksumChecked": "report each VerifyChecksums exactly once, for the room instance it "
+        "named",
     },
     rows=[
         row(_D.ABSENT, OpenSlot, _D.OPEN, action=_S._act_open),
         row(_D.ABSENT, StatusArrived, _D.ABSENT, emits=["dropped"], action=_S._act_drop_status),
         row(_D.ABSENT, ChecksumChecked, _D.ABSENT,
             guard=_S._guard_releasing_after_verify, action=_S._act_end_verification),
-        row(_D.ABSENT, ChecksumChecked, _D.ABSENT,
-            emits=["dropped"], action=_S._act_drop_checksum),
         row(_D.OPEN, StatusArrived, _D.OPEN, action=_S._act_deliver_status),
         row(_D.OPEN, ChecksumChecked, _D.OPEN, action=_S._act_deliver_checksum),
         row(_D.OPEN, ClearSlot, _D.ABSENT,

@@ -186,6 +186,9 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     max_pending_room_ids: int = 65_536
     """Room ids that may hold parked metadata or a cancel for a generation not opened yet; past
     it, metadata for a new room id is dropped and its ABORT is not ACKed (no ACK, no promise)."""
+    max_parked_peers: int = 64
+    """Decode peers whose metadata one parked generation keeps (more than any topology needs);
+    past it, metadata from a new decode peer for that generation is dropped."""
     session_id: str = ""
     """This rank's transport session, named to each decode rank that announces its layout."""
     max_decode_layouts: int = 1024

@@ -105,6 +105,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self.parking_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.bootstrap_timeout = config.timeouts.bootstrap_timeout
         self.max_pending_room_ids = config.max_pending_room_ids
+        self.max_parked_peers = config.max_parked_peers
         self._step_outputs: list[Output] = []
         self._step_fired: list[Fired] = []
         self.layouts = DecodeLayouts(config.me, config.session_id, config.max_decode_layouts)

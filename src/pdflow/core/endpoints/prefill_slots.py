@@ -41,8 +41,6 @@ from pdflow.core.rooms.sender_room import SenderRoom, SenderState
 
 NONE = -(2**63)
 """Below every generation (an int64 on the wire): "no generation yet"."""
-MAX_PARKED_PEERS = 64
-"""Decode peers whose metadata one parked generation keeps (more than any topology needs)."""
 
 
 class SlotState(enum.Enum):
@@ -76,6 +74,7 @@ class SlotHost(Protocol):
     parking_deadlines: DeadlineQueue[int]
     bootstrap_timeout: float
     max_pending_room_ids: int
+    max_parked_peers: int
 
     def host_sender(self, room: int, generation: int, now: float) -> SenderRoom: ...
 
@@ -146,7 +145,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _guard_parking_full(self, inp: MetadataArrived, now: float) -> bool:
         parked = self.record.parked
-        return inp.metadata.decode not in parked and len(parked) >= MAX_PARKED_PEERS
+        return inp.metadata.decode not in parked and len(parked) >= self.host.max_parked_peers
 
     def _guard_parking_expired(self, inp: Tick, now: float) -> bool:
         until = self.record.parked_until
@@ -251,7 +250,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         return [self._drop("aborted_room", "metadata for a cancelled generation")]
 
     def _act_drop_parking_full(self, inp: MetadataArrived, now: float) -> list[Output]:
-        return [self._drop("parking_full", f"more than {MAX_PARKED_PEERS} decode peers")]
+        return [self._drop("parking_full", f"more than {self.host.max_parked_peers} decode peers")]
 
     def _act_drop_unopened_full(
         self, inp: MetadataArrived | AbortArrived, now: float
@@ -312,7 +311,6 @@ PREFILL_SLOT_TABLE: Table[SlotState] = Table(
         row(_P.PARKED, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_cancel),
         row(_P.PARKED, Tick, _P.ABSENT,
             guard=_S._guard_parking_expired, action=_S._act_forget_parked),
-        row(_P.PARKED, Tick, _P.PARKED),
         # -- CANCELLED: ACKed before it opened; it fails at once if it ever opens ----------------
         row(_P.CANCELLED, OpenSlot, _P.OPEN, action=_S._act_open_cancelled),
         row(_P.CANCELLED, MetadataArrived, _P.CANCELLED,

@@ -374,10 +374,8 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
         # -- VERIFYING: every writer finished; the shell's verification (scatter) works on them --
         row(_P.VERIFYING, VerifyDone, _P.RESERVED),
         row(_P.VERIFYING, ReleaseAfterSuccess, _P.RELEASING),
-        row(_P.VERIFYING, AckArrived, _P.VERIFYING),  # no ABORT goes out once verifying
         # -- RELEASING: the engine is done with the room; freed once the local work is -------
         row(_P.RELEASING, VerifyDone, _P.FREE, emits=[_FREED], action=_M._act_free),
-        row(_P.RELEASING, AckArrived, _P.RELEASING),
         # -- FENCED: pages quarantined until every writer is cleared -----------------------------
         row(_P.FENCED, AckArrived, _P.FREE,
             guard=_M._guard_clears_last_writer, emits=[_FREED], action=_M._act_ack_and_free),

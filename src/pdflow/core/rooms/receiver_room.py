@@ -415,7 +415,6 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.BOOTSTRAPPING, AbortRequested, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
         row(_R.BOOTSTRAPPING, Tick, _R.FAILED,
             guard=_M._guard_wait_expired, emits=[_CHANGED], action=_M._act_fail_waiting_timeout),
-        row(_R.BOOTSTRAPPING, Tick, _R.BOOTSTRAPPING),
         # -- AWAITING_READY (prefill_complete): the prefill is computing -------------------------
         row(_R.AWAITING_READY, ReadyArrived, _R.AWAITING_PAGES,
             emits=[_CHANGED], action=_M._act_restart_wait_clock),
@@ -426,7 +425,6 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.AWAITING_READY, Tick, _R.FAILED,
             guard=_M._guard_wait_expired, emits=[_ABORT, _CHANGED],
             action=_M._act_fail_waiting_timeout),
-        row(_R.AWAITING_READY, Tick, _R.AWAITING_READY),
         # -- AWAITING_PAGES: the engine is reserving destination pages ---------------------------
         row(_R.AWAITING_PAGES, PublishPages, _R.TRANSFERRING,
             emits=["send.room_metadata", _CHANGED], action=_M._act_publish),
@@ -440,7 +438,6 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.AWAITING_PAGES, Tick, _R.FAILED,
             guard=_M._guard_wait_expired, emits=[_ABORT, _CHANGED],
             action=_M._act_fail_waiting_timeout),
-        row(_R.AWAITING_PAGES, Tick, _R.AWAITING_PAGES),
         # -- TRANSFERRING: pages published, writers may be landing -------------------------------
         row(_R.TRANSFERRING, SuccessArrived, _R.FAILED,
             guard=_M._guard_completes_without_checksum, emits=[_CHANGED],
@@ -463,7 +460,6 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.TRANSFERRING, Tick, _R.FAILED,
             guard=_M._guard_transfer_expired, emits=_FAIL_FENCED,
             action=_M._act_fail_transfer_timeout),
-        row(_R.TRANSFERRING, Tick, _R.TRANSFERRING),
         # -- VERIFYING: every writer reported Success; checking what landed ----------------------
         row(_R.VERIFYING, ChecksumResult, _R.SUCCESS, guard=_M._guard_checksum_ok,
             emits=[_AUX, _CHANGED], action=_M._act_store_aux),
@@ -473,21 +469,16 @@ RECEIVER_TABLE: Table[ReceiverState] = Table(
         row(_R.VERIFYING, ReadyArrived, _R.VERIFYING),
         row(_R.VERIFYING, PeerDied, _R.VERIFYING),
         row(_R.VERIFYING, AbortRequested, _R.FAILED, emits=[_CHANGED], action=_M._act_fail),
-        row(_R.VERIFYING, Tick, _R.VERIFYING),
         # -- SUCCESS and FAILED: terminal; late news changes nothing -----------------------------
         row(_R.SUCCESS, SuccessArrived, _R.SUCCESS),
         row(_R.SUCCESS, ReadyArrived, _R.SUCCESS),
-        row(_R.SUCCESS, PeerDied, _R.SUCCESS),
         row(_R.SUCCESS, AbortRequested, _R.SUCCESS),
-        row(_R.SUCCESS, Tick, _R.SUCCESS),
         row(_R.FAILED, ReadyArrived, _R.FAILED),
         row(_R.FAILED, SuccessArrived, _R.FAILED),
         row(_R.FAILED, FailureArrived, _R.FAILED),
         row(_R.FAILED, PublishPages, _R.FAILED),
-        row(_R.FAILED, PeerDied, _R.FAILED),
         row(_R.FAILED, AbortRequested, _R.FAILED),
         row(_R.FAILED, ChecksumResult, _R.FAILED),
-        row(_R.FAILED, Tick, _R.FAILED),
     ],
 )  # fmt: skip
 ReceiverRoom.table = RECEIVER_TABLE

@@ -460,7 +460,6 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.BOOTSTRAPPING, Tick, _S.FAILED,
             guard=_M._guard_bootstrap_expired, emits=[_STATUS, _CHANGED],
             action=_M._act_fail_bootstrap_timeout),
-        row(_S.BOOTSTRAPPING, Tick, _S.BOOTSTRAPPING),
         # -- WAITING_FOR_INPUT: every destination known, waiting for the engine -------------------
         row(_S.WAITING_FOR_INPUT, MetadataArrived, _S.WAITING_FOR_INPUT, action=_M._act_add_peer),
         row(_S.WAITING_FOR_INPUT, InitTransfer, _S.WAITING_FOR_INPUT,
@@ -474,7 +473,6 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.WAITING_FOR_INPUT, AbortRequested, _S.FAILED,
             emits=[_STATUS, _CHANGED], action=_M._act_fail_quiescent),
         row(_S.WAITING_FOR_INPUT, PrefillCompleted, _S.WAITING_FOR_INPUT),
-        row(_S.WAITING_FOR_INPUT, Tick, _S.WAITING_FOR_INPUT),
         # -- TRANSFERRING: chunks in flight ------------------------------------------------------
         row(_S.TRANSFERRING, MetadataArrived, _S.TRANSFERRING, action=_M._act_add_peer),
         row(_S.TRANSFERRING, SendChunk, _S.SUCCESS,
@@ -501,16 +499,13 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.TRANSFERRING, AbortRequested, _S.FAILED,
             emits=[_STATUS, _CHANGED], action=_M._act_fail_quiescent),
         row(_S.TRANSFERRING, PrefillCompleted, _S.TRANSFERRING),
-        row(_S.TRANSFERRING, Tick, _S.TRANSFERRING),
         # -- SUCCESS: terminal and quiescent -----------------------------------------------------
         row(_S.SUCCESS, MetadataArrived, _S.SUCCESS, action=_M._act_ignore_duplicate_peer),
         row(_S.SUCCESS, AbortArrived, _S.SUCCESS, emits=[_ACK], action=_M._act_ack_requester),
         row(_S.SUCCESS, AbortRequested, _S.SUCCESS),
         row(_S.SUCCESS, PrefillCompleted, _S.SUCCESS),
-        row(_S.SUCCESS, Tick, _S.SUCCESS),
         # -- DRAINING: failed, writes still landing; no new write, ACK only once drained ---------
         row(_S.DRAINING, MetadataArrived, _S.DRAINING, emits=[_STATUS], action=_M._act_refuse_peer),
-        row(_S.DRAINING, InitTransfer, _S.DRAINING),
         row(_S.DRAINING, SendChunk, _S.DRAINING),
         row(_S.DRAINING, TransferCompleted, _S.FAILED,
             guard=_M._guard_drains_last_write, emits=[_ACK], action=_M._act_finish_drain),
@@ -518,7 +513,6 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.DRAINING, AbortArrived, _S.DRAINING, action=_M._act_owe_ack),
         row(_S.DRAINING, AbortRequested, _S.DRAINING),
         row(_S.DRAINING, PrefillCompleted, _S.DRAINING),
-        row(_S.DRAINING, Tick, _S.DRAINING),
         # -- FAILED: terminal and quiescent; every abort is ACKed at once ------------------------
         row(_S.FAILED, MetadataArrived, _S.FAILED, emits=[_STATUS], action=_M._act_refuse_peer),
         row(_S.FAILED, InitTransfer, _S.FAILED),
@@ -526,7 +520,6 @@ SENDER_TABLE: Table[SenderState] = Table(
         row(_S.FAILED, AbortArrived, _S.FAILED, emits=[_ACK], action=_M._act_ack_requester),
         row(_S.FAILED, AbortRequested, _S.FAILED),
         row(_S.FAILED, PrefillCompleted, _S.FAILED),
-        row(_S.FAILED, Tick, _S.FAILED),
     ],
 )  # fmt: skip
 SenderRoom.table = SENDER_TABLE
