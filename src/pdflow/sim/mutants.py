@@ -211,7 +211,7 @@ def _row_retargeted(table: Table[Any], source: str, on: str, target: Any,
 
 
 def _succeed_without_aux(original: Any) -> Any:
-    def succeed(self: ReceiverRoom, inp: Input, now: float) -> list[Output]:
+    def succeed(self: ReceiverRoom, inp: SuccessArrived, now: float) -> list[Output]:
         return list(self._act_count_success(inp, now))  # the aux row is never stored
 
     return succeed

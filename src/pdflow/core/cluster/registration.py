@@ -12,7 +12,6 @@ spec/machines/registration.toml.
 from __future__ import annotations
 
 import enum
-from typing import cast
 
 from pdflow.core.framework.table import Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
@@ -54,23 +53,23 @@ class RegistrationKeeper(TableMachine[RegistrationState]):
         self.reregistrations = 0
         self.last_refusal = ""
 
-    def _guard_ranks_missing(self, inp: Input, now: float) -> bool:
-        return bool(cast(RanksProbed, inp).missing)
+    def _guard_ranks_missing(self, inp: RanksProbed, now: float) -> bool:
+        return bool(inp.missing)
 
-    def _guard_accepted(self, inp: Input, now: float) -> bool:
-        return cast(RegistrationAnswered, inp).accepted
+    def _guard_accepted(self, inp: RegistrationAnswered, now: float) -> bool:
+        return inp.accepted
 
-    def _act_register_again(self, inp: Input, now: float) -> list[Output]:
-        return [RegisterAgain(cast(RanksProbed, inp).missing)]
+    def _act_register_again(self, inp: RanksProbed, now: float) -> list[Output]:
+        return [RegisterAgain(inp.missing)]
 
     def _act_count(self, inp: Input, now: float) -> list[Output]:
         self.reregistrations += 1
         return []
 
-    def _act_note_refusal(self, inp: Input, now: float) -> list[Output]:
+    def _act_note_refusal(self, inp: RegistrationAnswered, now: float) -> list[Output]:
         # Refused or unreachable: the next probe asks again; a 409 means a newer life holds
         # the rank, and the operator should stop this one.
-        self.last_refusal = cast(RegistrationAnswered, inp).reason
+        self.last_refusal = inp.reason
         return []
 
 

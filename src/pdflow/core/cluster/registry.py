@@ -383,31 +383,31 @@ class Registry(TableMachine[RegistryState]):
         )
 
     # ---- guards --------------------------------------------------------------------------------
-    def _guard_unauthorized(self, inp: Input, now: float) -> bool:
+    def _guard_unauthorized(self, inp: _Authorized, now: float) -> bool:
         if self._token is None:
             return False
-        given = cast(_Authorized, inp).token
+        given = inp.token
         return given is None or not hmac.compare_digest(given.encode(), self._token.encode())
 
-    def _guard_malformed(self, inp: Input, now: float) -> bool:
-        return _malformation(cast(RegisterRank, inp)) is not None
+    def _guard_malformed(self, inp: RegisterRank, now: float) -> bool:
+        return _malformation(inp) is not None
 
-    def _guard_superseded(self, inp: Input, now: float) -> bool:
-        return self._supersession(cast(RegisterRank, inp)) is not None
+    def _guard_superseded(self, inp: RegisterRank, now: float) -> bool:
+        return self._supersession(inp) is not None
 
-    def _guard_inconsistent(self, inp: Input, now: float) -> bool:
-        return self._inconsistency(cast(RegisterRank, inp)) is not None
+    def _guard_inconsistent(self, inp: RegisterRank, now: float) -> bool:
+        return self._inconsistency(inp) is not None
 
-    def _guard_completes_topology(self, inp: Input, now: float) -> bool:
-        reg = cast(RegisterRank, inp)
+    def _guard_completes_topology(self, inp: RegisterRank, now: float) -> bool:
+        reg = inp
         return len(self.ranks.keys() | {reg.rank_key}) >= reg.world
 
-    def _guard_rank_registered(self, inp: Input, now: float) -> bool:
-        q = cast(QueryRank, inp)
+    def _guard_rank_registered(self, inp: QueryRank, now: float) -> bool:
+        q = inp
         return (q.dp, q.cp, q.tp, q.pp) in self.ranks
 
-    def _guard_bad_dp_rank(self, inp: Input, now: float) -> bool:
-        return self._dp_rank_problem(cast(RegisterDpRank, inp)) is not None
+    def _guard_bad_dp_rank(self, inp: RegisterDpRank, now: float) -> bool:
+        return self._dp_rank_problem(inp) is not None
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_refuse_unauthorized(self, inp: Input, now: float) -> list[Output]:
@@ -420,17 +420,17 @@ class Registry(TableMachine[RegistryState]):
             )
         ]
 
-    def _act_refuse_malformed(self, inp: Input, now: float) -> list[Output]:
-        return [Reply(400, cast(str, _malformation(cast(RegisterRank, inp))))]
+    def _act_refuse_malformed(self, inp: RegisterRank, now: float) -> list[Output]:
+        return [Reply(400, cast(str, _malformation(inp)))]
 
-    def _act_refuse_inconsistent(self, inp: Input, now: float) -> list[Output]:
-        return [Reply(400, cast(str, self._inconsistency(cast(RegisterRank, inp))))]
+    def _act_refuse_inconsistent(self, inp: RegisterRank, now: float) -> list[Output]:
+        return [Reply(400, cast(str, self._inconsistency(inp)))]
 
-    def _act_refuse_superseded(self, inp: Input, now: float) -> list[Output]:
-        return [Reply(409, cast(str, self._supersession(cast(RegisterRank, inp))))]
+    def _act_refuse_superseded(self, inp: RegisterRank, now: float) -> list[Output]:
+        return [Reply(409, cast(str, self._supersession(inp)))]
 
-    def _act_register(self, inp: Input, now: float) -> list[Output]:
-        reg = cast(RegisterRank, inp)
+    def _act_register(self, inp: RegisterRank, now: float) -> list[Output]:
+        reg = inp
         if self.first is None:
             self.first = msgspec.structs.replace(reg, token=None)
         held = self.ranks.get(reg.rank_key)
@@ -466,13 +466,13 @@ class Registry(TableMachine[RegistryState]):
         )
         return [Reply(200, info.to_wire())]
 
-    def _act_answer_rank(self, inp: Input, now: float) -> list[Output]:
-        q = cast(QueryRank, inp)
+    def _act_answer_rank(self, inp: QueryRank, now: float) -> list[Output]:
+        q = inp
         info = self.ranks[(q.dp, q.cp, q.tp, q.pp)]
         return [Reply(200, msgspec.to_builtins(info))]
 
-    def _act_answer_unknown_rank(self, inp: Input, now: float) -> list[Output]:
-        q = cast(QueryRank, inp)
+    def _act_answer_unknown_rank(self, inp: QueryRank, now: float) -> list[Output]:
+        q = inp
         return [
             Reply(
                 404,
@@ -481,18 +481,18 @@ class Registry(TableMachine[RegistryState]):
             )
         ]
 
-    def _act_refuse_dp_rank(self, inp: Input, now: float) -> list[Output]:
-        return [Reply(400, cast(str, self._dp_rank_problem(cast(RegisterDpRank, inp))))]
+    def _act_refuse_dp_rank(self, inp: RegisterDpRank, now: float) -> list[Output]:
+        return [Reply(400, cast(str, self._dp_rank_problem(inp)))]
 
-    def _act_record_dp_rank(self, inp: Input, now: float) -> list[Output]:
-        reg = cast(RegisterDpRank, inp)
+    def _act_record_dp_rank(self, inp: RegisterDpRank, now: float) -> list[Output]:
+        reg = inp
         self.room_dp_ranks.pop(reg.room, None)
         self.room_dp_ranks[reg.room] = (reg.dp_rank, now)
         return [Reply(200, OK)]
 
-    def _act_answer_dp_ranks(self, inp: Input, now: float) -> list[Output]:
+    def _act_answer_dp_ranks(self, inp: QueryDpRanks, now: float) -> list[Output]:
         known: dict[str, Any] = {}
-        for room in cast(QueryDpRanks, inp).rooms:
+        for room in inp.rooms:
             entry = self.room_dp_ranks.get(room)
             # Expiry is exact here, so answers never depend on when the last Tick ran.
             if entry is not None and now < entry[1] + self.dp_rank_ttl:

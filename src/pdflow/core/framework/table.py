@@ -195,7 +195,7 @@ class Table(Generic[S]):
     def transitions(self) -> set[tuple[str, str, str | None, str]]:
         return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
 
-    def refusal(self, state: S, on: str) -> ProtocolError:
+    def refusal(self, state: S, on: str, why: str = "") -> ProtocolError:
         kind = RemoteProtocolError if on in self.remote_inputs else LocalProtocolError
         hint = (
             "drop the message and count it"
@@ -203,7 +203,7 @@ class Table(Generic[S]):
             else self.hints.get(on, "this call is not valid in this state; poll the room first")
         )
         return kind(
-            "no transition for this input in this state",
+            why or "no transition for this input in this state",
             machine=self.machine,
             state=state.name,
             input_name=on,
@@ -230,7 +230,13 @@ class TableMachine(Generic[S]):
         return Step(tuple(outputs), self.timer_at(), (fired,))
 
     def _validate(self, inp: Input, now: float) -> None:
-        """Raise InvalidInput or RemoteProtocolError before anything changes. Override."""
+        """Raise InvalidInput or RemoteProtocolError for a malformed input (whatever the state)
+        before anything changes. What the state decides is a guard. Override."""
+
+    def _why_refused(self, inp: Input, now: float) -> str:
+        """What to tell the caller when no row of the input's cell has a guard that holds (the
+        table decided; this only explains). Override to name the broken expectation."""
+        return ""
 
     def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         on = type(inp).__name__
@@ -245,7 +251,7 @@ class TableMachine(Generic[S]):
             if check is None or check(self, inp, now):
                 break
         else:
-            raise table.refusal(self.state, on)
+            raise table.refusal(self.state, on, self._why_refused(inp, now))
         action = chosen.action_fn
         outputs = [] if action is None else action(self, inp, now)
         self.state = chosen.target

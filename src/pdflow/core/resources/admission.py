@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import enum
 from collections import Counter
-from typing import cast
 
 import msgspec
 
@@ -347,8 +346,8 @@ class AdmissionQueue(TableMachine[QueueState]):
             raise InvalidInput(f"request {inp.request_id!r} is not queued")
 
     # ---- guards ------------------------------------------------------------------------------
-    def _guard_exceeds_pool(self, inp: Input, now: float) -> bool:
-        return not self.decide(_demand_of(cast(EnqueueRequest, inp))).fits_pool
+    def _guard_exceeds_pool(self, inp: EnqueueRequest, now: float) -> bool:
+        return not self.decide(_demand_of(inp)).fits_pool
 
     def _guard_admits_whole_queue(self, inp: Input, now: float) -> bool:
         admissible, _ = self._head_of_line()
@@ -357,17 +356,17 @@ class AdmissionQueue(TableMachine[QueueState]):
     def _guard_empties_queue(self, inp: Input, now: float) -> bool:
         return len(self.queue) == 1
 
-    def _guard_cancels_head(self, inp: Input, now: float) -> bool:
-        return cast(CancelRequest, inp).request_id == next(iter(self.queue))
+    def _guard_cancels_head(self, inp: CancelRequest, now: float) -> bool:
+        return inp.request_id == next(iter(self.queue))
 
     # ---- actions -----------------------------------------------------------------------------
-    def _act_reject(self, inp: Input, now: float) -> list[Output]:
-        enqueue = cast(EnqueueRequest, inp)
+    def _act_reject(self, inp: EnqueueRequest, now: float) -> list[Output]:
+        enqueue = inp
         decision = self.decide(_demand_of(enqueue))
         return [RequestRejected(enqueue.request_id, decision.reason)]
 
-    def _act_enqueue(self, inp: Input, now: float) -> list[Output]:
-        enqueue = cast(EnqueueRequest, inp)
+    def _act_enqueue(self, inp: EnqueueRequest, now: float) -> list[Output]:
+        enqueue = inp
         self.queue[enqueue.request_id] = _demand_of(enqueue)
         return []
 
@@ -384,14 +383,14 @@ class AdmissionQueue(TableMachine[QueueState]):
             outputs.append(AdmissionBlocked(next(iter(self.queue)), blocked))
         return outputs
 
-    def _act_finish(self, inp: Input, now: float) -> list[Output]:
-        rid = cast(FinishRequest, inp).request_id
+    def _act_finish(self, inp: FinishRequest, now: float) -> list[Output]:
+        rid = inp.request_id
         size = footprint(self.budget, self.admitted.pop(rid))
         self._count(size, -1)
         return [RequestReleased(rid, size.held_pages)]
 
-    def _act_cancel(self, inp: Input, now: float) -> list[Output]:
-        rid = cast(CancelRequest, inp).request_id
+    def _act_cancel(self, inp: CancelRequest, now: float) -> list[Output]:
+        rid = inp.request_id
         del self.queue[rid]
         return [RequestCancelled(rid)]
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from typing import cast
 
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
@@ -70,11 +69,11 @@ class LayoutAnnouncement(TableMachine[AnnouncementState]):
         self.state = ANNOUNCEMENT_TABLE.initial
         self.session_id: str | None = None
 
-    def _act_announce(self, inp: Input, now: float) -> list[Output]:
-        return [SendMessage(self.prefill, cast(Contact, inp).announcement)]
+    def _act_announce(self, inp: Contact, now: float) -> list[Output]:
+        return [SendMessage(self.prefill, inp.announcement)]
 
-    def _act_record_session(self, inp: Input, now: float) -> list[Output]:
-        self.session_id = cast(AcceptArrived, inp).accepted.session_id
+    def _act_record_session(self, inp: AcceptArrived, now: float) -> list[Output]:
+        self.session_id = inp.accepted.session_id
         return []
 
 
@@ -174,9 +173,9 @@ class DecodeLayout(TableMachine[DecodeLayoutState]):
         self.state = DECODE_LAYOUT_TABLE.initial
         self.announcement: KvArgs | None = None
 
-    def _act_register(self, inp: Input, now: float) -> list[Output]:
+    def _act_register(self, inp: LayoutAnnounced, now: float) -> list[Output]:
         # A later life of the same decode rank replaces the earlier one's layout.
-        announcement = cast(LayoutAnnounced, inp).announcement
+        announcement = inp.announcement
         self.announcement = announcement
         accepted = KvArgsAccepted(self.me, announcement.decode, self.session_id)
         return [SendMessage(announcement.decode, accepted)]

@@ -281,10 +281,10 @@ class RoomPages(TableMachine[RoomPagesState]):
     def _validate(self, inp: Input, now: float) -> None:
         if isinstance(inp, (WriterDead, SessionClosed, SessionRetired)):
             return
-        keyed = cast(
-            Reserve | VerifyStarted | VerifyDone | ReleaseAfterSuccess | ReleaseUnpublished
-            | Fence | AckArrived, inp,
-        )  # fmt: skip
+        keyed = inp
+        if not isinstance(keyed, (Reserve, VerifyStarted, VerifyDone, ReleaseAfterSuccess,
+                                  ReleaseUnpublished, Fence, AckArrived)):  # fmt: skip
+            raise InvalidInput(f"the page ledger does not take {type(inp).__name__}")
         if (keyed.room, keyed.generation) != (self.key, self.generation):
             raise InvalidInput(
                 f"input for room {keyed.room}/{keyed.generation} routed to "
@@ -296,40 +296,40 @@ class RoomPages(TableMachine[RoomPagesState]):
             raise InvalidInput(f"room {self.key}: fence writers must be distinct: {inp.writers}")
 
     # ---- guards --------------------------------------------------------------------------------
-    def _guard_no_writer_can_land(self, inp: Input, now: float) -> bool:
-        fence = cast(Fence, inp)
+    def _guard_no_writer_can_land(self, inp: Fence, now: float) -> bool:
+        fence = inp
         if fence.session and fence.session in self._health.retired:
             return True
         return all(self._health.cannot_write(w) for w in fence.writers)
 
-    def _guard_clears_last_writer(self, inp: Input, now: float) -> bool:
-        return self.pending_writers() == (cast(AckArrived, inp).writer,)
+    def _guard_clears_last_writer(self, inp: AckArrived, now: float) -> bool:
+        return self.pending_writers() == (inp.writer,)
 
-    def _guard_owed_by_writer(self, inp: Input, now: float) -> bool:
-        return cast(AckArrived, inp).writer in self.pending_writers()
+    def _guard_owed_by_writer(self, inp: AckArrived, now: float) -> bool:
+        return inp.writer in self.pending_writers()
 
     def _guard_all_writers_cleared(self, inp: Input, now: float) -> bool:
         return not self.pending_writers()
 
     # ---- actions -------------------------------------------------------------------------------
-    def _act_reserve(self, inp: Input, now: float) -> list[Output]:
-        self.pages = cast(Reserve, inp).pages
+    def _act_reserve(self, inp: Reserve, now: float) -> list[Output]:
+        self.pages = inp.pages
         for page in self.pages:
             self._pool.owner[page] = (self.key, self.generation)
         return []
 
-    def _act_quarantine(self, inp: Input, now: float) -> list[Output]:
-        fence = cast(Fence, inp)
+    def _act_quarantine(self, inp: Fence, now: float) -> list[Output]:
+        fence = inp
         self.writers = fence.writers
         self.session = fence.session
         self.fenced_at = now
         return [PagesQuarantined(self.key, self.generation, self.pages, self.pending_writers())]
 
-    def _act_record_ack(self, inp: Input, now: float) -> list[Output]:
-        self.acked.add(cast(AckArrived, inp).writer)
+    def _act_record_ack(self, inp: AckArrived, now: float) -> list[Output]:
+        self.acked.add(inp.writer)
         return []
 
-    def _act_ack_and_free(self, inp: Input, now: float) -> list[Output]:
+    def _act_ack_and_free(self, inp: AckArrived, now: float) -> list[Output]:
         self._act_record_ack(inp, now)
         return self._act_free(inp, now)
 

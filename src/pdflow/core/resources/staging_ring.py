@@ -16,7 +16,6 @@ See ``[machines.StagingRing]`` in spec/machines/staging_ring.toml.
 from __future__ import annotations
 
 import enum
-from typing import cast
 
 import msgspec
 
@@ -210,42 +209,42 @@ class StagingRing(TableMachine[RingState]):
             )
 
     # ---- guards --------------------------------------------------------------------------------
-    def _guard_oversized(self, inp: Input, now: float) -> bool:
-        return cast(Assign, inp).nbytes > self.capacity
+    def _guard_oversized(self, inp: Assign, now: float) -> bool:
+        return inp.nbytes > self.capacity
 
-    def _guard_already_assigned(self, inp: Input, now: float) -> bool:
-        assign = cast(Assign, inp)
+    def _guard_already_assigned(self, inp: Assign, now: float) -> bool:
+        assign = inp
         return (assign.room, assign.chunk) in self.live
 
-    def _guard_tail_too_short(self, inp: Input, now: float) -> bool:
-        return self.head + cast(Assign, inp).nbytes > self.capacity
+    def _guard_tail_too_short(self, inp: Assign, now: float) -> bool:
+        return self.head + inp.nbytes > self.capacity
 
-    def _guard_is_live(self, inp: Input, now: float) -> bool:
-        free = cast(Free, inp)
+    def _guard_is_live(self, inp: Free, now: float) -> bool:
+        free = inp
         return (free.room, free.chunk) in self.live
 
-    def _guard_frees_last(self, inp: Input, now: float) -> bool:
+    def _guard_frees_last(self, inp: Free, now: float) -> bool:
         return self._guard_is_live(inp, now) and len(self.live) == 1
 
-    def _guard_frees_oldest(self, inp: Input, now: float) -> bool:
-        free = cast(Free, inp)
+    def _guard_frees_oldest(self, inp: Free, now: float) -> bool:
+        free = inp
         return self._oldest_key() == (free.room, free.chunk)
 
-    def _guard_room_holds_all(self, inp: Input, now: float) -> bool:
-        room = cast(FreeRoom, inp).room
+    def _guard_room_holds_all(self, inp: FreeRoom, now: float) -> bool:
+        room = inp.room
         return all(r == room for r, _ in self.live)
 
-    def _guard_room_holds_oldest(self, inp: Input, now: float) -> bool:
-        return self._oldest_key()[0] == cast(FreeRoom, inp).room
+    def _guard_room_holds_oldest(self, inp: FreeRoom, now: float) -> bool:
+        return self._oldest_key()[0] == inp.room
 
-    def _guard_region_free(self, inp: Input, now: float) -> bool:
-        check = cast(CheckReady, inp)
+    def _guard_region_free(self, inp: CheckReady, now: float) -> bool:
+        check = inp
         held = self.live[(check.room, check.chunk)]
         return self.is_ready(held.offset, held.round, held.end)
 
     # ---- actions -------------------------------------------------------------------------------
-    def _act_refuse_oversized(self, inp: Input, now: float) -> list[Output]:
-        assign = cast(Assign, inp)
+    def _act_refuse_oversized(self, inp: Assign, now: float) -> list[Output]:
+        assign = inp
         reason = (
             f"oversized: chunk {assign.chunk} of room {assign.room} needs {assign.nbytes} bytes "
             f"but the whole staging ring holds {self.capacity}; enlarge the staging pool or "
@@ -253,55 +252,55 @@ class StagingRing(TableMachine[RingState]):
         )
         return [StagingOversized(assign.room, assign.chunk, assign.nbytes, self.capacity, reason)]
 
-    def _act_assign(self, inp: Input, now: float) -> list[Output]:
-        assign = cast(Assign, inp)
+    def _act_assign(self, inp: Assign, now: float) -> list[Output]:
+        assign = inp
         held = Allocation(assign.room, assign.chunk, self.head, self.round, assign.nbytes)
         self.live[(assign.room, assign.chunk)] = held
         self.head = held.end
         return [self._assigned(held)]
 
-    def _act_wrap_and_assign(self, inp: Input, now: float) -> list[Output]:
+    def _act_wrap_and_assign(self, inp: Assign, now: float) -> list[Output]:
         self.round += 1
         self.head = 0
         return self._act_assign(inp, now)
 
-    def _act_repeat_assignment(self, inp: Input, now: float) -> list[Output]:
-        assign = cast(Assign, inp)
+    def _act_repeat_assignment(self, inp: Assign, now: float) -> list[Output]:
+        assign = inp
         return [self._assigned(self.live[(assign.room, assign.chunk)])]
 
-    def _act_free(self, inp: Input, now: float) -> list[Output]:
-        free = cast(Free, inp)
+    def _act_free(self, inp: Free, now: float) -> list[Output]:
+        free = inp
         del self.live[(free.room, free.chunk)]
         return []
 
-    def _act_free_and_advance(self, inp: Input, now: float) -> list[Output]:
+    def _act_free_and_advance(self, inp: Free, now: float) -> list[Output]:
         self._act_free(inp, now)
         return self._advance_watermark()
 
-    def _act_free_and_restart(self, inp: Input, now: float) -> list[Output]:
+    def _act_free_and_restart(self, inp: Free, now: float) -> list[Output]:
         self._act_free(inp, now)
         return self._restart()
 
-    def _act_free_room(self, inp: Input, now: float) -> list[Output]:
-        room = cast(FreeRoom, inp).room
+    def _act_free_room(self, inp: FreeRoom, now: float) -> list[Output]:
+        room = inp.room
         self.live = {key: held for key, held in self.live.items() if key[0] != room}
         return []
 
-    def _act_free_room_and_advance(self, inp: Input, now: float) -> list[Output]:
+    def _act_free_room_and_advance(self, inp: FreeRoom, now: float) -> list[Output]:
         self._act_free_room(inp, now)
         return self._advance_watermark()
 
-    def _act_free_room_and_restart(self, inp: Input, now: float) -> list[Output]:
+    def _act_free_room_and_restart(self, inp: FreeRoom, now: float) -> list[Output]:
         self._act_free_room(inp, now)
         return self._restart()
 
-    def _act_report_ready(self, inp: Input, now: float) -> list[Output]:
-        check = cast(CheckReady, inp)
+    def _act_report_ready(self, inp: CheckReady, now: float) -> list[Output]:
+        check = inp
         held = self.live[(check.room, check.chunk)]
         return [StagingReady(held.room, held.chunk, held.offset, held.round)]
 
-    def _act_defer(self, inp: Input, now: float) -> list[Output]:
-        check = cast(CheckReady, inp)
+    def _act_defer(self, inp: CheckReady, now: float) -> list[Output]:
+        check = inp
         held = self.live[(check.room, check.chunk)]
         return [
             StagingDeferred(

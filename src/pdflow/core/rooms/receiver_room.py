@@ -11,7 +11,6 @@ See spec/protocol.toml ``[machines.ReceiverRoom]``.
 from __future__ import annotations
 
 import enum
-from typing import cast
 
 from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
@@ -173,36 +172,35 @@ class ReceiverRoom(TableMachine[ReceiverState]):
     def _guard_transfer_expired(self, inp: Input, now: float) -> bool:
         return self.transfer_deadline is not None and now >= self.transfer_deadline
 
-    def _completes(self, inp: Input) -> bool:
-        success = cast(SuccessArrived, inp)
+    def _completes(self, success: SuccessArrived) -> bool:
         if success.prefill in self.writers:
             distinct = len(self.succeeded) + (0 if success.prefill in self.succeeded else 1)
         else:
             distinct = len(self.succeeded)
         return distinct >= self.required_responses
 
-    def _guard_completes_without_checksum(self, inp: Input, now: float) -> bool:
+    def _guard_completes_without_checksum(self, inp: SuccessArrived, now: float) -> bool:
         return (
             self.require_checksums
             and self._completes(inp)
-            and bool(self._unchecksummed(cast(SuccessArrived, inp)))
+            and bool(self._unchecksummed(inp))
         )
 
-    def _guard_completes_without_aux(self, inp: Input, now: float) -> bool:
-        return self._completes(inp) and bool(self._aux_problem(cast(SuccessArrived, inp)))
+    def _guard_completes_without_aux(self, inp: SuccessArrived, now: float) -> bool:
+        return self._completes(inp) and bool(self._aux_problem(inp))
 
-    def _guard_completes_with_checksums(self, inp: Input, now: float) -> bool:
+    def _guard_completes_with_checksums(self, inp: SuccessArrived, now: float) -> bool:
         return self.verify_checksums and self._completes(inp)
 
-    def _guard_completes(self, inp: Input, now: float) -> bool:
+    def _guard_completes(self, inp: SuccessArrived, now: float) -> bool:
         return self._completes(inp)
 
-    def _guard_checksum_ok(self, inp: Input, now: float) -> bool:
-        return cast(ChecksumResult, inp).ok
+    def _guard_checksum_ok(self, inp: ChecksumResult, now: float) -> bool:
+        return inp.ok
 
     # ---- actions -------------------------------------------------------------------------------
-    def _act_resolve(self, inp: Input, now: float) -> list[Output]:
-        resolved = cast(PeersResolved, inp)
+    def _act_resolve(self, inp: PeersResolved, now: float) -> list[Output]:
+        resolved = inp
         self.targets = resolved.targets
         self.required_responses = resolved.required_responses
         self.required_dst_info_num = resolved.required_dst_info_num
@@ -235,8 +233,8 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.waiting_for = "staging-ring space (held by earlier rooms; see the quarantine report)"
         return []
 
-    def _act_publish(self, inp: Input, now: float) -> list[Output]:
-        pages = cast(PublishPages, inp)
+    def _act_publish(self, inp: PublishPages, now: float) -> list[Output]:
+        pages = inp
         self.published = pages
         self.transfer_deadline = now + self.timeouts.waiting_timeout
         outputs: list[Output] = []
@@ -262,15 +260,15 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             )
         return outputs
 
-    def _act_count_success(self, inp: Input, now: float) -> list[Output]:
-        success = cast(SuccessArrived, inp)
+    def _act_count_success(self, inp: SuccessArrived, now: float) -> list[Output]:
+        success = inp
         if success.prefill in self.writers:
             self.succeeded.setdefault(success.prefill, success.checksum)
             if self.aux is None:
                 self.aux = success.aux
         return []
 
-    def _act_succeed(self, inp: Input, now: float) -> list[Output]:
+    def _act_succeed(self, inp: SuccessArrived, now: float) -> list[Output]:
         self._act_count_success(inp, now)
         return self._act_store_aux(inp, now)
 
@@ -281,21 +279,21 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             return []
         return [StoreAux(self.key, self.generation, published.aux_index, self.aux)]
 
-    def _act_fail_missing_aux(self, inp: Input, now: float) -> list[Output]:
-        problem = self._aux_problem(cast(SuccessArrived, inp))
+    def _act_fail_missing_aux(self, inp: SuccessArrived, now: float) -> list[Output]:
+        problem = self._aux_problem(inp)
         self._act_count_success(inp, now)
         self.reason = f"aux row unusable: {problem}"
         return []
 
-    def _act_verify(self, inp: Input, now: float) -> list[Output]:
+    def _act_verify(self, inp: SuccessArrived, now: float) -> list[Output]:
         self._act_count_success(inp, now)
         expected = tuple(
             (peer, checksum) for peer, checksum in self.succeeded.items() if checksum is not None
         )
         return [VerifyChecksums(self.key, self.generation, expected)]
 
-    def _act_fail_unverified(self, inp: Input, now: float) -> list[Output]:
-        missing = self._unchecksummed(cast(SuccessArrived, inp))
+    def _act_fail_unverified(self, inp: SuccessArrived, now: float) -> list[Output]:
+        missing = self._unchecksummed(inp)
         self._act_count_success(inp, now)
         names = ", ".join(f"{p.address}#{p.rank}" for p in missing)
         self.reason = (
@@ -330,8 +328,8 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         )
         return self._fence_then_abort()
 
-    def _act_fail_checksum(self, inp: Input, now: float) -> list[Output]:
-        self.reason = f"KV checksum mismatch: {cast(ChecksumResult, inp).reason}"
+    def _act_fail_checksum(self, inp: ChecksumResult, now: float) -> list[Output]:
+        self.reason = f"KV checksum mismatch: {inp.reason}"
         return []
 
     # ---- helpers -------------------------------------------------------------------------------

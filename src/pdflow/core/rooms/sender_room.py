@@ -10,10 +10,9 @@ reuse the pages. See spec/protocol.toml ``[machines.SenderRoom]``.
 from __future__ import annotations
 
 import enum
-from typing import cast
 
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
-from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
+from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import STATUS_CHANGED, Table, TableMachine, row
 from pdflow.core.protocol.inputs import (
@@ -123,11 +122,6 @@ class SenderRoom(TableMachine[SenderState]):
             self._validate_init(inp)
         elif isinstance(inp, SendChunk) and self._chunk_expected():
             self._validate_chunk(inp)
-        elif isinstance(inp, TransferCompleted) and inp.seq not in self.outstanding:
-            raise LocalProtocolError(
-                f"room {self.key}: no outstanding transfer with seq {inp.seq}",
-                hint="report each StartTransfer exactly once",
-            )
         elif isinstance(inp, AbortArrived) and (
             inp.abort.room != self.key or inp.abort.generation != self.generation
         ):
@@ -141,26 +135,10 @@ class SenderRoom(TableMachine[SenderState]):
             )
         if md.required_dst_info_num < 1:
             raise RemoteProtocolError("required_dst_info_num must be at least 1")
-        if self.required_dst is not None and md.required_dst_info_num != self.required_dst:
-            raise RemoteProtocolError(
-                f"room {self.key}: decode peers disagree on required_dst_info_num "
-                f"({self.required_dst} vs {md.required_dst_info_num})"
-            )
-        writers = [p for p in self.peers.values() if not p.is_dummy]
-        if not md.is_dummy and writers and md.decode_prefix_len != writers[0].decode_prefix_len:
-            raise RemoteProtocolError(
-                f"room {self.key}: decode peers disagree on decode_prefix_len "
-                f"({writers[0].decode_prefix_len} vs {md.decode_prefix_len})"
-            )
         if md.decode_prefix_len < 0:
             raise RemoteProtocolError(f"decode_prefix_len must be >= 0, got {md.decode_prefix_len}")
-        known = md.decode in self.peers
-        full = self.required_dst is not None and len(self.peers) >= self.required_dst
-        if not known and full and self.state not in (SenderState.DRAINING, SenderState.FAILED):
-            raise RemoteProtocolError(
-                f"room {self.key}: metadata from an extra decode peer {md.decode.address} "
-                f"beyond required_dst_info_num={self.required_dst}"
-            )
+        # Whether it agrees with the peers so far, or is one too many, depends on the room's
+        # state: guards (peer_agrees, peer_fits) decide, and _why_refused explains.
 
     def _validate_init(self, inp: InitTransfer) -> None:
         # A second InitTransfer is refused by the table (guard first_init), not here.
@@ -224,11 +202,49 @@ class SenderRoom(TableMachine[SenderState]):
                     "decode that publishes state needs the state sent)"
                 )
 
+    def _why_refused(self, inp: Input, now: float) -> str:
+        if isinstance(inp, MetadataArrived):
+            return self._disagreement(inp.metadata) or self._extra_peer(inp.metadata)
+        if isinstance(inp, TransferCompleted) and inp.seq not in self.outstanding:
+            return f"room {self.key}: no outstanding transfer with seq {inp.seq}"
+        return super()._why_refused(inp, now)
+
+    def _disagreement(self, md: RoomMetadata) -> str:
+        """How this peer's metadata contradicts the peers' so far; empty when it agrees."""
+        if self.required_dst is not None and md.required_dst_info_num != self.required_dst:
+            return (
+                f"room {self.key}: decode peers disagree on required_dst_info_num "
+                f"({self.required_dst} vs {md.required_dst_info_num})"
+            )
+        writers = [p for p in self.peers.values() if not p.is_dummy]
+        if not md.is_dummy and writers and md.decode_prefix_len != writers[0].decode_prefix_len:
+            return (
+                f"room {self.key}: decode peers disagree on decode_prefix_len "
+                f"({writers[0].decode_prefix_len} vs {md.decode_prefix_len})"
+            )
+        return ""
+
+    def _extra_peer(self, md: RoomMetadata) -> str:
+        """Why this peer is one too many for the room; empty when it is known or there is room."""
+        full = self.required_dst is not None and len(self.peers) >= self.required_dst
+        if md.decode in self.peers or not full:
+            return ""
+        return (
+            f"room {self.key}: metadata from an extra decode peer {md.decode.address} "
+            f"beyond required_dst_info_num={self.required_dst}"
+        )
+
     # ---- guards ------------------------------------------------------------------------------
-    def _guard_completes_metadata(self, inp: Input, now: float) -> bool:
-        md = cast(MetadataArrived, inp).metadata
+    def _guard_peer_agrees(self, inp: MetadataArrived, now: float) -> bool:
+        return not self._disagreement(inp.metadata)
+
+    def _guard_peer_fits(self, inp: MetadataArrived, now: float) -> bool:
+        return not self._disagreement(inp.metadata) and not self._extra_peer(inp.metadata)
+
+    def _guard_completes_metadata(self, inp: MetadataArrived, now: float) -> bool:
+        md = inp.metadata
         distinct = len(self.peers) + (0 if md.decode in self.peers else 1)
-        return distinct >= md.required_dst_info_num
+        return self._guard_peer_fits(inp, now) and distinct >= md.required_dst_info_num
 
     def _guard_bootstrap_expired(self, inp: Input, now: float) -> bool:
         return self.bootstrap_deadline is not None and now >= self.bootstrap_deadline
@@ -243,24 +259,27 @@ class SenderRoom(TableMachine[SenderState]):
         done = inp.is_last and not self._writable_peers() and not self.outstanding
         return self._chunk_expected() and done
 
-    def _guard_write_failed_others_pending(self, inp: Input, now: float) -> bool:
-        return not cast(TransferCompleted, inp).ok and len(self.outstanding) > 1
+    def _guard_write_outstanding(self, inp: TransferCompleted, now: float) -> bool:
+        return inp.seq in self.outstanding
 
-    def _guard_write_failed(self, inp: Input, now: float) -> bool:
-        return not cast(TransferCompleted, inp).ok
+    def _guard_write_failed_others_pending(self, inp: TransferCompleted, now: float) -> bool:
+        return inp.seq in self.outstanding and not inp.ok and len(self.outstanding) > 1
 
-    def _guard_all_written(self, inp: Input, now: float) -> bool:
-        return self.last_submitted and len(self.outstanding) == 1
+    def _guard_write_failed(self, inp: TransferCompleted, now: float) -> bool:
+        return inp.seq in self.outstanding and not inp.ok
+
+    def _guard_all_written(self, inp: TransferCompleted, now: float) -> bool:
+        return inp.seq in self.outstanding and self.last_submitted and len(self.outstanding) == 1
 
     def _guard_writes_outstanding(self, inp: Input, now: float) -> bool:
         return bool(self.outstanding)
 
-    def _guard_drains_last_write(self, inp: Input, now: float) -> bool:
-        return len(self.outstanding) == 1
+    def _guard_drains_last_write(self, inp: TransferCompleted, now: float) -> bool:
+        return set(self.outstanding) == {inp.seq}
 
     # ---- actions -----------------------------------------------------------------------------
-    def _act_add_peer(self, inp: Input, now: float) -> list[Output]:
-        md = cast(MetadataArrived, inp).metadata
+    def _act_add_peer(self, inp: MetadataArrived, now: float) -> list[Output]:
+        md = inp.metadata
         self.required_dst = md.required_dst_info_num
         self.peers.setdefault(md.decode, md)
         return []
@@ -273,14 +292,14 @@ class SenderRoom(TableMachine[SenderState]):
             self.bootstrap_deadline = now + self.timeouts.bootstrap_timeout
         return []
 
-    def _act_init(self, inp: Input, now: float) -> list[Output]:
-        init = cast(InitTransfer, inp)
+    def _act_init(self, inp: InitTransfer, now: float) -> list[Output]:
+        init = inp
         self.num_pages = init.num_pages
         self.aux_index = init.aux_index
         return []
 
-    def _act_send_chunk(self, inp: Input, now: float) -> list[Output]:
-        chunk = cast(SendChunk, inp)
+    def _act_send_chunk(self, inp: SendChunk, now: float) -> list[Output]:
+        chunk = inp
         start = self.next_page
         self.next_page += len(chunk.src_pages)
         self.last_submitted = chunk.is_last
@@ -314,15 +333,15 @@ class SenderRoom(TableMachine[SenderState]):
             )
         return outputs
 
-    def _act_complete_write(self, inp: Input, now: float) -> list[Output]:
-        done = cast(TransferCompleted, inp)
+    def _act_complete_write(self, inp: TransferCompleted, now: float) -> list[Output]:
+        done = inp
         peer = self.outstanding.pop(done.seq)
         self._fold_checksum(peer, done.checksum)
         if done.aux is not None:
             self.aux_rows[peer] = done.aux
         return []
 
-    def _act_succeed(self, inp: Input, now: float) -> list[Output]:
+    def _act_succeed(self, inp: TransferCompleted, now: float) -> list[Output]:
         self._act_complete_write(inp, now)
         outputs: list[Output] = [
             SendMessage(
@@ -341,8 +360,8 @@ class SenderRoom(TableMachine[SenderState]):
         ]
         return outputs
 
-    def _act_fail_on_write_error(self, inp: Input, now: float) -> list[Output]:
-        done = cast(TransferCompleted, inp)
+    def _act_fail_on_write_error(self, inp: TransferCompleted, now: float) -> list[Output]:
+        done = inp
         self.outstanding.pop(done.seq)
         return self._fail(f"transfer failed: {done.reason or 'unknown transport error'}")
 
@@ -350,14 +369,14 @@ class SenderRoom(TableMachine[SenderState]):
         reason = inp.reason if isinstance(inp, AbortRequested) else "aborted"
         return self._fail(reason)
 
-    def _act_fail_quiescent_on_abort(self, inp: Input, now: float) -> list[Output]:
-        abort = cast(AbortArrived, inp).abort
+    def _act_fail_quiescent_on_abort(self, inp: AbortArrived, now: float) -> list[Output]:
+        abort = inp.abort
         self.acks_owed.add(abort.decode)
         outputs = self._fail(f"aborted by decode {abort.decode.address}: {abort.reason}")
         return outputs + self._ack_everyone()
 
-    def _act_start_drain_on_abort(self, inp: Input, now: float) -> list[Output]:
-        abort = cast(AbortArrived, inp).abort
+    def _act_start_drain_on_abort(self, inp: AbortArrived, now: float) -> list[Output]:
+        abort = inp.abort
         self.acks_owed.add(abort.decode)
         return self._fail(f"aborted by decode {abort.decode.address}: {abort.reason}")
 
@@ -367,19 +386,19 @@ class SenderRoom(TableMachine[SenderState]):
             f"({len(self.peers)} of {self.required_dst or '?'} peers) in KVPoll.Bootstrapping"
         )
 
-    def _act_owe_ack(self, inp: Input, now: float) -> list[Output]:
-        self.acks_owed.add(cast(AbortArrived, inp).abort.decode)
+    def _act_owe_ack(self, inp: AbortArrived, now: float) -> list[Output]:
+        self.acks_owed.add(inp.abort.decode)
         return []
 
-    def _act_finish_drain(self, inp: Input, now: float) -> list[Output]:
+    def _act_finish_drain(self, inp: TransferCompleted, now: float) -> list[Output]:
         self._act_complete_write(inp, now)
         return self._ack_everyone()
 
-    def _act_ack_requester(self, inp: Input, now: float) -> list[Output]:
-        return [self._ack(cast(AbortArrived, inp).abort.decode)]
+    def _act_ack_requester(self, inp: AbortArrived, now: float) -> list[Output]:
+        return [self._ack(inp.abort.decode)]
 
-    def _act_refuse_peer(self, inp: Input, now: float) -> list[Output]:
-        md = cast(MetadataArrived, inp).metadata
+    def _act_refuse_peer(self, inp: MetadataArrived, now: float) -> list[Output]:
+        md = inp.metadata
         return [self._status_to(md.decode, KVPoll.Failed)]
 
     # ---- helpers -----------------------------------------------------------------------------
@@ -445,12 +464,14 @@ SENDER_TABLE: Table[SenderState] = Table(
         "InitTransfer": "call InitTransfer once per room, when it polls WaitingForInput",
         "SendChunk": "call InitTransfer first, then send chunks in order until the one marked "
         "last",
+        "TransferCompleted": "report each StartTransfer exactly once",
     },
     rows=[
         # -- BOOTSTRAPPING: collecting destination metadata --------------------------------------
         row(_S.BOOTSTRAPPING, MetadataArrived, _S.WAITING_FOR_INPUT,
             guard=_M._guard_completes_metadata, emits=[_CHANGED], action=_M._act_add_peer),
-        row(_S.BOOTSTRAPPING, MetadataArrived, _S.BOOTSTRAPPING, action=_M._act_add_peer),
+        row(_S.BOOTSTRAPPING, MetadataArrived, _S.BOOTSTRAPPING,
+            guard=_M._guard_peer_fits, action=_M._act_add_peer),
         row(_S.BOOTSTRAPPING, AbortArrived, _S.FAILED,
             emits=[_ACK, _STATUS, _CHANGED], action=_M._act_fail_quiescent_on_abort),
         row(_S.BOOTSTRAPPING, AbortRequested, _S.FAILED,
@@ -461,7 +482,8 @@ SENDER_TABLE: Table[SenderState] = Table(
             guard=_M._guard_bootstrap_expired, emits=[_STATUS, _CHANGED],
             action=_M._act_fail_bootstrap_timeout),
         # -- WAITING_FOR_INPUT: every destination known, waiting for the engine -------------------
-        row(_S.WAITING_FOR_INPUT, MetadataArrived, _S.WAITING_FOR_INPUT, action=_M._act_add_peer),
+        row(_S.WAITING_FOR_INPUT, MetadataArrived, _S.WAITING_FOR_INPUT,
+            guard=_M._guard_peer_fits, action=_M._act_add_peer),
         row(_S.WAITING_FOR_INPUT, InitTransfer, _S.WAITING_FOR_INPUT,
             guard=_M._guard_first_init, action=_M._act_init),
         row(_S.WAITING_FOR_INPUT, SendChunk, _S.SUCCESS,
@@ -474,7 +496,8 @@ SENDER_TABLE: Table[SenderState] = Table(
             emits=[_STATUS, _CHANGED], action=_M._act_fail_quiescent),
         row(_S.WAITING_FOR_INPUT, PrefillCompleted, _S.WAITING_FOR_INPUT),
         # -- TRANSFERRING: chunks in flight ------------------------------------------------------
-        row(_S.TRANSFERRING, MetadataArrived, _S.TRANSFERRING, action=_M._act_add_peer),
+        row(_S.TRANSFERRING, MetadataArrived, _S.TRANSFERRING,
+            guard=_M._guard_peer_fits, action=_M._act_add_peer),
         row(_S.TRANSFERRING, SendChunk, _S.SUCCESS,
             guard=_M._guard_finishes_without_writes, emits=[_CHANGED], action=_M._act_send_chunk),
         row(_S.TRANSFERRING, SendChunk, _S.TRANSFERRING,
@@ -487,7 +510,8 @@ SENDER_TABLE: Table[SenderState] = Table(
             action=_M._act_fail_on_write_error),
         row(_S.TRANSFERRING, TransferCompleted, _S.SUCCESS,
             guard=_M._guard_all_written, emits=[_STATUS, _CHANGED], action=_M._act_succeed),
-        row(_S.TRANSFERRING, TransferCompleted, _S.TRANSFERRING, action=_M._act_complete_write),
+        row(_S.TRANSFERRING, TransferCompleted, _S.TRANSFERRING,
+            guard=_M._guard_write_outstanding, action=_M._act_complete_write),
         row(_S.TRANSFERRING, AbortArrived, _S.DRAINING,
             guard=_M._guard_writes_outstanding, emits=[_STATUS, _CHANGED],
             action=_M._act_start_drain_on_abort),
@@ -500,21 +524,25 @@ SENDER_TABLE: Table[SenderState] = Table(
             emits=[_STATUS, _CHANGED], action=_M._act_fail_quiescent),
         row(_S.TRANSFERRING, PrefillCompleted, _S.TRANSFERRING),
         # -- SUCCESS: terminal and quiescent -----------------------------------------------------
-        row(_S.SUCCESS, MetadataArrived, _S.SUCCESS, action=_M._act_ignore_duplicate_peer),
+        row(_S.SUCCESS, MetadataArrived, _S.SUCCESS,
+            guard=_M._guard_peer_fits, action=_M._act_ignore_duplicate_peer),
         row(_S.SUCCESS, AbortArrived, _S.SUCCESS, emits=[_ACK], action=_M._act_ack_requester),
         row(_S.SUCCESS, AbortRequested, _S.SUCCESS),
         row(_S.SUCCESS, PrefillCompleted, _S.SUCCESS),
         # -- DRAINING: failed, writes still landing; no new write, ACK only once drained ---------
-        row(_S.DRAINING, MetadataArrived, _S.DRAINING, emits=[_STATUS], action=_M._act_refuse_peer),
+        row(_S.DRAINING, MetadataArrived, _S.DRAINING,
+            guard=_M._guard_peer_agrees, emits=[_STATUS], action=_M._act_refuse_peer),
         row(_S.DRAINING, SendChunk, _S.DRAINING),
         row(_S.DRAINING, TransferCompleted, _S.FAILED,
             guard=_M._guard_drains_last_write, emits=[_ACK], action=_M._act_finish_drain),
-        row(_S.DRAINING, TransferCompleted, _S.DRAINING, action=_M._act_complete_write),
+        row(_S.DRAINING, TransferCompleted, _S.DRAINING,
+            guard=_M._guard_write_outstanding, action=_M._act_complete_write),
         row(_S.DRAINING, AbortArrived, _S.DRAINING, action=_M._act_owe_ack),
         row(_S.DRAINING, AbortRequested, _S.DRAINING),
         row(_S.DRAINING, PrefillCompleted, _S.DRAINING),
         # -- FAILED: terminal and quiescent; every abort is ACKed at once ------------------------
-        row(_S.FAILED, MetadataArrived, _S.FAILED, emits=[_STATUS], action=_M._act_refuse_peer),
+        row(_S.FAILED, MetadataArrived, _S.FAILED,
+            guard=_M._guard_peer_agrees, emits=[_STATUS], action=_M._act_refuse_peer),
         row(_S.FAILED, InitTransfer, _S.FAILED),
         row(_S.FAILED, SendChunk, _S.FAILED),
         row(_S.FAILED, AbortArrived, _S.FAILED, emits=[_ACK], action=_M._act_ack_requester),
