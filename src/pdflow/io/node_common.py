@@ -157,10 +157,11 @@ class EventHub:
 
 # ---- per-room measurements -----------------------------------------------------------------------
 class RoomClock:
-    """What the node measured of one room on one endpoint."""
+    """What the node measured of one room instance (room id and generation) on one endpoint."""
 
-    def __init__(self, opened_at: float) -> None:
+    def __init__(self, opened_at: float, generation: int) -> None:
         self.opened_at = opened_at
+        self.generation = generation
         self.ready_at: float | None = None
         self.published_at: float | None = None
         self.transfer_s: float | None = 0.0
@@ -203,7 +204,14 @@ class EndpointHost:
         self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
         self.clocks: dict[int, RoomClock] = {}
+        """The open room's clock per room id; a cleared generation still draining may report
+        (and be removed) after the room id's next one opened, so look it up with clock_of."""
         self._dispatch = dispatcher(self)
+
+    def clock_of(self, room: int, generation: int) -> RoomClock | None:
+        """The clock of this room instance, if it is the one the room id's clock measures."""
+        clock = self.clocks.get(room)
+        return clock if clock is not None and clock.generation == generation else None
 
     async def call(self, inp: AnyEndpointInput) -> Step:
         """An engine call: raises the core's refusal (its state is unchanged)."""
@@ -269,7 +277,7 @@ class RankEffects:
     async def report_status(self, change: StatusChanged) -> None:
         host = self.host
         now = anyio.current_time()
-        clock = host.clocks.get(change.room)
+        clock = host.clock_of(change.room, change.generation)
         if clock is not None and change.poll is KVPoll.WaitingForInput:
             clock.ready_at = now
         if clock is not None and change.poll.is_terminal:
@@ -279,7 +287,8 @@ class RankEffects:
         )
 
     async def forget_room(self, removed: RoomRemoved) -> None:
-        self.host.clocks.pop(removed.room, None)
+        if self.host.clock_of(removed.room, removed.generation) is not None:
+            del self.host.clocks[removed.room]  # never the clock of the room id's next generation
         self.host.events.publish(RoomClosed(self.host.rank, removed.room, removed.generation))
 
     async def count_drop(self, dropped: Dropped) -> None:

@@ -153,7 +153,7 @@ class DecodeRank:
         # The clock first: with the topology known the room is WaitingForInput within the call,
         # and that moment starts its allocation wait.
         previous = self._host.clocks.get(room)
-        self._host.clocks[room] = RoomClock(anyio.current_time())
+        self._host.clocks[room] = RoomClock(anyio.current_time(), generation)
         try:
             await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
         except BaseException:

@@ -185,7 +185,7 @@ class PrefillRank:
             # The decode asks the registry which DP group serves the room (/query_dp_ranks).
             await node.register_dp_rank(room)
         self._node.limits[self.rank].early.opened(room)
-        self._host.clocks[room] = RoomClock(anyio.current_time())
+        self._host.clocks[room] = RoomClock(anyio.current_time(), generation)
 
     async def init_transfer(self, room: int, num_pages: int, aux_index: int | None = None) -> None:
         """``aux_index``: the request's row in this rank's aux buffer; the engine fills it (first
@@ -588,7 +588,7 @@ class PrefillNode(NodeLifecycle):
             outcome = await self.transport.batch_write(start.session_id, ops)
         except TransportError as exc:
             return failed(f"transport refused the writes: {exc}")
-        clock = host.clocks.get(start.room)
+        clock = host.clock_of(start.room, start.generation)
         if clock is not None:
             clock.add_transfer(outcome.seconds, outcome.nbytes)
         if not outcome.ok:
