@@ -202,7 +202,7 @@ def test_prefill_failures_cleared_promptly_leave_nothing_after_the_answering_abo
         p.handle(ClearRoom(5), float(generation))
         assert messages(p.handle(Received(abort(5, generation)), float(generation)), AbortAck)
     assert p.snapshot().pending == 0 and not p.rooms and not p.draining
-    assert p.opened == {5: 200}
+    assert len(p.opened) == 1 and p.opened.get(5) == 200
     assert p.timer_at() is None
     p.handle(TimerFired(), 10_000.0)
     assert p.snapshot().pending == 0

@@ -1,9 +1,11 @@
 """Bounded state (docs/architecture.md, "Bounded state"): what a prefill endpoint keeps per room
-id does not grow with failures or stray messages. Invariant: bounded_room_state.
+id does not grow with failures, stray messages or the number of room ids it served.
+Invariant: bounded_room_state.
 
 Measured as a size bound, not a timing: the retained size of the endpoint (every object it
-reaches) after 100,000 failed-and-cleared generations, and again after 100,000 stray ABORTs,
-equals its size after a short warm-up to within a few KiB.
+reaches) after 100,000 failed-and-cleared generations, again after 100,000 stray ABORTs, and
+after 100,000 distinct room ids that each succeeded once (SGLang's random room ids, one per
+request), equals its size after a short warm-up to within a few KiB.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import pytest
 
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
+    Dropped,
     OpenRoom,
     PrefillEndpointConfig,
     Received,
@@ -23,9 +26,9 @@ from pdflow.core.endpoints.endpoint_io import (
     TimerFired,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.protocol.inputs import AbortRequested
-from pdflow.core.protocol.messages import Abort, AbortAck, PeerId
-from pdflow.core.protocol.outputs import SendMessage
+from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk, TransferCompleted
+from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
+from pdflow.core.protocol.outputs import SendMessage, StartTransfer
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
 PREFILL = PeerId("127.0.0.1:7000", "p1", 0)
@@ -113,3 +116,63 @@ def test_forged_aborts_for_fresh_room_ids_stop_at_the_cap() -> None:
     # A kept cancel still wins when its room opens, and the room id then holds nothing pending.
     p.handle(OpenRoom(10_000, 1), 1.0)
     assert p.rooms[10_000].poll.name == "Failed" and p.snapshot().pending == 499
+
+
+DISTINCT_ROOMS = 100_000
+REMEMBERED = 1_000
+"""max_finished_room_ids for the test: small, so the warm-up already fills it."""
+
+
+def succeed_and_clear(p: PrefillEndpoint, room: int, now: float) -> None:
+    """One request of its own room id: opened, written, succeeded, cleared."""
+    p.handle(OpenRoom(room, 0), now)
+    metadata = RoomMetadata(room=room, generation=0, decode=DECODE, prefill=PREFILL,
+                            session_id="s", dst_pages=(7,), aux_index=None,
+                            required_dst_info_num=1)  # fmt: skip
+    p.handle(Received(metadata), now)
+    p.handle(RoomCall(room, InitTransfer(1)), now)
+    step = p.handle(RoomCall(room, SendChunk((3,), True)), now)
+    [write] = [o for o in step.outputs if isinstance(o, StartTransfer)]
+    p.handle(TransferCompleted(room, 0, write.seq, True, checksum=0), now)
+    assert p.generation_of(room) == 0 and p.rooms[room].poll.name == "Success"
+    p.handle(ClearRoom(room), now)
+
+
+@pytest.mark.invariant("bounded_room_state")
+def test_distinct_successful_room_ids_leave_memory_flat() -> None:
+    """SGLang draws a random room id per request: the opened marks of room ids that hold
+    nothing any more are forgotten past max_finished_room_ids, so 100,000 requests keep what
+    1,000 keep. A late ABORT for a forgotten one is still answered at once."""
+    config = PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=REMEMBERED)
+    p = PrefillEndpoint(config)
+    rooms = iter(range(10**6, 10**9, 7919))  # spread like random ids, never repeated
+    for _ in range(2 * REMEMBERED):  # warm-up: the marks are full
+        succeed_and_clear(p, next(rooms), 0.0)
+    warm = retained_bytes(p)
+    for _ in range(DISTINCT_ROOMS):
+        succeed_and_clear(p, next(rooms), 1.0)
+    after = retained_bytes(p)
+    print(f"warm {warm} B, +{DISTINCT_ROOMS} distinct room ids {after} B, "
+          f"{len(p.opened)} marks, {p.opened.forgotten} forgotten")  # fmt: skip
+    assert after - warm <= SLACK_BYTES
+    assert len(p.opened) == REMEMBERED and not p.rooms and not p.draining
+    assert p.snapshot().pending == 0
+    # A late ABORT for the first room id (forgotten long ago): ACKed, and its cancel is one
+    # pending record under max_pending_room_ids, not a write.
+    step = p.handle(abort(10**6, 0), 2.0)
+    assert [type(o.message) for o in step.outputs if isinstance(o, SendMessage)] == [AbortAck]
+    assert p.snapshot().pending == 1
+
+
+def test_a_room_id_that_still_holds_something_keeps_its_mark() -> None:
+    """Forgetting skips a room id the rank still hosts: its mark decides which of its
+    generations a late message belongs to, so a stale message for it stays stale."""
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=2))
+    p.handle(OpenRoom(1, 5), 0.0)  # stays open throughout
+    for room in range(100, 110):
+        succeed_and_clear(p, room, 0.0)
+    assert 1 in p.opened and len(p.opened) == 2
+    meta = RoomMetadata(room=1, generation=4, decode=DECODE, prefill=PREFILL, session_id="s",
+                        dst_pages=(7,), aux_index=None, required_dst_info_num=1)  # fmt: skip
+    step = p.handle(Received(meta), 1.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_generation"]

@@ -44,8 +44,11 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     future RDMA binding) or not (Mooncake TCP): then a dead writer's pages wait for its ACK."""
     max_pending_room_ids: int = 65_536
     max_parked_peers: int = 64
+    max_finished_room_ids: int = 65_536
     """The prefill's slot bounds (PrefillEndpointConfig); some worlds draw them tiny, so early
-    metadata and ABORTs run into them as they would under a flood of room ids or peers."""
+    metadata and ABORTs run into them as they would under a flood of room ids or peers, and
+    the opened marks of finished room ids are forgotten while their late messages still
+    arrive (no expiry may reopen a use-after-free)."""
 
     @property
     def prefill_ranks(self) -> int:
@@ -237,6 +240,8 @@ def draw_plan(seed: int) -> FaultPlan:
         shape = msgspec.structs.replace(
             shape, max_pending_room_ids=rng.choice((1, 2)), max_parked_peers=1
         )
+    if rng.random() < 0.3:
+        shape = msgspec.structs.replace(shape, max_finished_room_ids=rng.choice((1, 2)))
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -25,7 +25,7 @@ from pdflow.core.endpoints.endpoint_io import (
     Received,
     RoomCall,
 )
-from pdflow.core.endpoints.prefill_slots import NONE
+from pdflow.core.endpoints.opened_marks import NONE
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired
@@ -256,6 +256,14 @@ class Monitor:
                     "generation_isolation",
                     f"{name}: room {inp.room}/{inp.generation} failed as it opened, but no "
                     "ABORT for that generation (or a later one) ever reached this rank",
+                )
+            promised = [g for (owner, room, g) in self.acked_unopened
+                        if (owner, room) == key and g >= inp.generation]  # fmt: skip
+            if promised and not failed:
+                self.fail(
+                    "abort_is_final",
+                    f"{name}: room {inp.room}/{inp.generation} opened without failing, though "
+                    f"this rank ACKed an ABORT for generation {max(promised)} before it opened",
                 )
         endpoint = process.endpoint
         for room, record in endpoint.pending.items():

@@ -18,6 +18,7 @@ from typing import Any
 
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.opened_marks import NONE
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.endpoints.prefill_slots import (
     PREFILL_SLOT_TABLE,
@@ -232,6 +233,20 @@ def _ack_without_cancel(original: Any) -> Any:
     return cancel
 
 
+def _cancel_expires_at_the_bound(original: Any) -> Any:
+    def unopened_full(self: PrefillRoomSlot, inp: Any, now: float) -> bool:
+        if not original(self, inp, now):
+            return False
+        pending = self.host.pending
+        oldest = next((room for room, r in pending.items() if r.parked_generation == NONE), None)
+        if oldest is None:
+            return True
+        del pending[oldest]  # the bound holds; the oldest ACK's promise no longer does
+        return False
+
+    return unopened_full
+
+
 def _room_keyed_ready_table(original: Any) -> Any:
     def machine(self: PrefillCompleteTable, inp: Any) -> BootstrapRoom:
         held = self._rooms.get(inp.room, {})
@@ -352,6 +367,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("success_before_aux_row", "sglang metadata gate (Success before the aux row landed)",
            "the decode reports Success without storing the room's aux row in its slot",
            (_rows_swapped(RECEIVER_TABLE, "action", "succeed", _succeed_without_aux),)),
+    Mutant("cancel_expires_at_the_bound", "issue 11 item 2 (an expiry reopens a use-after-free)",
+           "past max_pending_room_ids the oldest kept cancel is forgotten to make room",
+           (_rows_swapped(PREFILL_SLOT_TABLE, "guard", "unopened_full",
+                          _cancel_expires_at_the_bound),)),
     Mutant("answering_abort_kept_forever", "issue 11 bug C (early arrivals grow)",
            "the decode's ABORT answering a cleared failure is kept as a pending cancel",
            ((PrefillRoomSlot, "step", _late_abort_kept),)),

@@ -181,6 +181,7 @@ class World:
                 session_id=f"{PREFILL_IP}:{PREFILL_PORT + rank}",
                 max_pending_room_ids=self.shape.max_pending_room_ids,
                 max_parked_peers=self.shape.max_parked_peers,
+                max_finished_room_ids=self.shape.max_finished_room_ids,
             )
             name = f"prefill{rank}.{self.prefill_life}"
             process = PrefillProcess(

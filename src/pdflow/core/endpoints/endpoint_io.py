@@ -186,6 +186,12 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     max_pending_room_ids: int = 65_536
     """Room ids that may hold parked metadata or a cancel for a generation not opened yet; past
     it, metadata for a new room id is dropped and its ABORT is not ACKed (no ACK, no promise)."""
+    max_finished_room_ids: int = 65_536
+    """Room ids whose highest opened generation the rank remembers once it holds nothing else
+    of them; past it the least recently opened is forgotten, and a late message for it reads as
+    one for a generation not opened yet (parked metadata expires; an ABORT is ACKed and its
+    cancel kept under max_pending_room_ids). Bounds the rank's memory under SGLang's random
+    room ids, one per request."""
     max_parked_peers: int = 64
     """Decode peers whose metadata one parked generation keeps (more than any topology needs);
     past it, metadata from a new decode peer for that generation is dropped."""

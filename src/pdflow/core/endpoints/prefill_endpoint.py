@@ -19,8 +19,8 @@ from pdflow.core.endpoints.endpoint_io import (
     RoomCall,
     TimerFired,
 )
+from pdflow.core.endpoints.opened_marks import NONE, OpenedMarks
 from pdflow.core.endpoints.prefill_slots import (
-    NONE,
     PendingRecord,
     PrefillRoomSlot,
     abort_ack_of,
@@ -100,7 +100,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         super().__init__(config.me)
         # The room slots (prefill_slots.py): what is kept per room id besides open rooms.
         self.draining: dict[tuple[int, int], SenderRoom] = {}
-        self.opened: dict[int, int] = {}
+        self.opened = OpenedMarks(config.max_finished_room_ids, self._holds_room_id)
         self.pending: dict[int, PendingRecord] = {}
         self.parking_deadlines: DeadlineQueue[int] = DeadlineQueue()
         self.bootstrap_timeout = config.timeouts.bootstrap_timeout
@@ -298,6 +298,12 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         """Terminal rooms the engine may clear now (one it cleared that still drains is no
         longer open: the endpoint holds it out of the engine's view)."""
         return tuple(r for r in self.open_rooms() if self.rooms[r].poll.is_terminal)
+
+    def _holds_room_id(self, room_id: int) -> bool:
+        """Whether anything of the room id is held: its opened mark must then be kept."""
+        if room_id in self.rooms or room_id in self.pending:
+            return True
+        return any(room == room_id for room, _ in self.draining)
 
     def is_draining(self, room_id: int, generation: int) -> bool:
         """The engine cleared this generation while its writes were in flight; they still are."""

@@ -14,6 +14,8 @@ generations fail or how many stray messages arrive. Every rule is a row of
 - DRAINING: the engine cleared it while writes were in flight; removed when they drain.
 - REMOVED: at or below the opened high-water mark and not hosted: finished (or skipped); its
   messages are stale and it can never open again, so a late ABORT is ACKed and kept nowhere.
+  The marks of room ids holding nothing else are forgotten past ``max_finished_room_ids``
+  (opened_marks.py): a forgotten room id's late messages then read as ABSENT, which is safe.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from pdflow.core.endpoints.endpoint_io import Dropped, RoomRemoved
+from pdflow.core.endpoints.opened_marks import NONE, OpenedMarks
 from pdflow.core.endpoints.slot_inputs import CLEAR_HINT, ClearSlot, OpenSlot
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.step import Fired
@@ -38,9 +41,6 @@ from pdflow.core.protocol.inputs import (
 from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
 from pdflow.core.protocol.outputs import Output, SendMessage
 from pdflow.core.rooms.sender_room import SenderRoom, SenderState
-
-NONE = -(2**63)
-"""Below every generation (an int64 on the wire): "no generation yet"."""
 
 
 class SlotState(enum.Enum):
@@ -68,8 +68,9 @@ class SlotHost(Protocol):
 
     rooms: dict[int, SenderRoom]
     draining: dict[tuple[int, int], SenderRoom]
-    opened: dict[int, int]
-    """Per room id, the highest generation the engine opened: the only thing kept forever."""
+    opened: OpenedMarks
+    """Per room id, the highest generation the engine opened (the least recently opened
+    forgotten past max_finished_room_ids, once nothing of the room id is held)."""
     pending: dict[int, PendingRecord]
     parking_deadlines: DeadlineQueue[int]
     bootstrap_timeout: float
@@ -168,7 +169,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         parked = record.parked if record.parked_generation == self.generation else {}
         if NONE < record.parked_generation <= self.generation:
             self._forget_parked()
-        self.host.opened[self.key] = self.generation
+        self.host.opened.opened(self.key, self.generation)
         room = self.host.host_sender(self.key, self.generation, now)
         for metadata in parked.values():
             self.host.room_input(room, MetadataArrived(metadata), now)
