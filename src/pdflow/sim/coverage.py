@@ -14,11 +14,14 @@ PROTOCOL_MACHINES = (
 """The machines whose every transition the model check must reach (worlds plus cell drives):
 the rooms, the endpoints' room slots and the page ledger."""
 
-DRIVEN_MACHINES = (*PROTOCOL_MACHINES, "AdmissionQueue", "PrefillComplete")
-"""Machines a World drives: the protocol machines, the decode admission queue, and the
-prefill_complete table. (The registry answers topology queries but is exercised by its own
-tests; the staging ring is not part of the simulated data plane.) The admission queue and
-the prefill-complete table are reported, and covered by their own exhaustive tests."""
+DRIVEN_MACHINES = (
+    *PROTOCOL_MACHINES, "AdmissionQueue", "PrefillComplete", "LayoutAnnouncement", "DecodeLayout",
+)  # fmt: skip
+"""Machines a World drives: the protocol machines, the decode admission queue, the
+prefill_complete table and the KV layout exchange (in the worlds whose decodes announce a
+layout). (The registry answers topology queries but is exercised by its own tests; the
+staging ring is not part of the simulated data plane.) These others are reported, and covered
+by their own exhaustive tests."""
 
 
 _NO_STAGING = "the simulated data plane has no staging ring"

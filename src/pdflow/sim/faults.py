@@ -45,6 +45,10 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_pending_room_ids: int = 65_536
     max_parked_peers: int = 64
     max_finished_room_ids: int = 65_536
+    announces_layout: bool = False
+    """The decode announces its KV layout (KvArgs) before its first message to each prefill
+    rank and the prefill accepts it (the layout exchange of spec/machines/kv_layouts.toml); the
+    fake transport itself moves pages by index."""
     """The prefill's slot bounds (PrefillEndpointConfig); some worlds draw them tiny, so early
     metadata and ABORTs run into them as they would under a flood of room ids or peers, and
     the opened marks of finished room ids are forgotten while their late messages still
@@ -242,6 +246,7 @@ def draw_plan(seed: int) -> FaultPlan:
         )
     if rng.random() < 0.3:
         shape = msgspec.structs.replace(shape, max_finished_room_ids=rng.choice((1, 2)))
+    shape = msgspec.structs.replace(shape, announces_layout=rng.random() < 0.5)
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -34,6 +34,8 @@ from pdflow.core.cluster.topology import (
     PrefillCoordinates,
     resolve_rank_mapping,
 )
+from pdflow.core.dataplane.buffers import KvBuffers
+from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.effects import carry_out_decode, carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
@@ -247,9 +249,10 @@ class World:
             policy=self.shape.policy,
             timeouts=self.timeouts,
             verify_checksums=self.shape.verify_checksums,
-            # No kv_layout: the fake transport moves pages by index, so the decode announces no
-            # layout (KvArgs). Announcing one doubles the decode->prefill traffic of the first
-            # messages, and the seeded driver then reaches two ACK mutants only past its budget.
+            # Half the worlds announce a layout (KvArgs, answered by KvArgsAccepted): it doubles
+            # the decode->prefill traffic of the first messages, so the other half keeps the
+            # seeded driver's budget for the rooms themselves.
+            kv_layout=self._layout() if self.shape.announces_layout else None,
         )
         name = f"decode{rank}.{life}"
         budget = admission_budget(self.shape.decode_pages, self.shape.page_tokens)
@@ -263,6 +266,14 @@ class World:
         self.transport.decode_started(rank, me)
         if self.trace is not None:
             self.trace.header(name, "decode", config)
+
+    def _layout(self) -> KvBuffers:
+        """A decode rank's KV tensors as its engine would describe them (one layer, K and V)."""
+        heads = max(self.shape.num_kv_heads // self.shape.decode_tp, 1)
+        layout = packed_layout(base_addr=4096, num_layers=1, num_pages=self.shape.decode_pages,
+                               page_size=self.shape.page_tokens, num_heads=heads, head_dim=4,
+                               dtype=KvDtype.FP16)  # fmt: skip
+        return KvBuffers.from_layout(layout, self.shape.num_kv_heads)
 
     def crash_prefill(self) -> None:
         """Every prefill rank dies and restarts with a new incarnation; its state is lost."""
