@@ -8,7 +8,8 @@ of a room on every rank (``stall`` sends only the first chunk and never the last
 stays mid-transfer); ``{"op": "stats"}`` prints the metrics. Each finished room prints
 ``{"event": "room", ...}``. With the option ``"gate_writes": true``, ``{"op": "hold_writes"}``
 makes every later write wait, in flight for the node, until ``{"op": "release_writes"}``; each
-write that starts waiting prints ``{"event": "write_held"}``.
+write that starts waiting prints ``{"event": "write_held"}``. ``"staging_slot_pages": N`` gives
+each rank a staging slot of N pages (a decode of another TP size receives staged).
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from anyio.abc import TaskGroup
 from pdflow.chaos.prefill_agent import SourcePages
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
+from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank, staging_page_bytes
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import load_settings
 from pdflow.transport.base import TransferOutcome, WriteOpLike
@@ -86,6 +87,8 @@ async def main(options: dict[str, Any]) -> None:
     async with transport, PrefillNode(
         ranks=[kv for _, kv in caches], transport=transport, bootstrap=options["bootstrap"],
         settings=settings, serve_bootstrap=options.get("serve_bootstrap", True),
+        staging_slot_bytes=options.get("staging_slot_pages", 0) * staging_page_bytes(
+            caches[0][1].kv_buffers),
     ) as node:  # fmt: skip
         pools = [SourcePages(num_pages) for _ in range(tp)]
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid(),

@@ -11,6 +11,7 @@ from typing import Any
 import anyio
 import pytest
 
+from pdflow.io.kv_buffers import staging_page_bytes
 from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
@@ -29,10 +30,10 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def node_settings(tmp: str, rotate_percent: float = 0.0) -> dict[str, Any]:
+def node_settings(tmp: str, rotate_percent: float = 0.0, **more: Any) -> dict[str, Any]:
     return {"trace_dir": tmp, "checksum": True, "heartbeat_interval": HEARTBEAT_S,
             "heartbeat_max_failure": MAX_FAILURES,
-            "rotate_quarantine_percent": rotate_percent}  # fmt: skip
+            "rotate_quarantine_percent": rotate_percent, **more}  # fmt: skip
 
 
 def quarantined(node: DecodeNode) -> int:
@@ -108,6 +109,119 @@ async def test_kill_9_mid_transfer_then_the_quarantine_threshold_rotates_the_eng
             print(f"kill -9: rooms failed {len(outcomes)}, pages held {held}, released by "
                   f"rotation {rotation.released_pages} (drain {rotation.drain_s:.3f}s), "
                   f"late writes in released pages {len(engine.written_after_release())}")
+        tasks.cancel_scope.cancel()
+
+
+async def test_kill_9_of_a_staged_writer_rotates_however_few_pages_it_pins_in_the_ring(
+    tmp_path: anyio.Path,
+) -> None:
+    """A staged decode (TP 1 behind a TP 2 prefill): one killed room pins its staging-ring
+    region, far under the page threshold; the ring's watermark cannot pass it, so every later
+    staged room would wait and fail (chaos finding 6). Any ring region held only for a dead
+    writer rotates, and a restarted prefill is served staged again."""
+    settings = node_settings(str(tmp_path), rotate_percent=50.0)
+    caches = decode_caches(1, num_pages=POOL)
+    ring_pages = 64
+    transport = MooncakeTransport.open()
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(
+            ranks=[kv for _, kv in caches], transport=transport,
+            settings=load_settings(**settings),
+            staging_bytes=ring_pages * staging_page_bytes(caches[0][1].kv_buffers),
+        ) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": POOL,
+                       "staging_slot_pages": 8}  # fmt: skip
+            async with prefill_process(tasks, options) as first:
+                bootstrap = first.ready["bootstrap"]
+                await serve_new_rooms(engine, first, bootstrap, range(3))
+                outcome: list[str] = []
+
+                async def stalled_room() -> None:
+                    await first.start_room(100, 0, 128, stall=True)
+                    outcome.append(await engine.run_room(bootstrap, 100, 0, 128))
+
+                async with anyio.create_task_group() as rooms:
+                    rooms.start_soon(stalled_room)
+                    with anyio.fail_after(10):  # the writers' first chunks are landing
+                        while not any(isinstance(e, RoomStatus) and e.room == 100
+                                      and e.poll == 3 for e in engine.events):  # fmt: skip
+                            await anyio.sleep(0.01)
+                    await anyio.sleep(0.3)
+                    first.kill()
+                with anyio.fail_after(5):
+                    await first.process.wait()
+            assert outcome == ["Failed"]
+            held = sum(len(e.pages) for e in engine.events
+                       if isinstance(e, PagesHeld) and e.room == 100)  # fmt: skip
+            assert 0 < held < POOL // 2  # far under the page threshold
+            with anyio.fail_after(15):
+                while not node.rotations:
+                    await anyio.sleep(0.02)
+            [rotation] = node.rotations
+            assert rotation.reason == "quarantine_threshold" and rotation.released_pages == held
+            [rank] = node.ranks
+            assert rank.quarantine() == () and rank.allocatable == POOL
+            options["bootstrap"] = bootstrap
+            async with prefill_process(tasks, options) as second:
+                # 16 rooms of 8 pages: twice round the ring, past where the killed region was.
+                for room in range(200, 216):
+                    await second.start_room(room, 0, 128)
+                    with anyio.fail_after(15):
+                        assert await engine.run_room(bootstrap, room, 0, 128) == "Success"
+            assert engine.corrupt == [] and engine.verified == 3 + 16
+            assert engine.written_after_release() == []
+            assert await engine.settled_leak_report() == []
+        tasks.cancel_scope.cancel()
+
+
+async def test_a_writer_declared_dead_after_its_room_failed_still_rotates(
+    tmp_path: anyio.Path,
+) -> None:
+    """The room times out first, its writer stopped but not yet declared dead (its pages held
+    for the drain ACK); the writer is then killed and declared dead with no page held or
+    released after that. The dead verdict alone must pass the threshold (chaos finding 6): the
+    decode is quiet, so nothing else would ever check it again."""
+    settings = node_settings(str(tmp_path), rotate_percent=1.0, waiting_timeout=1.0)
+    caches = decode_caches(2, num_pages=POOL)
+    transport = MooncakeTransport.open()
+    async with anyio.create_task_group() as tasks, transport:
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": "127.0.0.1:0", "settings": node_settings(str(tmp_path)),
+                       "num_pages": POOL}  # fmt: skip
+            async with prefill_process(tasks, options) as first:
+                bootstrap = first.ready["bootstrap"]
+                await first.start_room(100, 0, 128, stall=True)
+                failed = anyio.Event()
+
+                async def stalled_room() -> None:
+                    assert await engine.run_room(bootstrap, 100, 0, 128) == "Failed"
+                    failed.set()
+
+                tasks.start_soon(stalled_room)
+                with anyio.fail_after(10):  # the writers' first chunks are landing
+                    while not any(isinstance(e, RoomStatus) and e.room == 100
+                                  and e.poll == 3 for e in engine.events):  # fmt: skip
+                        await anyio.sleep(0.01)
+                first.process.send_signal(signal.SIGSTOP)  # it cannot answer the ABORT
+                with anyio.fail_after(5):  # the room's 1 s timer, far under the dead verdict
+                    await failed.wait()
+                held = quarantined(node)
+                assert held == 2 * 8 and not node.rotations  # not declared dead: no rotation
+                first.kill()
+                with anyio.fail_after(5):
+                    await first.process.wait()
+            with anyio.fail_after(15):
+                while not node.rotations:
+                    await anyio.sleep(0.02)
+            [rotation] = node.rotations
+            assert rotation.reason == "quarantine_threshold" and rotation.released_pages == held
+            assert await engine.settled_leak_report() == []
+            assert engine.written_after_release() == []
         tasks.cancel_scope.cancel()
 
 

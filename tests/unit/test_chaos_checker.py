@@ -50,12 +50,23 @@ def kinds(run: RunRecord) -> list[str]:
 
 
 def test_a_clean_history_passes_even_with_a_killed_prefill_and_its_held_pages() -> None:
+    """Pages held for an ended life, under the rotation threshold (1% of 1000 pages)."""
     held = [{"room": 5, "generation": 0, "pages": 2, "waiting_on": [["a:1", "p0-a"]]}]
     run = record([attempt(1, ["Success"], ["Success"]), attempt(2, ["Failed"], ["Killed"]),
                   attempt(3, ["Failed"], ["Success"])],  # the decode may give up after Success
-                 state=decode_state(free=6, quarantined=2, engine_free=6,
+                 state=decode_state(pool=1000, free=998, quarantined=2, engine_free=998,
                                     quarantine=held))  # fmt: skip
     assert check(run) == []
+
+
+def test_pages_of_an_ended_life_past_the_rotation_threshold_or_in_the_ring_are_named() -> None:
+    """The decode should have fenced them by engine rotation."""
+    held = [{"room": 5, "generation": 0, "pages": 11, "waiting_on": [["a:1", "p0-a"]]}]
+    state = decode_state(pool=1000, free=989, quarantined=11, engine_free=989, quarantine=held)
+    assert kinds(record([], state=state)) == ["dead_writer_pages_kept"]
+    staged = [{**held[0], "pages": 1, "staging_bytes": 4096}]
+    state = decode_state(pool=1000, free=999, quarantined=1, engine_free=999, quarantine=staged)
+    assert kinds(record([], state=state)) == ["dead_writer_pages_kept"]
 
 
 def test_each_broken_fact_of_an_attempt_is_named() -> None:

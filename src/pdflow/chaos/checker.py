@@ -9,7 +9,10 @@ What must hold:
   byte against the room's pattern; the nodes also run with checksums on);
 * no page is written after it was released (the decode engine's canaries);
 * no page leaked: at the end every decode ledger is whole (nothing reserved or quarantined),
-  the engine's free list is whole and no room is open on any node;
+  the engine's free list is whole and no room is open on any node; pages may stay held only for
+  writers whose process life ended, and only under the decode's rotation threshold
+  (``ROTATE_QUARANTINE_PERCENT`` of a rank's pool) and outside its staging ring: past it the
+  decode must have fenced them by engine rotation;
 * recovery without restarting any decode: every prefill x decode pair served a fresh room after
   the heal, and each decode ran one life only;
 * every process life's traces replay with ``pdflow replay``.
@@ -24,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from pdflow.chaos.run import RunRecord
+from pdflow.chaos.run import ROTATE_QUARANTINE_PERCENT, RunRecord
 from pdflow.chaos.workload import Attempt
 
 
@@ -154,10 +157,14 @@ def _state_violations(name: str, state: dict[str, Any], ended: set[str]) -> list
         if rank["rooms_open"]:
             found.append(Violation(kind="room_left_open", process=name,
                                    detail=f"{label}: rooms {rank['rooms_open']}"))  # fmt: skip
+        dead_pages = dead_staging = 0
         for held in rank["quarantine"]:
-            # By design pages may wait forever on a writer whose process life ended (no
-            # receiver-side fence on Mooncake TCP): the writer cannot write, nor ACK.
+            # Pages may wait on a writer whose process life ended (no receiver-side fence on
+            # Mooncake TCP: it can neither write nor ACK), up to the rotation threshold.
             live = [w for w in held["waiting_on"] if w[1] not in ended]
+            if not live:
+                dead_pages += held["pages"]
+                dead_staging += held.get("staging_bytes", 0)
             if live:
                 found.append(Violation(
                     kind="pages_quarantined", process=name, room=held["room"],
@@ -165,6 +172,15 @@ def _state_violations(name: str, state: dict[str, Any], ended: set[str]) -> list
                     detail=f"{label}: {held['pages']} pages still quarantined after the settle, "
                            f"waiting on writers whose process is alive: {live}",
                 ))  # fmt: skip
+        limit = ROTATE_QUARANTINE_PERCENT / 100 * rank["pool"]
+        if dead_pages > limit or dead_staging:
+            found.append(Violation(
+                kind="dead_writer_pages_kept", process=name,
+                detail=f"{label}: {dead_pages} pages ({dead_staging} staging-ring bytes) held "
+                       f"for writers whose process life ended, past the rotation threshold "
+                       f"({limit:g} pages, no ring bytes): the decode did not fence them by "
+                       f"engine rotation",
+            ))  # fmt: skip
         lost = rank["pool"] - rank["free"] - rank["quarantined"]
         if lost:
             detail = (f"{label}: {lost} pages neither free nor quarantined in the ledger "

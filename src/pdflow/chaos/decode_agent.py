@@ -240,11 +240,13 @@ async def main(options: dict[str, Any]) -> None:
                     "engine_free": len(rank_pages.free), "engine_in_use": len(rank_pages.in_use),
                     "quarantine": [
                         {"room": q.room, "generation": q.generation, "pages": len(q.pages),
+                         "staging_bytes": q.staging_bytes,
                          "waiting_on": [[p.address, p.incarnation] for p in q.waiting_on]}
                         for q in rank.quarantine()
                     ],
                 })  # fmt: skip
-            emit(event="state", incarnation=node.incarnation, ranks=ranks_state)
+            emit(event="state", incarnation=node.incarnation, ranks=ranks_state,
+                 rotations=len(node.rotations))  # fmt: skip
 
         await serve_commands({"room": room, "state": state})
         tasks.cancel_scope.cancel()

@@ -12,7 +12,7 @@ import msgspec
 
 from pdflow.chaos.agent_io import MUTANT_VARIABLE
 from pdflow.chaos.checker import Violation, ended_incarnations
-from pdflow.chaos.run import RunRecord
+from pdflow.chaos.run import ROTATE_QUARANTINE_PERCENT, RunRecord
 
 _WIDTH, _LEFT, _LANE, _PAD = 1100, 150, 7, 14
 _OUTCOME_COLOUR = {
@@ -60,7 +60,11 @@ def summary_rows(run: RunRecord, violations: list[Violation]) -> list[tuple[str,
         ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
         ("faults that failed to apply", str(len(failed_faults))),
         ("pages held for ended lives", f"{_held_for_ended(run)} pages quarantined at the end "
-                                      "for writers whose process was killed (by design)"),
+                                      "for writers whose process was killed (under the "
+                                      f"{ROTATE_QUARANTINE_PERCENT:g}% rotation threshold)"),
+        ("engine rotations", ", ".join(f"{n} {s.get('rotations', 0)}"
+                                       for n, s in sorted(run.final_state.items())
+                                       if n.startswith("decode"))),
         ("process lives", ", ".join(f"{n} {len(lives)}" for n, lives in run.lives.items())),
         ("traces replayed", f"{sum(r.returncode == 0 for r in run.replays)}/{len(run.replays)} OK"),
         ("violations", f"{len(violations)}" + (": " + ", ".join(

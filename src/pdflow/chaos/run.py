@@ -37,6 +37,10 @@ ROOM_TIMEOUT_S = 8.0
 SETTLE_S = 30.0
 PROBE_DEADLINE_S = 25.0
 QUIESCE_S = 15.0
+ROTATE_QUARANTINE_PERCENT = 1.0
+"""The decodes fence by engine rotation (docs/operations.md) once pages held for dead writers
+pass this share of a rank's pool or ring: Mooncake TCP has no per-peer receiver fence, so
+without it a killed prefill's pages and staging regions stay held for good."""
 PREFILLS = ("prefill-0", "prefill-1")
 DECODES = ("decode-0", "decode-1")
 EMBEDDED_REGISTRY = "prefill-0"
@@ -135,7 +139,8 @@ class Cluster:
         def decode_options(name: str, index: int) -> Callable[[int], dict[str, Any]]:
             # decode-0 is TP=2 like the prefills; decode-1 is TP=1, so it receives staged.
             return lambda life: {
-                "settings": agent_settings(out, name, addresses[name], life),
+                "settings": {**agent_settings(out, name, addresses[name], life),
+                             "rotate_quarantine_percent": ROTATE_QUARANTINE_PERCENT},
                 "tp": 2 if index == 0 else 1, "staging": index != 0,
                 "num_pages": options.num_pages, "seed": options.seed * 10 + index,
             }  # fmt: skip

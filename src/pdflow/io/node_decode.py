@@ -474,20 +474,21 @@ class DecodeNode(NodeLifecycle):
             self.spawn(lambda: self._rotate_when_wanted("quarantine_threshold"))
 
     def _wants_rotation(self) -> bool:
-        """Pages held only for dead writers (or their staging bytes) past the setting, on any
-        rank: only a rotation gives them back on a transport without a per-peer fence."""
+        """Pages held only for dead writers past the setting, or any staging-ring region held
+        only for dead writers, on any rank: only a rotation gives them back on a transport
+        without a per-peer fence. A ring region has no size threshold: however small, it pins
+        the ring's watermark, so every staged room behind it waits and fails (chaos finding 6)."""
         percent = self.settings.rotate_quarantine_percent
         if not percent or self._rotation_wanted or not self.transport.can_rotate:
             return False
         for host in self._hosts:
-            endpoint, cfg = host.endpoint, host.endpoint.config
-            limit = percent / 100 * cfg.num_pages
-            ring_limit = percent / 100 * cfg.staging_capacity
-            cheap = endpoint.quarantined_pages  # an upper bound, O(1): walk only past it
-            if cheap <= limit and not (ring_limit and cheap * cfg.staging_page_bytes > ring_limit):
+            endpoint = host.endpoint
+            limit = percent / 100 * endpoint.config.num_pages
+            if not endpoint.quarantined_pages:  # O(1): walk the fenced rooms only past it
                 continue
-            dead = endpoint.dead_held_pages
-            if dead > limit or (ring_limit and dead * cfg.staging_page_bytes > ring_limit):
+            if endpoint.quarantined_staging_bytes and endpoint.dead_held_staging_bytes:
+                return True
+            if endpoint.quarantined_pages > limit and endpoint.dead_held_pages > limit:
                 return True
         return False
 
@@ -648,6 +649,9 @@ class DecodeNode(NodeLifecycle):
                     else "")  # fmt: skip
             log.warning("writer_not_fenced", endpoint=host.endpoint_id, writer=peer_key(peer),
                         reason=f"{why}; its pages stay quarantined until its drain ACK{then}")
+            # The writer's held pages now count as dead-held: the rotation threshold may be
+            # passed with no page held or released after this (chaos finding 6).
+            self.update_quarantine()
             return
         self._channels[host.rank].forget(peer.address)
         await self.transport.fence(session)

@@ -49,8 +49,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     control_mac_window: float = 30.0
     rotate_quarantine_percent: float = 0.0
     """Decode: rotate the transport engine (fence by engine rotation, docs/operations.md) when a
-    rank's pages held only for dead writers exceed this percent of its pool, or (staged ranks)
-    the ring bytes those pages take exceed this percent of the ring; 0 turns it off."""
+    rank's pages held only for dead writers exceed this percent of its pool, or when any
+    staging-ring region is held only for dead writers (however small, it pins the ring's
+    watermark); 0 turns it off."""
     metrics_port: int | None = None
     """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
 

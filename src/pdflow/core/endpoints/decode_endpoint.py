@@ -739,6 +739,14 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         return sum(self._fenced_staging.values())
 
     @property
+    def dead_held_staging_bytes(self) -> int:
+        """Staging-ring bytes of fenced rooms that wait only on writers declared dead: any of
+        them pins the ring's watermark for good (every later chunk defers behind it once the
+        ring wraps), so only a rotation of the session frees the ring. O(fenced rooms)."""
+        held = self._fenced_staging
+        return sum(held.get(key, 0) for key in self.ledger.dead_held_rooms())
+
+    @property
     def quarantined_pages(self) -> int:
         """Pages held by failed rooms until their writers are cleared (O(1))."""
         return self.ledger.quarantined_pages

@@ -513,8 +513,12 @@ class PageLedger:
     def dead_held_pages(self) -> int:
         """Pages of fenced rooms that wait only on writers declared dead (O(fenced rooms)):
         what a rotation of the transport session would give back."""
-        return sum(
-            len(r.pages) for r in self._fenced.values()
+        return sum(len(self._fenced[key].pages) for key in self.dead_held_rooms())
+
+    def dead_held_rooms(self) -> tuple[tuple[int, int], ...]:
+        """(room, generation) of the fenced rooms that wait only on writers declared dead."""
+        return tuple(
+            key for key, r in self._fenced.items()
             if r.pending_writers() and all(w in self._health.dead for w in r.pending_writers())
         )  # fmt: skip
 
