@@ -12,8 +12,8 @@ scan), ``quit``.
 Mutants, to show the checker goes red (``PDFLOW_CHAOS_MUTANT``):
 
 * ``noop_fence``: the transport claims a receiver-side fence and its ``fence`` does nothing (the
-  decode's fence before issue 12 was fixed): a writer declared dead while alive (paused) has its
-  pages released while its writes are still on their way;
+  decode's fence before issue 12 was fixed), and it does not rotate: a writer declared dead
+  while alive (paused) has its pages released while its writes are still on their way;
 * ``free_on_hold``: the engine reuses a failed room's pages as soon as they are quarantined
   (``PagesHeld``), before any writer drained.
 """
@@ -53,13 +53,22 @@ NOOP_FENCE = "noop_fence"
 
 
 class NoopFenceTransport(MooncakeTransport):
-    """Mutant: says its fence is real, and the fence stops nothing."""
+    """Mutant: says its fence is real, and the fence stops nothing. Like the decode of old main
+    it does not rotate either: a rotation retires the engine, which is a real fence of its own
+    and would hide this one (a transport whose fence is real has no need to rotate)."""
 
     @property
     def fence_is_real(self) -> bool:
         return True
 
+    @property
+    def can_rotate(self) -> bool:
+        return False
+
     async def fence(self, peer_session_id: str) -> None:
+        return None
+
+    async def lift_fence(self, peer_session_id: str) -> None:
         return None
 CANARY_SCAN_S = 1.0
 STAGING_PAGES = 512
