@@ -169,6 +169,22 @@ def test_newer_generation_metadata_is_kept_while_the_older_one_drains() -> None:
     assert [o.generation for o in drained.outputs if hasattr(o, "generation")] == [1]
 
 
+@pytest.mark.invariant("generation_isolation")
+def test_the_older_generation_draining_its_last_write_keeps_the_newer_ones_timer() -> None:
+    """Chaos finding 7 (seed 10): generation 1 still drains when generation 2 opens; its last
+    write's completion re-armed the room id's one deadline with its own (none, being over), so
+    generation 2 lost its bootstrap timer and waited for decode metadata for ever. Generation
+    2 must still time out, and say why, at its own deadline."""
+    p, seq = draining_prefill()
+    p.handle(OpenRoom(3, 2), 2.0)
+    p.handle(TransferCompleted(3, 1, seq, ok=False, reason="peer unreachable"), 2.5)
+    assert (3, 1) not in p.draining and p.rooms[3].poll is KVPoll.Bootstrapping
+    assert p.timer_at() == 2.0 + TIMEOUTS.bootstrap_timeout
+    expired = p.handle(TimerFired(), 2.0 + TIMEOUTS.bootstrap_timeout)
+    assert polls(expired) == [KVPoll.Failed]
+    assert "waiting for decode metadata" in p.rooms[3].reason
+
+
 @pytest.mark.invariant("abort_is_final", "newer_generation_not_stale")
 def test_abort_for_a_newer_generation_is_final_while_the_older_one_is_open() -> None:
     """Bug B, the use-after-free: with generation 1 open, an ABORT for generation 2 was ACKed

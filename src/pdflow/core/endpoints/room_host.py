@@ -62,7 +62,10 @@ class RoomHost(Generic[R]):
         return room
 
     def _arm(self, room: R) -> None:
-        self.deadlines.arm(room.key, room.timer_at())
+        # One deadline per room id, the open room's: an older generation still draining (its
+        # engine cleared it) has none, and arming for it would disarm the open one's.
+        if self.rooms.get(room.key) is room:
+            self.deadlines.arm(room.key, room.timer_at())
 
     def _drop(self, outputs: list[Output], kind: str, reason: str) -> None:
         self.counters[f"dropped_{kind}"] += 1
