@@ -1,8 +1,9 @@
 """Per-room costs do not grow with the number of rooms: counted, never timed.
 
 A release, a fence, writer news, the quarantine gauges and an admission decision must touch
-only the rooms they are about. Each test fills a ledger (deadline queue, admission queue) with
-thousands of bystanders and counts how many of them the operation visits.
+only the rooms they are about, and a room opened on a known topology reuses its resolution.
+Each test fills a ledger (deadline queue, admission queue) with thousands of bystanders and
+counts how many of them the operation visits.
 """
 
 from __future__ import annotations
@@ -152,3 +153,43 @@ def test_an_admission_decision_does_not_walk_the_admitted_requests(
     assert calls <= 10
     assert queue.largest_growth == 1
     assert queue.reserved_pages == 2 * (len(queue.admitted))
+
+
+def test_a_topology_is_resolved_once_per_dp_group_not_once_per_room(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Opening rooms on a known prefill instance reuses its resolved peers: the rank mapping is
+    worked out once per prefill DP group, and every room still gets its own group's ranks."""
+    from pdflow.core.endpoints import decode_endpoint
+    from pdflow.core.endpoints.endpoint_io import (
+        DecodeEndpointConfig,
+        OpenReceiver,
+        PrefillInfo,
+        RegisteredPrefillRank,
+        TopologyKnown,
+    )
+    from pdflow.core.protocol.policy import AllocationPolicy
+
+    calls = 0
+    original = decode_endpoint.resolve_rank_mapping
+
+    def counting(*args: Any, **kwargs: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(decode_endpoint, "resolve_rank_mapping", counting)
+    ranks = tuple(
+        RegisteredPrefillRank(dp=dp, cp=0, tp=0, pp=0, peer=PeerId(f"10.0.1.{dp}:7000", "p1"))
+        for dp in range(2)
+    )
+    info = PrefillInfo("10.0.1.0:8998", 1, 1, 1, 2, 16, "auto", AllocationPolicy.EARLY, ranks)
+    endpoint = decode_endpoint.DecodeEndpoint(
+        DecodeEndpointConfig(me=PeerId("10.0.2.1:7100", "d1"), num_pages=64, page_size=16)
+    )
+    endpoint.handle(TopologyKnown(info), 0.0)
+    for room in range(200):
+        endpoint.handle(OpenReceiver(room, 0, info.bootstrap), 0.0)
+    assert calls == 2, f"{calls} rank mappings resolved for 200 rooms in 2 DP groups"
+    for room in range(200):
+        assert endpoint.writers_of(room) == (ranks[room % 2].peer,)

@@ -146,6 +146,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self.room_bootstrap: dict[int, str] = {}
         self.room_dp_rank: dict[int, int | None] = {}
         self.topologies: dict[str, PrefillInfo] = {}
+        # Each known topology's resolved peers by prefill DP rank: a room's targets depend only
+        # on the topology and the DP group, so they are worked out once, not once per room.
+        self._resolved: dict[str, tuple[PrefillInfo, dict[int, PeersResolved]]] = {}
         self.awaiting_topology: dict[str, list[int]] = {}
         self.heartbeat_failures: Counter[str] = Counter()
         self.ledger = PageLedger(config.num_pages)
@@ -365,7 +368,6 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._room_input(room, resolved, now, out, fired)
 
     def _targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
-        cfg = self.config
         if info.dp_size > 1 and not info.follow_bootstrap_room and (
             self.room_dp_rank.get(room_id) is None
         ):
@@ -375,6 +377,20 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"groups by room % {info.dp_size} (follow_bootstrap_room is off); open the room "
                 "with the prefill_dp_rank it registered (POST /query_dp_ranks)"
             )
+        if room_id < 0:
+            return self._resolve_targets(room_id, info)  # refused there, as it always was
+        explicit = self.room_dp_rank.get(room_id)
+        dp_rank = explicit if explicit is not None else room_id % info.dp_size
+        entry = self._resolved.get(info.bootstrap)
+        if entry is None or entry[0] is not info:
+            entry = self._resolved[info.bootstrap] = (info, {})
+        resolved = entry[1].get(dp_rank)
+        if resolved is None:
+            resolved = entry[1][dp_rank] = self._resolve_targets(room_id, info)
+        return resolved
+
+    def _resolve_targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
+        cfg = self.config
         topology = PdTopology(
             prefill=Parallelism(tp=info.tp_size, cp=info.cp_size, pp=info.pp_size, dp=info.dp_size),
             decode=Parallelism(tp=cfg.tp_size, pp=cfg.pp_size, dp=cfg.dp_size),
@@ -558,6 +574,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     ) -> None:
         """Every rank of this prefill instance (as we knew it) is gone."""
         info = self.topologies.pop(bootstrap, None)
+        self._resolved.pop(bootstrap, None)
         self.heartbeat_failures.pop(bootstrap, None)
         self.counters["prefill_instances_lost"] += 1
         peers = sorted({r.peer for r in info.ranks}, key=peer_order) if info else []
