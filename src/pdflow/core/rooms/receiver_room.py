@@ -60,6 +60,7 @@ RECEIVER_POLL = {
     ReceiverState.SUCCESS: KVPoll.Success,
     ReceiverState.FAILED: KVPoll.Failed,
 }
+_POLL_BY_NAME = {state.name: poll for state, poll in RECEIVER_POLL.items()}
 
 _R = ReceiverState
 _CHANGED = STATUS_CHANGED
@@ -119,7 +120,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
     # ---- public API ----------------------------------------------------------------------------
     @property
     def poll(self) -> KVPoll:
-        return RECEIVER_POLL[self.state]
+        return _POLL_BY_NAME[self.state._name_]  # str keys: Enum hashing runs in Python
 
     @property
     def writers(self) -> tuple[PeerId, ...]:

@@ -48,6 +48,7 @@ SENDER_POLL = {
     SenderState.DRAINING: KVPoll.Failed,
     SenderState.FAILED: KVPoll.Failed,
 }
+_POLL_BY_NAME = {state.name: poll for state, poll in SENDER_POLL.items()}
 
 _S = SenderState
 _STATUS = "send.status"
@@ -97,7 +98,7 @@ class SenderRoom(TableMachine[SenderState]):
     # ---- public API ----------------------------------------------------------------------------
     @property
     def poll(self) -> KVPoll:
-        return SENDER_POLL[self.state]
+        return _POLL_BY_NAME[self.state._name_]  # str keys: Enum hashing runs in Python
 
     @property
     def quiescent(self) -> bool:
