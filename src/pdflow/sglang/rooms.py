@@ -2,20 +2,22 @@
 
 pdflow's node events (status, pages released, room closed) arrive on the loop thread; SGLang's
 ``poll()`` runs on the scheduler thread and must not wait. :class:`RoomBook` is the hand-over:
-the loop writes each room's latest facts, the scheduler reads them under one lock. No SGLang
-import here.
+the loop writes each room's latest facts, the scheduler reads them under one lock. Facts are
+immutable: an event stores a new snapshot, so a read hands out the stored one instead of
+copying it (the scheduler polls every room on every tick, far more often than events come).
+No SGLang import here.
 """
 
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, RoomClosed, RoomStatus
 
 
-@dataclass
+@dataclass(frozen=True, slots=True)
 class RoomFacts:
     """One room as pdflow reported it (the latest of each kind of event)."""
 
@@ -33,6 +35,9 @@ class RoomFacts:
     transfer_s: float | None = None
 
 
+_NOTHING_KNOWN = RoomFacts()
+
+
 class RoomBook:
     """Thread-safe room facts, fed by node events, read by the scheduler."""
 
@@ -41,15 +46,14 @@ class RoomBook:
         self._rooms: dict[int, RoomFacts] = {}
 
     def facts(self, room: int) -> RoomFacts:
-        """A copy of what is known of ``room`` (empty facts for an unknown room)."""
+        """What is known of ``room`` now (empty facts for an unknown room); never changes."""
         with self._lock:
-            known = self._rooms.get(room)
-            return RoomFacts() if known is None else RoomFacts(**vars(known))
+            return self._rooms.get(room, _NOTHING_KNOWN)
 
     def start(self, room: int) -> None:
         """Forget an earlier use of the room id before it is opened again."""
         with self._lock:
-            self._rooms[room] = RoomFacts()
+            self._rooms[room] = _NOTHING_KNOWN
 
     def forget(self, room: int) -> None:
         with self._lock:
@@ -57,18 +61,18 @@ class RoomBook:
 
     def refuse(self, room: int, reason: str) -> None:
         with self._lock:
-            facts = self._rooms.setdefault(room, RoomFacts())
+            facts = self._rooms.get(room, _NOTHING_KNOWN)
             if not facts.local_error:
-                facts.local_error = reason
+                self._rooms[room] = replace(facts, local_error=reason)
 
     def close(self, room: int) -> None:
         with self._lock:
-            self._rooms.setdefault(room, RoomFacts()).closed = True
+            self._rooms[room] = replace(self._rooms.get(room, _NOTHING_KNOWN), closed=True)
 
     def record_transfer(self, room: int, nbytes: int | None, seconds: float | None) -> None:
         with self._lock:
-            facts = self._rooms.setdefault(room, RoomFacts())
-            facts.bytes_moved, facts.transfer_s = nbytes, seconds
+            facts = self._rooms.get(room, _NOTHING_KNOWN)
+            self._rooms[room] = replace(facts, bytes_moved=nbytes, transfer_s=seconds)
 
     def apply(self, event: NodeEvent) -> None:
         """Record one node event (called on the loop thread)."""
@@ -81,11 +85,13 @@ class RoomBook:
                 # An event for a room this process never opened, or already forgot.
                 return
             if isinstance(event, RoomStatus):
-                facts.poll = event.poll
-                facts.reason = event.reason or facts.reason
+                facts = replace(facts, poll=event.poll, reason=event.reason or facts.reason)
             elif isinstance(event, PagesReleased):
-                facts.released = True
+                facts = replace(facts, released=True)
             elif isinstance(event, PagesHeld):
-                facts.held = True
+                facts = replace(facts, held=True)
             elif isinstance(event, RoomClosed):
-                facts.closed = True
+                facts = replace(facts, closed=True)
+            else:
+                return
+            self._rooms[room] = facts
