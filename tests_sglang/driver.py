@@ -70,6 +70,15 @@ def first_token(room: int) -> int:
     return 1000 + room % 1000
 
 
+def kv_digest(room: int) -> int:
+    """The KV digest the prefill writes into a room's aux row (``--kv-checksum``), as
+    ``MetadataBuffers.set_kv_checksum`` does after SGLang's ``KvChecksumComputer`` ran."""
+    return 0x5EED0000 + room
+
+
+CHECKSUM_SIGNATURE = 0x1A70  # the layout signature that digest was taken under
+
+
 def expected(room_index: int, pos: int, layer: int, kv: int) -> float:
     """What every element of page ``pos`` of room ``room_index`` holds (exact in float32)."""
     return float(((room_index % 2048) * 64 + pos % 64) * 64 + layer * 2 + kv)
@@ -121,6 +130,22 @@ class CpuKv:
         self.ptrs = [b.data_ptr() for b in buffers]
         self.lens = [b.nbytes for b in buffers]
         self.item_lens = [b[0].nbytes for b in buffers]
+        # --mamba-slots: a Mamba pool as SGLang's MambaPool hands it over, one slot per
+        # request in a conv and an SSM buffer (items of different sizes).
+        self.mamba = [torch.zeros((args.mamba_slots, width), dtype=torch.float32)
+                      for width in (12, 20)] if args.mamba_slots else []  # fmt: skip
+
+    def fill_state(self, room_index: int, slot: int) -> None:
+        for number, buffer in enumerate(self.mamba):
+            buffer[slot].fill_(expected(room_index, 63, 31, number))
+
+    def wrong_state(self, room_index: int, slot: int) -> int:
+        return sum(not bool((buffer[slot] == expected(room_index, 63, 31, number)).all())
+                   for number, buffer in enumerate(self.mamba))  # fmt: skip
+
+    def scrub_state(self, slot: int) -> None:
+        for buffer in self.mamba:
+            buffer[slot].zero_()
 
     def fill(self, room_index: int, pages: list[int]) -> None:
         for pos, page in enumerate(pages):
@@ -128,9 +153,10 @@ class CpuKv:
                 self.k[layer][page].fill_(expected(room_index, pos, layer, 0))
                 self.v[layer][page].fill_(expected(room_index, pos, layer, 1))
 
-    def wrong_pages(self, room_index: int, pages: list[int]) -> int:
+    def wrong_pages(self, room_index: int, pages: list[int], first_pos: int = 0) -> int:
+        """Pages that do not hold the room's KV; ``pages[i]`` holds its page ``first_pos + i``."""
         wrong = 0
-        for pos, page in enumerate(pages):
+        for pos, page in enumerate(pages, start=first_pos):
             for layer in range(self.layers):
                 for kv, buffers in ((0, self.k), (1, self.v)):
                     want = expected(room_index, pos, layer, kv)
@@ -165,7 +191,8 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
         maybe_init_shared_mooncake_transfer_engine(gpu_id=0)
     aux = MetadataBuffers(size=args.aux_slots, hidden_size=args.heads * args.head_dim,
                           hidden_states_dtype=torch.float32,
-                          max_sampling_mask_tokens=0)  # fmt: skip
+                          max_sampling_mask_tokens=0,
+                          kv_checksum_enabled=args.kv_checksum)  # fmt: skip
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
     kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = args.tp_rank, 0, 0
     kv_args.rust_http_port = None
@@ -185,6 +212,16 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
                  "state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
                  "state_conv_shard_groups"):  # fmt: skip
         setattr(kv_args, name, [])
+    if kv.mamba:  # what setup_state_kv_args adds for a Mamba pool (one state type)
+        from sglang.srt.disaggregation.base.conn import StateType
+
+        kv_args.state_types = [StateType.MAMBA]
+        kv_args.state_data_ptrs = [[b.data_ptr() for b in kv.mamba]]
+        kv_args.state_data_lens = [[b.nbytes for b in kv.mamba]]
+        kv_args.state_item_lens = [[b[0].nbytes for b in kv.mamba]]
+        for name in ("state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
+                     "state_conv_shard_groups"):  # fmt: skip
+            setattr(kv_args, name, [[]])
     kv_args.is_hybrid_mla_backend = False
     kv_args.swa_kv_cache_layout = None
     kv_args.mla_compression_ratios = None
@@ -260,17 +297,29 @@ def run_prefill(args: argparse.Namespace) -> None:
                 served += 1
                 progressed = True
             elif entry["phase"] == "bootstrap" and poll == KVPoll.WaitingForInput:
-                # finalize_bootstrap: a metadata buffer, then init(num_pages, aux_index).
+                # finalize_bootstrap: a metadata buffer, the pages after the prefix the decode
+                # already holds (pop_decode_prefix_len), then init(num_pages, aux_index).
                 entry["aux"] = free_aux.pop()
-                sender.init(args.pages_per_room, entry["aux"])
+                prefix_pages = sender.pop_decode_prefix_len() // args.page_size
+                entry["prefix_pages"] = prefix_pages
+                sender.init(args.pages_per_room - prefix_pages, entry["aux"])
                 # The forward pass's first token, as MetadataBuffers.set_buf writes it.
                 aux.output_ids[entry["aux"]][0] = first_token(room)
                 aux.bootstrap_room[entry["aux"]][0] = room
+                if args.kv_checksum:  # the digest of what is sent, as set_kv_checksum writes it
+                    aux.kv_checksum[entry["aux"]][0] = kv_digest(room)
+                    aux.kv_checksum[entry["aux"]][1] = CHECKSUM_SIGNATURE
                 # The forward pass wrote the room's KV into its source pages.
                 span = args.pool_pages - args.pages_per_room
                 start = 1 + (entry["index"] * args.pages_per_room) % span
                 pages = list(range(start, start + args.pages_per_room))
                 kv.fill(entry["index"], pages)
+                # The request's Mamba slot (its aux row's index here), named on the last chunk
+                # as _mamba_payload gives it: one index array for the one state type.
+                state = [[np.asarray(entry["aux"])]] if kv.mamba else None
+                if kv.mamba:
+                    kv.fill_state(entry["index"], entry["aux"])
+                pages = pages[prefix_pages:]  # start_send_idx: the decode holds the rest
                 chunks = [pages[i:i + args.chunk_pages]
                           for i in range(0, len(pages), args.chunk_pages)]  # fmt: skip
                 if room in stall:
@@ -279,7 +328,7 @@ def run_prefill(args: argparse.Namespace) -> None:
                     last = number == len(chunks) - 1 and room not in stall
                     if sender.should_send_kv_chunk(len(chunk), last):
                         # int32 page ids, as kv_to_page_indices gives them
-                        sender.send(np.asarray(chunk, dtype=np.int32), None)
+                        sender.send(np.asarray(chunk, dtype=np.int32), state if last else None)
                 entry["phase"] = "inflight"
                 progressed = True
                 if room in stall:
@@ -287,7 +336,8 @@ def run_prefill(args: argparse.Namespace) -> None:
             elif entry["phase"] == "inflight" and poll == KVPoll.Success:
                 sender.clear()
                 metric = sender.get_transfer_metric()
-                emit("sender_done", room=room, bytes=metric.transfer_total_bytes)
+                emit("sender_done", room=room, bytes=metric.transfer_total_bytes,
+                     prefix_pages=entry["prefix_pages"])
                 free_aux.append(entry["aux"])
                 del pending[room]
                 served += 1
@@ -319,7 +369,10 @@ class DecodeDriver:
         )
 
         self.args = args
-        self.pages_per_room = args.pages_per_room
+        # The decode already holds the first --decode-prefix-pages of every room (a prefix
+        # match): it receives only the pages after them and says so in decode_prefix_len.
+        self.prefix_pages = args.decode_prefix_pages
+        self.pages_per_room = args.pages_per_room - args.decode_prefix_pages
         self.kv = CpuKv(args)
         self.manager, self.aux = build_manager("decode", args, self.kv, server_args)
         self.receiver_class = get_kv_class(TransferBackend(args.backend), KVClassType.RECEIVER)
@@ -372,11 +425,15 @@ class DecodeDriver:
                 self.finish(entry, "failed", failure_of(entry["receiver"]))
                 progressed = True
             elif poll == KVPoll.WaitingForInput and len(self.free_pages) >= self.pages_per_room:
-                pages = [self.free_pages.pop() for _ in range(self.args.pages_per_room)]
+                pages = [self.free_pages.pop() for _ in range(self.pages_per_room)]
                 entry["pages"] = pages
                 entry["aux"] = self.aux_alloc.alloc()
                 page_indices = np.asarray(pages, dtype=np.int32)
-                entry["receiver"].send_metadata(page_indices, entry["aux"], None)
+                # The request's Mamba slot: its aux row's index, as on the prefill.
+                state = [[np.asarray(entry["aux"])]] if self.kv.mamba else None
+                entry["receiver"].send_metadata(
+                    page_indices, entry["aux"], state,
+                    decode_prefix_len=self.prefix_pages * self.args.page_size)  # fmt: skip
                 self.transfer.append(entry)
                 progressed = True
             else:
@@ -390,17 +447,27 @@ class DecodeDriver:
         for entry, poll in zip(self.transfer, polls, strict=True):
             receiver = entry["receiver"]
             if poll == KVPoll.Success:
-                wrong = self.kv.wrong_pages(entry["index"], entry["pages"])
+                wrong = self.kv.wrong_pages(entry["index"], entry["pages"], self.prefix_pages)
                 row = entry["aux"]
                 aux_ok = (int(self.aux.bootstrap_room[row][0]) == entry["room"]
                           and int(self.aux.output_ids[row][0]) == first_token(entry["room"]))
+                checks: dict[str, Any] = {}
+                if self.args.kv_checksum:
+                    # What _commit_transfer_to_req reads, and whether the scheduler's
+                    # _verify_kv_checksums would compare it with its own digest.
+                    landed = self.aux.get_kv_checksum(row)
+                    aux_ok = aux_ok and landed == (kv_digest(entry["room"]), CHECKSUM_SIGNATURE)
+                    checks["verify"] = self.manager.should_verify_kv_checksum(entry["addr"])
+                if self.kv.mamba:
+                    checks["wrong_state"] = self.kv.wrong_state(entry["index"], row)
+                    self.kv.scrub_state(row)
                 receiver.clear()
                 self.kv.scrub(entry["pages"])
                 self.free_pages.extend(entry["pages"])
                 self.aux.clear_slot(row)  # as pop_transferred does before freeing the slot
                 self.aux.output_ids[row].zero_()
                 self.aux_alloc.free(row)
-                self.finish(entry, "success", "", wrong_pages=wrong, aux_ok=aux_ok)
+                self.finish(entry, "success", "", wrong_pages=wrong, aux_ok=aux_ok, **checks)
                 progressed = True
             elif poll == KVPoll.Failed:
                 reason = failure_of(receiver)
@@ -438,6 +505,10 @@ class DecodeDriver:
                      success=outcomes.count("success"),
                      wrong_aux=sum(not self.outcomes[r].get("aux_ok", True)
                                    for r in self.batch_rooms),
+                     checksum_verified=sum(bool(self.outcomes[r].get("verify"))
+                                           for r in self.batch_rooms),
+                     wrong_state=sum(self.outcomes[r].get("wrong_state", 0)
+                                     for r in self.batch_rooms),
                      wrong_pages=sum(self.outcomes[r].get("wrong_pages", 0)
                                      for r in self.batch_rooms))  # fmt: skip
 
@@ -565,6 +636,12 @@ def main() -> None:
     parser.add_argument("--quiet-logs", action="store_true",
                         help="structlog below WARNING off (benchmarks: per-room info lines cost "
                              "time SGLang's managers do not spend)")  # fmt: skip
+    parser.add_argument("--decode-prefix-pages", type=int, default=0,
+                        help="decode: pages of every room it already holds (decode_prefix_len)")
+    parser.add_argument("--mamba-slots", type=int, default=0,
+                        help="a Mamba state pool of this many slots (SGLang's StateType.MAMBA)")
+    parser.add_argument("--kv-checksum", action="store_true",
+                        help="SGLang's KV checksum row in the metadata buffers")
     args = parser.parse_args()
     if args.quiet_logs:
         import logging

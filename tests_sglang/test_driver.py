@@ -20,14 +20,17 @@ GEOMETRY = ["--pages-per-room", "4", "--chunk-pages", "2", "--pool-pages", "1024
             "--aux-slots", "256"]  # fmt: skip
 
 
-def run_pair(backend: str, rooms: int, tmp_path: Path) -> dict[str, object]:
-    """A prefill (hosting the bootstrap server) and a decode; ``rooms`` rooms opened at once."""
+def run_pair(backend: str, rooms: int, tmp_path: Path, *, both: tuple[str, ...] = (),
+             decode_only: tuple[str, ...] = ()) -> dict[str, object]:  # fmt: skip
+    """A prefill (hosting the bootstrap server) and a decode; ``rooms`` rooms opened at once.
+    ``both``: more driver flags for both sides; ``decode_only``: for the decode only."""
     port = free_port()
-    common = ["--backend", backend, "--bootstrap-port", str(port), *GEOMETRY]
+    common = ["--backend", backend, "--bootstrap-port", str(port), *GEOMETRY, *both]
     prefill = DriverProcess("prefill", *common, "--serve-bootstrap", "--rooms", str(rooms),
                             "--room-base", "1000", "--http-port", str(free_port()),
                             log_dir=tmp_path)  # fmt: skip
-    decode = DriverProcess("decode", *common, "--http-port", str(free_port()), log_dir=tmp_path)
+    decode = DriverProcess("decode", *common, *decode_only, "--http-port", str(free_port()),
+                           log_dir=tmp_path)  # fmt: skip
     try:
         prefill.wait_for("prefill_ready", timeout=240)
         decode.wait_for("decode_ready", timeout=240)
@@ -40,7 +43,8 @@ def run_pair(backend: str, rooms: int, tmp_path: Path) -> dict[str, object]:
         prefill.wait_for("prefill_finished", timeout=60)
         senders = prefill.seen("sender_done")
         return {**done, "sender_done": len(senders),
-                "bytes_per_room": sorted({s["bytes"] for s in senders})}  # fmt: skip
+                "bytes_per_room": sorted({s["bytes"] for s in senders}),
+                "prefix_pages": sorted({s["prefix_pages"] for s in senders})}  # fmt: skip
     finally:
         decode.stop()
         prefill.stop()

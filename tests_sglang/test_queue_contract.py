@@ -64,6 +64,7 @@ def _manager(node_class: type = DecodeNode) -> PdflowKVManager:
     mgr.run = lambda room, call: mgr.calls.append((room, call.__name__))
     mgr.node = node_class.__new__(node_class)
     mgr.node.ranks = [object()]
+    mgr.rank_kv = SimpleNamespace(state=())  # a pool without model state
     return mgr
 
 
@@ -176,9 +177,11 @@ def test_what_pdflow_cannot_receive_fails_the_room_not_the_scheduler() -> None:
     mgr = _manager()
     receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 600)
     receiver.init(0)
-    receiver.send_metadata([1, 2], 0, None, decode_prefix_len=16)
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+
+    receiver.send_metadata([1, 2], 0, None, destination=KVTransferDestination.HOST)
     assert receiver.poll() == KVPoll.Failed
-    with pytest.raises(KVTransferError, match="decode-side prefix"):
+    with pytest.raises(KVTransferError, match="host destinations"):
         receiver.failure_exception()
 
 

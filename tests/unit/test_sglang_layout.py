@@ -6,11 +6,16 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from pdflow.core.dataplane.buffers import KvRole, PageOrder
-from pdflow.core.dataplane.layout import rank_head_range
-from pdflow.sglang.layout import UnsupportedByPdflow, rank_kv_from_kv_args
+from pdflow.core.dataplane.layout import StateKind, rank_head_range
+from pdflow.sglang.layout import (
+    UnsupportedByPdflow,
+    rank_kv_from_kv_args,
+    state_indices_for_pdflow,
+)
 
 
 def kv_args(**overrides: object) -> SimpleNamespace:
@@ -58,7 +63,7 @@ def test_mla_per_layer_item_lengths_and_hnd_pools_are_described_not_refused() ->
 @pytest.mark.parametrize(
     ("overrides", "is_mla", "needle"),
     [
-        ({"state_types": [SimpleNamespace(value="mamba")]}, False, "model state ['mamba']"),
+        ({"state_types": [SimpleNamespace(value="swa_ring")]}, False, "model state ['swa_ring']"),
         ({"num_draft_entries": 2}, False, "draft-model KV"),
         ({"kv_layout": "NCHW"}, False, "KV layout 'NCHW'"),
         ({"pp_rank": 1}, False, "pipeline parallelism"),
@@ -87,3 +92,36 @@ def test_pdflow_imports_without_sglang() -> None:
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                             timeout=120)  # fmt: skip
     assert result.returncode == 0, result.stderr
+
+
+def test_sglang_state_pools_become_pdflow_state_components_in_sglangs_order() -> None:
+    """Mamba (a slot in a conv and an SSM buffer), SWA (window pages of 2 layers' K and V)
+    and DSA (indexer-K pages): one component each, buffers and item counts as SGLang gave."""
+    state = dict(
+        state_types=[SimpleNamespace(value=name) for name in ("mamba", "swa", "dsa")],
+        state_data_ptrs=[[0xA000, 0xB000], [0xC000, 0xC800, 0xD000, 0xD800], [0xE000]],
+        state_data_lens=[[8 * 48, 8 * 80], [10 * 64] * 4, [10 * 32]],
+        state_item_lens=[[48, 80], [64] * 4, [32]],
+    )  # fmt: skip
+    components = rank_kv_from_kv_args(kv_args(**state), tp_size=2, is_mla=False).state
+    assert [c.kind for c in components] == [StateKind.MAMBA, StateKind.SWA, StateKind.BLOB]
+    assert components[0].addrs == (0xA000, 0xB000) and components[0].item_lens == (48, 80)
+    assert [c.num_items for c in components] == [8, 10, 10]
+    assert components[1].addrs == (0xC000, 0xC800, 0xD000, 0xD800)
+
+
+def test_state_buffers_of_different_item_counts_are_refused() -> None:
+    state = dict(state_types=[SimpleNamespace(value="mamba")], state_data_ptrs=[[1, 2]],
+                 state_data_lens=[[8 * 48, 9 * 80]], state_item_lens=[[48, 80]])  # fmt: skip
+    with pytest.raises(UnsupportedByPdflow, match="different numbers of whole items"):
+        rank_kv_from_kv_args(kv_args(**state), tp_size=2, is_mla=False)
+
+
+def test_sglang_state_indices_become_one_index_list_per_component() -> None:
+    # _mamba_payload gives [slot] (a 0-d array in a list); _swa_payload an index array.
+    given = [[np.asarray(5)], np.asarray([7, 8, 9], dtype=np.int32), None]
+    assert state_indices_for_pdflow(given, 3) == ((5,), (7, 8, 9), ())
+    assert state_indices_for_pdflow(None, 3) == ()  # a chunk that is not the last
+    assert state_indices_for_pdflow([None, None, None], 3) == ()
+    with pytest.raises(UnsupportedByPdflow, match="for 2 state types"):
+        state_indices_for_pdflow([[1], [2]], 3)

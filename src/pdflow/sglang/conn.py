@@ -50,7 +50,11 @@ from pdflow.io.bootstrap_server import serve
 from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import Settings, load_settings
-from pdflow.sglang.layout import UnsupportedByPdflow, rank_kv_from_kv_args
+from pdflow.sglang.layout import (
+    UnsupportedByPdflow,
+    rank_kv_from_kv_args,
+    state_indices_for_pdflow,
+)
 from pdflow.sglang.loop import LoopThread
 from pdflow.sglang.rooms import RoomBook
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -220,10 +224,11 @@ class PdflowKVManager(BaseKVManager):
         self.book.forget(bootstrap_room)
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
-        # SGLang's digest rides in the aux row, which pdflow moves, but comparing it through
-        # this adapter is not verified yet (a TP mismatch would need this to say False per
-        # peer); pdflow's own end-to-end checksum (PDFLOW_CHECKSUM=1) covers host memory.
-        return False
+        """SGLang's KV digest (taken by the prefill, moved in the aux row) covers what this
+        rank received only when the prefill has this rank's TP width: each rank then gets its
+        peer's whole pages. With other widths a rank gets head slices of several digests."""
+        info = self.prefill_info_table.get(bootstrap_addr)
+        return info is not None and int(info.attn_tp_size) == self.rank_kv.tp_size
 
     def register_buffer_to_engine(self) -> None:
         raise UnsupportedByPdflow("pdflow's SGLang backend cannot re-register KV memory "
@@ -303,16 +308,18 @@ class PdflowKVSender(BaseKVSender):
 
     def send(self, kv_indices: Sequence[int], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, **_: Any) -> None:  # fmt: skip
-        if state_indices and any(s is not None for s in state_indices):
-            self.kv_mgr.book.refuse(self.bootstrap_room, "pdflow does not move model state yet")
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+        try:  # SGLang names the request's state on the last chunk only
+            state = state_indices_for_pdflow(state_indices, len(self.kv_mgr.rank_kv.state))
+        except UnsupportedByPdflow as exc:
+            self.kv_mgr.book.refuse(room, str(exc))
             return
         pages = [int(page) for page in kv_indices]
         self.pages_sent += len(pages)
         is_last = self.pages_sent >= self.num_pages
-        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
 
         async def send_chunk() -> None:
-            await rank.send_chunk(room, pages, is_last)
+            await rank.send_chunk(room, pages, is_last, state)
 
         self.kv_mgr.run(room, send_chunk)
 
@@ -321,7 +328,9 @@ class PdflowKVSender(BaseKVSender):
         return num_pages > 0 or last_chunk
 
     def pop_decode_prefix_len(self) -> int:
-        return 0
+        """Tokens the decode already holds (its ``decode_prefix_len``), known once the room is
+        WaitingForInput, when SGLang asks: it then sends only the pages after them."""
+        return self.kv_mgr.prefill_rank.decode_prefix_len(self.bootstrap_room)
 
     def get_max_transfer_tokens(self) -> int | None:
         return None
@@ -407,12 +416,14 @@ class PdflowKVReceiver(BaseKVReceiver):
                       destination: Any = KVTransferDestination.DEVICE) -> None:  # fmt: skip
         room = self.bootstrap_room
         problem = ""
+        state: tuple[tuple[int, ...], ...] = ()
         if destination != KVTransferDestination.DEVICE:
             problem = "pdflow does not receive into host destinations yet"
-        elif state_indices and any(s is not None for s in state_indices):
-            problem = "pdflow does not move model state yet"
-        elif decode_prefix_len:
-            problem = "pdflow does not reuse a decode-side prefix yet"
+        else:
+            try:
+                state = state_indices_for_pdflow(state_indices, len(self.kv_mgr.rank_kv.state))
+            except UnsupportedByPdflow as exc:
+                problem = str(exc)
         if problem:
             self.kv_mgr.book.refuse(room, problem)
             return
@@ -420,8 +431,12 @@ class PdflowKVReceiver(BaseKVReceiver):
         self.init_time = time.time()
         rank = self.kv_mgr.decode_rank
 
+        prefix = int(decode_prefix_len or 0)
+
         async def publish_pages() -> None:
-            await rank.publish_pages(room, pages, aux_index=aux_index)
+            # ``pages`` are those after the prefix the decode already holds, as SGLang gives them.
+            await rank.publish_pages(room, pages, aux_index=aux_index, decode_prefix_len=prefix,
+                                     state_indices=state)  # fmt: skip
 
         self.kv_mgr.run(room, publish_pages)
 

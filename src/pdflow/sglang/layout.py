@@ -13,14 +13,23 @@ No SGLang import here: the checks run wherever pdflow runs.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
+
 from pdflow.core.dataplane.buffers import KvBuffer, KvBuffers, KvRole, PageOrder
-from pdflow.core.dataplane.layout import AuxBuffer
+from pdflow.core.dataplane.layout import AuxBuffer, StateBuffers, StateKind
 from pdflow.io.kv_buffers import RankKv
 
 # What the backend needs before it can serve each refused feature (docs/sglang.md).
-FULL_PAYLOAD = "moving it needs pdflow's full payload (model state, draft KV, PP in the adapter)"
+FULL_PAYLOAD = "docs/sglang.md lists what the adapter moves"
+
+
+# SGLang's state types (``StateType`` values) whose indices name whole items of every buffer
+# of the component, copied item for item between equal layouts: what pdflow's state moves.
+# Mamba: the request's slot; SWA: its window's pages; DSA (NSA): its indexer-K pages.
+ITEM_STATE_KINDS = {"mamba": StateKind.MAMBA, "swa": StateKind.SWA, "dsa": StateKind.BLOB}
 
 
 class UnsupportedByPdflow(ValueError):
@@ -59,7 +68,56 @@ def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, is_mla: bool) -> RankKv:
     )  # fmt: skip
     return RankKv(KvBuffers(page_size, buffers), tp_size=tp_size,
                   tp_rank=int(kv_args.engine_rank), total_kv_heads=total,
-                  aux=aux_buffer_from_kv_args(kv_args))  # fmt: skip
+                  aux=aux_buffer_from_kv_args(kv_args),
+                  state=state_buffers_from_kv_args(kv_args))  # fmt: skip
+
+
+def state_buffers_from_kv_args(kv_args: Any) -> tuple[StateBuffers, ...]:
+    """SGLang's model-state pools (``state_types`` with ``state_data_ptrs``, ``_lens``,
+    ``_item_lens``, one list per type) as pdflow's state components, in SGLang's order, so
+    SGLang's ``state_indices`` (one entry per type) name them position for position."""
+    components = []
+    for position, state_type in enumerate(getattr(kv_args, "state_types", None) or []):
+        name = getattr(state_type, "value", str(state_type))
+        ptrs = [int(p) for p in kv_args.state_data_ptrs[position]]
+        lens = [int(n) for n in kv_args.state_data_lens[position]]
+        items = [int(n) for n in kv_args.state_item_lens[position]]
+        counts = {length // item for length, item in zip(lens, items, strict=True)}
+        if len(counts) != 1:
+            raise UnsupportedByPdflow(
+                f"SGLang's {name} state buffers hold different numbers of whole items "
+                f"(lengths {lens}, item lengths {items}); pdflow indexes every buffer of a "
+                "state component with the same item indices"
+            )
+        components.append(StateBuffers(ITEM_STATE_KINDS[name], tuple(ptrs), tuple(items),
+                                       counts.pop()))  # fmt: skip
+    return tuple(components)
+
+
+def state_indices_for_pdflow(state_indices: Sequence[Any] | None,
+                             components: int) -> tuple[tuple[int, ...], ...]:  # fmt: skip
+    """SGLang's ``state_indices`` (per state type: None, an index array, or a list of them, as
+    its ``_mamba_payload`` gives ``[slot]``) as pdflow's index lists, one per component; ()
+    when SGLang names no state for this call."""
+    if not state_indices or all(entry is None for entry in state_indices):
+        return ()
+    if len(state_indices) != components:
+        raise UnsupportedByPdflow(
+            f"SGLang named state indices for {len(state_indices)} state types; this rank "
+            f"described {components} to pdflow"
+        )
+    return tuple(_flat_indices(entry) for entry in state_indices)
+
+
+def _flat_indices(entry: Any) -> tuple[int, ...]:
+    if entry is None:
+        return ()
+    if isinstance(entry, list | tuple):
+        parts = [np.asarray(part).reshape(-1) for part in entry]
+        flat = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    else:
+        flat = np.asarray(entry).reshape(-1)
+    return tuple(int(index) for index in flat)
 
 
 def aux_buffer_from_kv_args(kv_args: Any) -> AuxBuffer | None:
@@ -82,9 +140,10 @@ def aux_buffer_from_kv_args(kv_args: Any) -> AuxBuffer | None:
 def refuse_unsupported(kv_args: Any) -> None:
     """Raise for KV pools whose transfer needs what pdflow does not move yet."""
     problems: list[str] = []
-    if list(getattr(kv_args, "state_types", None) or []):
-        names = [getattr(t, "value", str(t)) for t in kv_args.state_types]
-        problems.append(f"model state {names} (Mamba, sliding-window, DSA...)")
+    names = [getattr(t, "value", str(t)) for t in getattr(kv_args, "state_types", None) or []]
+    unsupported = [name for name in names if name not in ITEM_STATE_KINDS]
+    if unsupported:
+        problems.append(f"model state {unsupported} (only {sorted(ITEM_STATE_KINDS)} move)")
     if int(getattr(kv_args, "num_draft_entries", 0) or 0):
         problems.append("draft-model KV (speculative decoding)")
     layout = getattr(kv_args, "kv_layout", None)
