@@ -100,6 +100,7 @@ def start_sglang(mode: str, args: argparse.Namespace) -> Any:
         port=args.http_port, page_size=args.page_size, disaggregation_mode=mode,
         disaggregation_transfer_backend=args.backend, tp_size=args.tp_size,
         disaggregation_bootstrap_port=args.bootstrap_port,
+        disaggregation_decode_allocation_policy=args.allocation_policy,
     )  # fmt: skip
     publish(server_args, role="test", ranks=SpawnRanks(world_rank=args.tp_rank))
     get_parallel().override_permanently(pp_group=None)
@@ -296,6 +297,14 @@ def run_prefill(args: argparse.Namespace) -> None:
                 del pending[room]
                 served += 1
                 progressed = True
+            elif (entry["phase"] == "bootstrap" and poll == KVPoll.Bootstrapping
+                  and args.allocation_policy == "prefill_complete" and "completed" not in entry):
+                # prefill_complete: the request was prefilled before bootstrap; its forward
+                # pass ended (process_batch_result calls mark_prefill_complete), so the decode
+                # may now reserve its pages.
+                sender.mark_prefill_complete()
+                entry["completed"] = True
+                progressed = True
             elif entry["phase"] == "bootstrap" and poll == KVPoll.WaitingForInput:
                 # finalize_bootstrap: a metadata buffer, the pages after the prefix the decode
                 # already holds (pop_decode_prefix_len), then init(num_pages, aux_index).
@@ -382,6 +391,7 @@ class DecodeDriver:
         self.handshake: list[dict[str, Any]] = []
         self.transfer: list[dict[str, Any]] = []
         self.outcomes: dict[int, dict[str, Any]] = {}
+        self.topologies: set[str] = set()
         self.batch_started: float | None = None
         self.batch_left = 0
         self.release_times: dict[int, float] = {}
@@ -411,6 +421,11 @@ class DecodeDriver:
             addr = entry["addr"]
             if self.manager.try_ensure_parallel_info(addr):
                 info = self.manager.prefill_info_table[addr]
+                if addr not in self.topologies:
+                    self.topologies.add(addr)
+                    emit("prefill_topology", bootstrap=addr,
+                         policy=str(getattr(info.decode_allocation_policy, "value",
+                                            info.decode_allocation_policy)))  # fmt: skip
                 entry["receiver"].init(0 if info.dp_size == 1 else entry["room"] % info.dp_size)
                 self.handshake.append(entry)
                 progressed = True
@@ -638,6 +653,9 @@ def main() -> None:
                              "time SGLang's managers do not spend)")  # fmt: skip
     parser.add_argument("--decode-prefix-pages", type=int, default=0,
                         help="decode: pages of every room it already holds (decode_prefix_len)")
+    parser.add_argument("--allocation-policy", default="early",
+                        choices=["early", "prefill_complete"],
+                        help="SGLang's --disaggregation-decode-allocation-policy (both sides)")
     parser.add_argument("--mamba-slots", type=int, default=0,
                         help="a Mamba state pool of this many slots (SGLang's StateType.MAMBA)")
     parser.add_argument("--kv-checksum", action="store_true",

@@ -44,7 +44,8 @@ def run_pair(backend: str, rooms: int, tmp_path: Path, *, both: tuple[str, ...] 
         senders = prefill.seen("sender_done")
         return {**done, "sender_done": len(senders),
                 "bytes_per_room": sorted({s["bytes"] for s in senders}),
-                "prefix_pages": sorted({s["prefix_pages"] for s in senders})}  # fmt: skip
+                "prefix_pages": sorted({s["prefix_pages"] for s in senders}),
+                "policies": sorted({t["policy"] for t in decode.seen("prefill_topology")})}
     finally:
         decode.stop()
         prefill.stop()

@@ -123,3 +123,27 @@ def test_without_the_plugin_sglang_refuses_pdflow() -> None:
                             env=env, timeout=300)  # fmt: skip
     assert result.returncode != 0
     assert "invalid choice: 'pdflow'" in result.stderr
+
+
+def _resolved(**fields: object) -> object:
+    from sglang.srt.server_args import ServerArgs
+
+    args = ServerArgs(model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cpu",
+                      disaggregation_decode_allocation_policy="prefill_complete",
+                      **fields)  # fmt: skip
+    args.resolve_once()  # SGLang's resolution pipeline, where the policy is validated
+    return args
+
+
+def test_prefill_complete_accepts_pdflow_and_keeps_sglangs_other_refusals(
+    plugins_loaded: None,
+) -> None:
+    for mode in ("prefill", "decode"):
+        _resolved(disaggregation_mode=mode, disaggregation_transfer_backend="pdflow")
+    with pytest.raises(ValueError, match="does not yet support pipeline") as refused:
+        _resolved(disaggregation_mode="prefill", disaggregation_transfer_backend="pdflow",
+                  pp_size=2)  # fmt: skip
+    assert "Mooncake" not in str(refused.value)
+    # Other backends keep SGLang's refusal.
+    with pytest.raises(ValueError, match="transfer backends other than Mooncake"):
+        _resolved(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl")

@@ -45,6 +45,7 @@ from sglang.srt.utils.network import get_local_ip_auto
 
 from pdflow.core.cluster.registry import PrefillServerInfo
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError
 from pdflow.io.bootstrap_server import serve
 from pdflow.io.node_decode import DecodeNode, DecodeRank
@@ -126,7 +127,11 @@ class PdflowKVManager(BaseKVManager):
         self.rank_kv = rank_kv_from_kv_args(args, tp_size=int(parallel.attn_tp_size),
                                             is_mla=self.is_mla_backend)  # fmt: skip
         self.local_ip = get_local_ip_auto()
-        self.settings: Settings = load_settings(host=self.local_ip)
+        # SGLang's --disaggregation-decode-allocation-policy governs both roles' schedulers, so
+        # it governs pdflow's nodes too (early, or prefill_complete: the decode reserves pages
+        # only once the prefill's forward pass ended, mark_prefill_complete).
+        policy = AllocationPolicy(get_disagg().disaggregation_decode_allocation_policy)
+        self.settings: Settings = load_settings(host=self.local_ip, allocation_policy=policy)
         self.book = RoomBook()
         # Decode: prefill topologies by bootstrap address, as SGLang's decode queue reads them.
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
@@ -326,6 +331,16 @@ class PdflowKVSender(BaseKVSender):
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk still ends the room (a fully cached prompt).
         return num_pages > 0 or last_chunk
+
+    def mark_prefill_complete(self) -> None:
+        """prefill_complete policy: the forward pass ended; pdflow tells the decode it may
+        reserve the room's pages now (and starts the room's bootstrap clock)."""
+        rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
+
+        async def prefill_completed() -> None:
+            await rank.prefill_completed(room)
+
+        self.kv_mgr.run(room, prefill_completed)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode already holds (its ``decode_prefix_len``), known once the room is

@@ -15,6 +15,10 @@ things change, nothing else:
    no release-anyway deadline: SGLang frees them only when
    :meth:`~pdflow.sglang.conn.PdflowKVManager.is_abort_release_safe` says pdflow released them.
    Other backends keep SGLang's deadline.
+4. ``arg_groups.pd_disaggregation_hook._validate_prefill_complete`` is wrapped so SGLang's
+   ``prefill_complete`` allocation policy accepts ``pdflow`` (SGLang 0.5.23 refuses every
+   backend but Mooncake there, because only Mooncake implements ``mark_prefill_complete``;
+   pdflow does). Every other refusal in that check stays SGLang's.
 
 The plugin's own import touches no SGLang module, so a missing or broken SGLang shows in
 SGLang's log as a failed plugin, not as a failed pdflow import.
@@ -57,6 +61,30 @@ def register() -> None:
                           HookType.AROUND)  # fmt: skip
     HookRegistry.register("sglang.srt.disaggregation.decode.DecodeTransferQueue._defer_release",
                           hold_until_pdflow_releases, HookType.AROUND)  # fmt: skip
+    HookRegistry.register(
+        "sglang.srt.arg_groups.pd_disaggregation_hook._validate_prefill_complete",
+        allow_pdflow_prefill_complete, HookType.AROUND,
+    )  # fmt: skip
+
+
+# SGLang's refusal of prefill_complete for a backend other than Mooncake, by its own words.
+_NOT_MOONCAKE = "transfer backends other than Mooncake"
+
+
+def allow_pdflow_prefill_complete(original: Any, server_args: Any) -> Any:
+    """SGLang's prefill_complete checks, minus "not Mooncake" when the backend is pdflow."""
+    if getattr(server_args, "disaggregation_transfer_backend", None) != PDFLOW:
+        return original(server_args)
+    try:
+        return original(server_args)
+    except ValueError as exc:
+        head, sep, listed = str(exc).partition("does not yet support ")
+        others = [item for item in listed.split(", ") if item != _NOT_MOONCAKE]
+        if not sep or len(others) == len(listed.split(", ")):
+            raise  # not (only) the backend refusal: SGLang's reason stands as it is
+        if others:
+            raise ValueError(head + sep + ", ".join(others)) from None
+        return None
 
 
 def extended_transfer_backend(original: type[enum.Enum]) -> type[enum.Enum]:
