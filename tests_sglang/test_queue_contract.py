@@ -65,6 +65,7 @@ def _manager(node_class: type = DecodeNode) -> PdflowKVManager:
     mgr.node = node_class.__new__(node_class)
     mgr.node.ranks = [object()]
     mgr.rank_kv = SimpleNamespace(state=())  # a pool without model state
+    mgr.prefill_info_table = {}
     return mgr
 
 
@@ -183,6 +184,21 @@ def test_what_pdflow_cannot_receive_fails_the_room_not_the_scheduler() -> None:
     assert receiver.poll() == KVPoll.Failed
     with pytest.raises(KVTransferError, match="host destinations"):
         receiver.failure_exception()
+
+
+def test_model_state_between_tp_widths_fails_the_room_with_the_reason() -> None:
+    import numpy as np
+
+    mgr = _manager()
+    mgr.rank_kv = SimpleNamespace(state=(object(),), tp_size=1)  # one state component, TP 1
+    mgr.prefill_info_table = {"10.0.0.1:8998": SimpleNamespace(attn_tp_size=2)}
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 601)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 0, [[np.asarray(3)]])
+    assert receiver.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="between TP widths"):
+        receiver.failure_exception()
+    assert [name for _, name in mgr.calls] == ["open_room"]  # no pages published
 
 
 def test_sglangs_pop_transferred_holds_a_failed_pdflow_room_instead_of_freeing_it() -> None:

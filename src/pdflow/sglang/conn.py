@@ -439,6 +439,15 @@ class PdflowKVReceiver(BaseKVReceiver):
                 state = state_indices_for_pdflow(state_indices, len(self.kv_mgr.rank_kv.state))
             except UnsupportedByPdflow as exc:
                 problem = str(exc)
+            info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr) if state else None
+            if info is not None and int(info.attn_tp_size) != self.kv_mgr.rank_kv.tp_size:
+                # The adapter describes SGLang's state buffers as whole items; SGLang reslices
+                # them per TP rank (state_dim_per_tensor), which is not mapped yet.
+                problem = (
+                    f"pdflow's SGLang backend does not move model state between TP widths yet "
+                    f"(prefill attention TP {info.attn_tp_size}, this decode "
+                    f"{self.kv_mgr.rank_kv.tp_size}); run both roles with the same attention TP"
+                )
         if problem:
             self.kv_mgr.book.refuse(room, problem)
             return
