@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import sys
+import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -22,7 +23,7 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
-from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, WriterFenced
+from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, RoomStatus, WriterFenced
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import Settings
 
@@ -224,6 +225,40 @@ class DecodeEngine:
     def order_of(self, kind: type, **match: Any) -> list[int]:
         return [i for i, e in enumerate(self.events) if isinstance(e, kind)
                 and all(getattr(e, k) == v for k, v in match.items())]  # fmt: skip
+
+
+async def stall_then_kill(
+    engine: DecodeEngine, prefill: PrefillProcess, bootstrap: str, rooms: range, tokens: int = 128
+) -> tuple[dict[int, str], float]:
+    """Run ``rooms`` whose prefill writes only their first chunk; once every decode rank reports
+    each of them Transferring, kill -9 the prefill. Returns each room's outcome, once every room
+    ended, and the monotonic time of the kill."""
+    outcomes: dict[int, str] = {}
+
+    async def stalled_room(room: int) -> None:
+        await prefill.start_room(room, 0, tokens, stall=True)
+        outcomes[room] = await engine.run_room(bootstrap, room, 0, tokens)
+
+    transferring = len(rooms) * len(engine.node.ranks)
+    async with anyio.create_task_group() as group:
+        for room in rooms:
+            group.start_soon(stalled_room, room)
+        with anyio.fail_after(10):
+            while sum(isinstance(e, RoomStatus) and e.room in rooms
+                      and e.poll is KVPoll.Transferring for e in engine.events) < transferring:
+                await anyio.sleep(0.01)
+        prefill.kill()
+        killed_at = time.monotonic()
+    return outcomes, killed_at
+
+
+async def wait_readmitted(node: DecodeNode, timeout_s: float = 10) -> None:
+    """Until every decode rank readmitted the prefill it wrongly declared dead (at its first
+    answered probe once it ACKed its ABORTs): rooms opened before that fail with that reason."""
+    with anyio.fail_after(timeout_s):
+        while not all(r.snapshot().counters.get("prefill_instances_readmitted")
+                      for r in node.ranks):  # fmt: skip
+            await anyio.sleep(0.02)
 
 
 def decode_caches(tp: int, num_pages: int) -> list[tuple[HostKvCache, RankKv]]:

@@ -92,7 +92,8 @@ async def main(options: dict[str, Any]) -> None:
     ) as node:  # fmt: skip
         pools = [SourcePages(num_pages) for _ in range(tp)]
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid(),
-             incarnation=node.incarnation, ranks=[r.peer.address for r in node.ranks])  # fmt: skip
+             incarnation=node.incarnation, ranks=[r.peer.address for r in node.ranks],
+             started_at=node.started_at, health=node.health)  # fmt: skip
 
         def handle(cmd: dict[str, Any], tasks: TaskGroup) -> None:
             async def one(index: int) -> str:

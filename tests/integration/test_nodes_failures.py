@@ -11,12 +11,18 @@ from typing import Any
 import anyio
 import pytest
 
-from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
+from pdflow.io.node_common import PagesHeld, PagesReleased, WriterFenced
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process
+from .node_harness import (
+    DecodeEngine,
+    decode_caches,
+    prefill_process,
+    stall_then_kill,
+    wait_readmitted,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -51,21 +57,8 @@ async def test_kill_9_mid_transfer_fails_rooms_quarantines_their_pages_and_a_res
                 for room in range(10):
                     await first.start_room(room, 0, 64)
                     assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
-                stalled: dict[int, str] = {}
-
-                async def stalled_room(room: int) -> None:
-                    await first.start_room(room, 0, 128, stall=True)
-                    stalled[room] = await engine.run_room(bootstrap, room, 0, 128)
-
-                async with anyio.create_task_group() as rooms:
-                    for room in range(100, 120):
-                        rooms.start_soon(stalled_room, room)
-                    with anyio.fail_after(10):
-                        while sum(isinstance(e, RoomStatus) and e.room >= 100 and e.poll == 3
-                                  for e in engine.events) < 40:  # fmt: skip
-                            await anyio.sleep(0.01)
-                    first.kill()
-                    killed_at = time.monotonic()
+                stalled, killed_at = await stall_then_kill(engine, first, bootstrap,
+                                                           range(100, 120))  # fmt: skip
                 with anyio.fail_after(5):
                     await first.process.wait()
             failed_within = time.monotonic() - killed_at
@@ -204,6 +197,7 @@ async def test_sigstop_past_the_heartbeat_lands_no_late_write_in_a_released_page
                 assert late == [], f"late writes landed in released pages: {late}"
                 assert engine.landed_while_held, "no held write landed: the test tested nothing"
                 assert engine.order_of(WriterFenced) == []
+                await wait_readmitted(node)
                 for room in range(200, 205):  # the resumed prefill serves new rooms
                     await prefill.start_room(room, 0, 48)
                     with anyio.fail_after(15):

@@ -17,7 +17,7 @@ from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process
+from .node_harness import DecodeEngine, decode_caches, prefill_process, wait_readmitted
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -283,6 +283,7 @@ async def test_sigstop_then_reclaim_quarantine_frees_pages_and_the_resumed_write
                       f"writes in released pages {len(late)}")
                 assert late == [], f"late writes landed in released pages: {late}"
                 assert engine.landed_while_held == []
+                await wait_readmitted(node)  # the same life, its ABORTs ACKed
                 await serve_new_rooms(engine, prefill, bootstrap, range(200, 205))
                 assert engine.corrupt == []
                 assert await engine.settled_leak_report() == []

@@ -27,6 +27,7 @@ from pdflow.core.resources.page_ledger import (
     VerifyStarted,
     WriterDead,
     WriterHealth,
+    WriterReadmitted,
 )
 
 A = PeerId("10.0.0.1:7000", "a1")
@@ -61,6 +62,7 @@ SAMPLES: dict[str, Input] = {
     "WriterDead": WriterDead(A),
     "SessionClosed": SessionClosed(A),
     "SessionRetired": SessionRetired("10.0.1.1:9000"),
+    "WriterReadmitted": WriterReadmitted(A),
 }
 
 
@@ -330,3 +332,59 @@ def test_retiring_a_session_frees_exactly_the_fenced_rooms_published_under_it() 
     # A fence armed later for a room of a retired session frees at once: nothing can land.
     ledger.handle(Reserve(10, 1, (5,)), 4.0)
     assert _freed(ledger.handle(Fence(10, 1, (B,), "old:1"), 5.0)) == [PagesFreed(10, 1, (5,))]
+
+
+# ---- readmission: a dead verdict is revisable for a live writer ---------------------------------
+def test_owed_acks_are_tracked_per_writer_until_each_drain_ack() -> None:
+    ledger = _fenced_ledger((A, B))
+    ledger.handle(Reserve(8, 1, (5,)), 1.0)
+    ledger.handle(Fence(8, 1, (A,)), 1.0)
+    assert ledger.owes_acks(A) and ledger.owes_acks(B)
+    ledger.handle(AckArrived(7, 1, A), 2.0)
+    assert ledger.owes_acks(A), "room 8 still waits on A"
+    ledger.handle(AckArrived(8, 1, A), 2.0)
+    assert not ledger.owes_acks(A) and ledger.owes_acks(B)
+
+
+def test_readmission_lifts_the_verdict_and_a_room_that_cleared_the_writer_keeps_it() -> None:
+    ledger = _fenced_ledger((A, B))
+    ledger.handle(WriterDead(A), 2.0)
+    ledger.handle(SessionClosed(A), 2.0)
+    assert ledger.report(2.0)[0].waiting_on == (B,)
+    ledger.handle(AckArrived(7, 1, A), 3.0)  # the paused writer resumed and drained
+    ledger.handle(WriterReadmitted(A), 3.0)
+    assert not ledger.is_dead(A) and ledger.snapshot().closed_sessions == ()
+    assert ledger.report(3.0)[0].waiting_on == (B,), "A stays cleared for room 7"
+    # A new room fenced with A waits for A's ACK again: the old fence no longer speaks for it.
+    ledger.handle(Reserve(9, 1, (6,)), 4.0)
+    assert ledger.handle(Fence(9, 1, (A,)), 4.0).outputs == (PagesQuarantined(9, 1, (6,), (A,)),)
+
+
+def test_a_fence_reported_after_readmission_changes_nothing() -> None:
+    """The shell fenced A (a task) and reported it only after A was readmitted: taking that
+    report would let A's next death free pages before that death's own fence."""
+    ledger = _fenced_ledger((A,))
+    ledger.handle(WriterDead(A), 1.0)
+    ledger.handle(AckArrived(7, 1, A), 2.0)
+    ledger.handle(WriterReadmitted(A), 2.0)
+    before = ledger.snapshot()
+    assert ledger.handle(SessionClosed(A), 3.0) == Step((), None, ())
+    assert ledger.snapshot() == before
+    ledger.handle(Reserve(9, 1, (6,)), 4.0)
+    ledger.handle(Fence(9, 1, (A,)), 4.0)
+    assert _freed(ledger.handle(WriterDead(A), 5.0)) == [], "dead again, but not fenced again"
+
+
+def test_retiring_a_session_forgives_the_acks_owed_for_rooms_published_under_it() -> None:
+    """A writer wrongly declared dead is readmitted only once it owes no drain ACK; after the
+    engine of a session is destroyed nothing it wrote there can land, so those ACKs are moot
+    (else readmission waits until its writes to the destroyed engine time out)."""
+    ledger = PageLedger(POOL)
+    ledger.handle(Reserve(7, 1, (0,)), 0.0)
+    ledger.handle(Fence(7, 1, (A,), "old:1"), 1.0)
+    ledger.handle(Reserve(8, 1, (1,)), 0.0)
+    ledger.handle(Fence(8, 1, (B,), "new:2"), 1.0)
+    assert ledger.owes_acks(A) and ledger.owes_acks(B)
+    ledger.handle(SessionRetired("old:1"), 2.0)
+    assert not ledger.owes_acks(A), "room 7's engine is gone"
+    assert ledger.owes_acks(B), "room 8 was published under the live session"

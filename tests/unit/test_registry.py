@@ -205,6 +205,8 @@ def test_inconsistent_registration_is_refused_naming_field_and_values(
         ({"incarnation": "p", "started_at": -1.0}, "started_at=-1.0 must be seconds"),
         ({"incarnation": "p", "started_at": float("nan")}, "started_at=nan"),
         ({"started_at": 5.0}, "send an incarnation too"),
+        ({"health": "nohost"}, "health='nohost' must be host:port"),
+        ({"health": "h:0"}, "health='h:0'"),
     ],
 )
 def test_malformed_registration_is_refused_and_changes_nothing(

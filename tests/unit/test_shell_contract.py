@@ -22,8 +22,10 @@ from pdflow.core.endpoints.endpoint_io import (
     CloseSession,
     DecodeEndpointConfig,
     Dropped,
+    IncarnationSuperseded,
     NeedTopology,
     OpenReceiver,
+    ReadmitWriter,
     Received,
     RoomCall,
     RoomRemoved,
@@ -88,6 +90,12 @@ class EffectNames:
     def close_session(self, request: CloseSession) -> str:
         return "close_session"
 
+    def readmit_writer(self, readmit: ReadmitWriter) -> str:
+        return "readmit_writer"
+
+    def note_superseded(self, superseded: IncarnationSuperseded) -> str:
+        return "note_superseded"
+
     def verify_checksums(self, request: VerifyChecksums) -> str:
         return "verify_checksums"
 
@@ -119,6 +127,8 @@ DECODE_EFFECTS: dict[Output, str] = {
     **COMMON,
     NeedTopology(BOOT): "fetch_topology",
     CloseSession(PEER): "close_session",
+    ReadmitWriter(PEER): "readmit_writer",
+    IncarnationSuperseded(BOOT, "p-old"): "note_superseded",
     VerifyChecksums(1, 1, ((PEER, 5),)): "verify_checksums",
     StoreAux(1, 1, 2, b"row"): "store_aux",
     StagingPlaced(1, 1, 0, 64): "note_staging",

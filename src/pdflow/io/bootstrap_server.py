@@ -14,18 +14,16 @@ uvicorn runs on asyncio, so :func:`serve` needs anyio's asyncio backend.
 
 from __future__ import annotations
 
-import asyncio
 import socket
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
 import msgspec
 import structlog
-import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
@@ -44,6 +42,7 @@ from pdflow.core.cluster.registry import (
     route_query,
 )
 from pdflow.core.protocol.inputs import Input, Tick
+from pdflow.io.asgi_serving import bind, require_asyncio, serving
 from pdflow.io.json_guard import JSON_MEDIA_TYPE, MAX_JSON_DEPTH, is_json, nesting_depth
 
 DEFAULT_MAX_BODY = 64 * 1024
@@ -269,14 +268,6 @@ class _RequestLog:
 
 
 # ---- running it -----------------------------------------------------------------------------
-class _ShellServer(uvicorn.Server):
-    """uvicorn without its signal handlers: the shell (e.g. ``pdflow bootstrap``) owns them."""
-
-    @contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 @dataclass(frozen=True)
 class RunningBootstrap:
     """A bound, serving bootstrap server (as yielded by :func:`serve`)."""
@@ -295,17 +286,6 @@ class RunningBootstrap:
     @property
     def url(self) -> str:
         return f"http://{self.address}"
-
-
-def bind(host: str, port: int) -> socket.socket:
-    """A listening TCP socket; port 0 picks a free one (read it from ``getsockname``)."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    try:
-        return socket.create_server((host, port), family=family, reuse_port=False)
-    except OSError as exc:
-        raise OSError(exc.errno, f"cannot bind the bootstrap server to {host}:{port}: "
-                                 f"{exc.strerror}; pick another --port or stop the other "
-                                 "server") from exc
 
 
 @asynccontextmanager
@@ -328,11 +308,7 @@ async def serve(
     closed on exit). Leaving the block stops accepting, finishes the requests in flight and
     closes the socket; no task is left behind.
     """
-    try:
-        asyncio.get_running_loop()
-    except RuntimeError:
-        raise RuntimeError("the bootstrap server runs on uvicorn, which needs anyio's asyncio "
-                           "backend: anyio.run(main, backend='asyncio')") from None
+    require_asyncio("bootstrap server")
     if tick_interval <= 0:
         raise ValueError(f"tick_interval must be positive seconds, got {tick_interval}")
     registry = registry if registry is not None else Registry(token=token,
@@ -340,44 +316,17 @@ async def serve(
     app = build_app(registry, clock=clock, max_body=max_body, incarnation=incarnation)
     listener = sock if sock is not None else bind(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
-    config = uvicorn.Config(
-        app, lifespan="off", log_config=None, access_log=False, http="h11",
-        server_header=False, timeout_graceful_shutdown=2,
-    )
-    server = _ShellServer(config)
-    serving_ended = anyio.Event()
-    ticker = anyio.CancelScope()
-
-    async def run_server() -> None:
-        # Shielded: whatever cancels the caller, uvicorn still shuts down gracefully (stop
-        # accepting, finish requests in flight) once ``should_exit`` is set below.
-        try:
-            with anyio.CancelScope(shield=True):
-                await server.serve(sockets=[listener])
-        finally:
-            serving_ended.set()
 
     async def tick_forever() -> None:
-        with ticker:
-            while True:
-                await anyio.sleep(tick_interval)
-                registry.handle(Tick(), clock())
+        while True:
+            await anyio.sleep(tick_interval)
+            registry.handle(Tick(), clock())
 
-    try:
-        async with anyio.create_task_group() as tasks:
-            tasks.start_soon(run_server)
-            tasks.start_soon(tick_forever)
-            try:
-                while not server.started:
-                    if serving_ended.is_set():
-                        raise RuntimeError(f"the bootstrap server on {bound_host}:{bound_port} "
-                                           "stopped before it started; see the log above")
-                    await anyio.sleep(0.005)
-                log.info("bootstrap_listening", host=bound_host, port=bound_port,
-                         token_required=registry.requires_token, incarnation=incarnation)
-                yield RunningBootstrap(bound_host, bound_port, registry, incarnation)
-            finally:
-                server.should_exit = True
-                ticker.cancel()
-    finally:
-        listener.close()
+    async with serving(app, listener, "bootstrap server"), anyio.create_task_group() as ticks:
+        ticks.start_soon(tick_forever)
+        log.info("bootstrap_listening", host=bound_host, port=bound_port,
+                 token_required=registry.requires_token, incarnation=incarnation)
+        try:
+            yield RunningBootstrap(bound_host, bound_port, registry, incarnation)
+        finally:
+            ticks.cancel_scope.cancel()

@@ -1,7 +1,10 @@
-"""The decode's heartbeat: probe each known prefill bootstrap's ``/health`` every interval.
+"""The decode's heartbeat: probe every target the decode endpoints name, every interval.
 
-The shell only reports what it saw (``HeartbeatResult(bootstrap, ok, incarnation)``); counting
-consecutive failures and declaring an instance dead is the core's decision.
+A target is a prefill instance's own health endpoint (a PrefillNode serves one and registers
+its address), or the registry's ``/health`` for a prefill that registered none (SGLang). Lost
+instances stay targets, so one that was only paused is seen answering again. The shell only
+reports what it saw (``HeartbeatResult``); counting failures, declaring an instance dead and
+readmitting it are the core's decisions.
 """
 
 from __future__ import annotations
@@ -12,37 +15,40 @@ import anyio
 import structlog
 
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.liveness import ProbeTarget
 from pdflow.io.bootstrap_client import HealthStatus
 
 log = structlog.get_logger("pdflow.heartbeat")
 
-Probe = Callable[[str], Awaitable[HealthStatus]]
+Probe = Callable[[ProbeTarget], Awaitable[HealthStatus]]
 Deliver = Callable[[HeartbeatResult], Awaitable[None]]
 
 
-async def probe_once(bootstraps: Iterable[str], probe: Probe, deliver: Deliver) -> None:
-    """Probe every bootstrap concurrently and deliver each result as it comes."""
+async def probe_once(targets: Iterable[ProbeTarget], probe: Probe, deliver: Deliver) -> None:
+    """Probe every target concurrently and deliver each result as it comes."""
 
-    async def one(bootstrap: str) -> None:
-        status = await probe(bootstrap)
+    async def one(target: ProbeTarget) -> None:
+        status = await probe(target)
         if not status.ok:
-            log.warning("heartbeat_failed", bootstrap=bootstrap, detail=status.detail[:200])
-        await deliver(HeartbeatResult(bootstrap, status.ok, status.incarnation))
+            log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
+                        detail=status.detail[:200])  # fmt: skip
+        await deliver(HeartbeatResult(target.bootstrap, status.ok, status.incarnation,
+                                      target.health))  # fmt: skip
 
     async with anyio.create_task_group() as tasks:
-        for bootstrap in sorted(set(bootstraps)):
-            tasks.start_soon(one, bootstrap)
+        for target in sorted(set(targets)):
+            tasks.start_soon(one, target)
 
 
 async def run_heartbeat(
     interval_s: float,
-    bootstraps: Callable[[], Iterable[str]],
+    targets: Callable[[], Iterable[ProbeTarget]],
     probe: Probe,
     deliver: Deliver,
 ) -> None:
-    """Forever: wait ``interval_s``, then probe whatever ``bootstraps()`` names now."""
+    """Forever: wait ``interval_s``, then probe whatever ``targets()`` names now."""
     if interval_s <= 0:
         raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
     while True:
         await anyio.sleep(interval_s)
-        await probe_once(bootstraps(), probe, deliver)
+        await probe_once(targets(), probe, deliver)

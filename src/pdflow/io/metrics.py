@@ -68,8 +68,17 @@ class NodeMetrics:
             ["what"], registry=r,
         )  # fmt: skip
         self.heartbeat_failures = Counter(
-            "pdflow_heartbeat_failures", "Failed /health probes", ["bootstrap"], registry=r
-        )
+            "pdflow_heartbeat_failures", "Failed /health probes, by the address probed (an "
+            "instance's own health endpoint, or the registry)", ["bootstrap"], registry=r,
+        )  # fmt: skip
+        self.readmitted = Counter(
+            "pdflow_writers_readmitted", "Prefill writers wrongly declared dead that answered "
+            "again, drained and were readmitted", registry=r,
+        )  # fmt: skip
+        self.superseded = Counter(
+            "pdflow_prefill_superseded", "Prefill incarnations replaced by another one (never "
+            "readmitted)", registry=r,
+        )  # fmt: skip
         self.step_errors = Counter("pdflow_step_errors", "Shell inputs the core refused",
                                    ["input"], registry=r)  # fmt: skip
         self.quarantined_pages = Gauge("pdflow_quarantined_pages",

@@ -35,8 +35,10 @@ from pdflow.core.endpoints.endpoint_io import (
     CloseSession,
     DecodeEndpointConfig,
     HeartbeatResult,
+    IncarnationSuperseded,
     OpenReceiver,
     PrefillInfo,
+    ReadmitWriter,
     Received,
     RegisteredPrefillRank,
     RoomCall,
@@ -46,6 +48,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
+from pdflow.core.endpoints.liveness import ProbeTarget
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import AnyMessage, PeerId
@@ -214,6 +217,12 @@ class DecodeRank:
         snapshot: DecodeSnapshot = self._host.endpoint.snapshot()
         return snapshot
 
+    def probe_targets(self) -> tuple[ProbeTarget, ...]:
+        """What the heartbeat probes for this rank: each prefill instance's own health
+        endpoint (or the registry's, for one that registered none), lost ones included."""
+        targets: tuple[ProbeTarget, ...] = self._host.endpoint.probe_targets()
+        return targets
+
     def poll(self, room: int) -> KVPoll | None:
         summary = self._host.endpoint.summary(room)
         return None if summary is None else summary.poll
@@ -269,6 +278,16 @@ class DecodeRankEffects(RankEffects):
     async def close_session(self, request: CloseSession) -> None:
         node, host = self.node, self.host
         node.spawn(lambda: node.close_session(host, request.peer, request.session_id))
+
+    async def readmit_writer(self, readmit: ReadmitWriter) -> None:
+        # Awaited, not spawned: the fence is lifted before any later output of the step (a
+        # room's metadata) can make the writer write.
+        await self.node.readmit(self.host, readmit.peer, readmit.session_id)
+
+    async def note_superseded(self, superseded: IncarnationSuperseded) -> None:
+        self.node.runtime.metrics.superseded.inc()
+        log.info("prefill_superseded", endpoint=self.host.endpoint_id,
+                 bootstrap=superseded.bootstrap, incarnation=superseded.incarnation)  # fmt: skip
 
     async def verify_checksums(self, request: VerifyChecksums) -> None:
         node, host = self.node, self.host
@@ -388,7 +407,7 @@ class DecodeNode(NodeLifecycle):
             self._tasks.start_soon(host.run_timer)
             self._tasks.start_soon(channel.receive_forever, self._deliverer(host))
         self._tasks.start_soon(run_heartbeat, self.settings.heartbeat_interval,
-                               self._known_bootstraps, self._probe, self._heartbeat)  # fmt: skip
+                               self._probe_targets, self._probe, self._heartbeat)  # fmt: skip
         log.info("decode_node_ready", node=self.runtime.node_id,
                  ranks=[h.me.address for h in self._hosts])  # fmt: skip
 
@@ -603,7 +622,7 @@ class DecodeNode(NodeLifecycle):
                         unique = prefill_unique_rank(parallel, tp_rank=tp, pp_rank=pp, cp_rank=cp)
                         peer = PeerId(f"{found.rank_ip}:{found.rank_port}",
                                       found.incarnation or "", unique)  # fmt: skip
-                        ranks.append(RegisteredPrefillRank(dp, cp, tp, pp, peer))
+                        ranks.append(RegisteredPrefillRank(dp, cp, tp, pp, peer, found.health))
         # The prefill's own attention kind, as its ranks registered it: the endpoint refuses a
         # mismatch. A prefill that declared none (SGLang's) is taken to match this decode.
         declared = declared_is_mla(answers)
@@ -620,18 +639,19 @@ class DecodeNode(NodeLifecycle):
         )  # fmt: skip
 
     # ---- heartbeat -----------------------------------------------------------------------------
-    def _known_bootstraps(self) -> set[str]:
-        return {bootstrap for host in self._hosts for bootstrap in host.endpoint.known_bootstraps()}
+    def _probe_targets(self) -> set[ProbeTarget]:
+        return {target for host in self._hosts for target in host.endpoint.probe_targets()}
 
-    async def _probe(self, bootstrap: str) -> HealthStatus:
-        status = await self._client(bootstrap).health()
+    async def _probe(self, target: ProbeTarget) -> HealthStatus:
+        status = await self._client(target.key).health()
         if not status.ok:
-            self.runtime.metrics.heartbeat_failures.labels(bootstrap).inc()
+            self.runtime.metrics.heartbeat_failures.labels(target.key).inc()
         return status
 
     async def _heartbeat(self, result: HeartbeatResult) -> None:
+        target = ProbeTarget(result.bootstrap, result.health)
         for host in self._hosts:
-            if result.bootstrap in host.endpoint.known_bootstraps():
+            if target in host.endpoint.probe_targets():
                 await host.feed(result)
 
     # ---- dead writers and checksums ------------------------------------------------------------
@@ -642,6 +662,8 @@ class DecodeNode(NodeLifecycle):
         only once a real fence has returned. Without one (or without the writer's session id)
         the pages wait for its drain ACK, and its channel is kept so the ABORTs reach it.
         """
+        if host.endpoint.ledger.verdict_lifted(peer):
+            return  # readmitted before this task ran: no verdict left to enforce
         if session is None or not self.transport.fence_is_real:
             why = ("its transport session is unknown" if session is None
                    else "the transport has no receiver-side fence")  # fmt: skip
@@ -653,10 +675,22 @@ class DecodeNode(NodeLifecycle):
             # passed with no page held or released after this (chaos finding 6).
             self.update_quarantine()
             return
-        self._channels[host.rank].forget(peer.address)
+        # The channel stays: a writer declared dead may only be paused, and the ABORTs it must
+        # drain and ACK before it can be readmitted have to reach it.
         await self.transport.fence(session)
         self.runtime.events.publish(WriterFenced(host.rank, peer))
         await host.feed(SessionClosed(peer))
+
+    async def readmit(self, host: EndpointHost, peer: PeerId, session: str | None) -> None:
+        """A writer wrongly declared dead answered and drained: lift this process's fence for
+        the writes it starts from now on (earlier ones stay refused by the transport)."""
+        lifted = False
+        if session is not None and self.transport.fence_is_real:
+            await self.transport.lift_fence(session)
+            lifted = True
+        self.runtime.metrics.readmitted.inc()
+        log.info("writer_readmitted", endpoint=host.endpoint_id, writer=peer_key(peer),
+                 fence_lifted=lifted)  # fmt: skip
 
     async def verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
         """Scatter (staged decode) and check the room's pages, then report, on every path: the

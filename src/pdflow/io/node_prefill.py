@@ -68,6 +68,7 @@ from pdflow.io.bootstrap_client import (
 from pdflow.io.bootstrap_server import serve
 from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
 from pdflow.io.control import ControlChannel, Deliver
+from pdflow.io.health_server import serve_health
 from pdflow.io.kv_buffers import (
     EngineMemory,
     RankKv,
@@ -341,6 +342,8 @@ class PrefillNode(NodeLifecycle):
         # Wall clock, not monotonic: it orders this life against a predecessor that may have
         # run on another host (the registry refuses the older one's registrations, 409).
         self.started_at = time.time() if started_at is None else started_at
+        self.health = ""
+        """``host:port`` of this process's own health endpoint (known once started)."""
         self.rank_kv = list(ranks)
         self.runtime = NodeRuntime("prefill", self.settings, self.incarnation,
                                    codec or MsgpackCodec())  # fmt: skip
@@ -384,6 +387,12 @@ class PrefillNode(NodeLifecycle):
                 max_body=settings.bootstrap_max_body,
             ))  # fmt: skip
             self.bootstrap = running.address
+            # The hosted registry runs in this process: its /health is this process's own.
+            self.health = running.address
+        else:
+            self.health = await self._stack.enter_async_context(
+                serve_health(settings.host, self.incarnation)
+            )
         for rank_kv in self.rank_kv:
             self._add_rank(rank_kv, self.runtime.open_channel())
         for rank_kv in self.rank_kv:
@@ -458,6 +467,7 @@ class PrefillNode(NodeLifecycle):
                     incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
                     started_at=self.started_at, checksum=self.settings.checksum,
                     is_mla=self.is_mla,
+                    health=self.health,
                 ))  # fmt: skip
 
     async def _keep_registered(self) -> None:

@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import msgspec
+
 from pdflow.core.endpoints.endpoint_io import (
-    HeartbeatResult,
     OpenReceiver,
     OpenRoom,
     RoomCall,
@@ -104,14 +105,19 @@ def _racing(world: World) -> list[Any]:
     ]
 
 
+def _moving(world: World) -> list[Any]:
+    """Writes whose writer's transport can move them: a stopped prefill's cannot."""
+    return [w for w in world.transport.writes.values() if not world.prefill_paused]
+
+
 def _unlanded(world: World) -> list[Any]:
-    return [w.wid for w in world.transport.writes.values() if not w.landed]
+    return [w.wid for w in _moving(world) if not w.landed]
 
 
 def _late(world: World) -> list[Any]:
     """Writes whose decode room already failed or is gone: landing now is landing late."""
     late = []
-    for w in world.transport.writes.values():
+    for w in _moving(world):
         room = world.decode[w.target_rank].endpoint.summary(w.room)
         failed = room is not None and room.poll is KVPoll.Failed
         gone = room is None or room.generation != w.generation
@@ -121,7 +127,19 @@ def _late(world: World) -> list[Any]:
 
 
 def _landed(world: World) -> list[Any]:
-    return [w.wid for w in world.transport.writes.values() if w.landed]
+    return [w.wid for w in _moving(world) if w.landed]
+
+
+def _deliverable(world: World) -> list[Any]:
+    """A stopped prefill reads nothing: messages to it wait until it resumes."""
+    stopped = {p.me.address for p in world.prefill} if world.prefill_paused else set()
+    return [where for where in world.network.deliverable() if where[0][1] not in stopped]
+
+
+def _superseded_registrations(world: World) -> list[Any]:
+    """Registrations of earlier prefill lives: a dead process may retry one late."""
+    return [i for i, r in enumerate(world.registrations)
+            if r.incarnation != world.prefill_incarnation]  # fmt: skip
 
 
 def _partitions(world: World) -> list[Any]:
@@ -141,12 +159,12 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
         [("prefill", *c) for c in _open_rooms(w, "prefill")]
         + [("decode", *c) for c in _open_rooms(w, "decode")]
     ),
-    "prefill_progress": _progress,
+    "prefill_progress": lambda w: [] if w.prefill_paused else _progress(w),
     "decode_allocate": lambda w: [
         d.rank for d in w.decode if d.admission.state is QueueState.QUEUED
     ],
     "local_event": lambda w: list(range(len(w.local_events))),
-    "deliver": lambda w: w.network.deliverable(),
+    "deliver": _deliverable,
     "drop": lambda w: w.network.in_flight(),
     "duplicate": lambda w: w.network.in_flight() if len(w.network) < MAX_IN_FLIGHT else [],
     "write_complete": _unlanded,
@@ -156,17 +174,20 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "write_report": _landed,
     "write_corrupt": lambda w: _unlanded(w) if w.shape.verify_checksums else [],
     "advance": lambda w: list(range(len(ADVANCE_STEPS))),
-    "abort_prefill": lambda w: _open_rooms(w, "prefill"),
+    "abort_prefill": lambda w: [] if w.prefill_paused else _open_rooms(w, "prefill"),
     "abort_decode": lambda w: _open_rooms(w, "decode"),
-    "clear_prefill": lambda w: _terminal_rooms(w, "prefill"),
+    "clear_prefill": lambda w: [] if w.prefill_paused else _terminal_rooms(w, "prefill"),
     "clear_decode": lambda w: _terminal_rooms(w, "decode"),
     "crash_prefill": lambda w: [()],
     "crash_decode": lambda w: list(range(len(w.decode))),
     "heartbeat_ok": lambda w: list(range(len(w.decode))),
     "heartbeat_fail": lambda w: list(range(len(w.decode))),
+    "pause_prefill": lambda w: [] if w.prefill_paused else [()],
+    "resume_prefill": lambda w: [()] if w.prefill_paused else [],
+    "late_registration": _superseded_registrations,
     "partition": _partitions,
     "heal": lambda w: [()] if w.network.cut else [],
-    "engine_race": _racing,
+    "engine_race": lambda w: [] if w.prefill_paused else _racing(w),
     "redeliver": lambda w: list(range(len(w.network.recent))) if len(w.network) < MAX_IN_FLIGHT
     else [],
 }
@@ -335,15 +356,34 @@ def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
 
 
 def _heartbeat(ok: bool) -> Callable[[World, int, int], None]:
+    """One heartbeat round of one decode rank: a probe of each target it names; ``ok=False``
+    fails them though the prefill may be up (a false failure: a stalled registry, a lost
+    probe)."""
+
     def run(world: World, rank: int, hint: int) -> None:
         decode = world.decode[rank]
-        reachable = ok and not world.network.is_cut(
-            (world.prefill[0].me.address, decode.me.address)
-        )
-        incarnation = world.prefill_incarnation if reachable else None
-        world.feed(decode, HeartbeatResult(BOOTSTRAP, reachable, incarnation))
+        for target in decode.endpoint.probe_targets():
+            seen = world.probe(target)
+            cut = world.network.is_cut((world.prefill[0].me.address, decode.me.address))
+            if not ok or (cut and target.health is not None):
+                seen = msgspec.structs.replace(seen, ok=False, incarnation=None)
+            world.feed(decode, seen)
 
     return run
+
+
+def _late_registration(world: World, index: int, hint: int) -> None:
+    """A dead prefill life's registration arrives late: the registry must refuse it (409)
+    and change nothing."""
+    registration = world.registrations[index]
+    before = world.registry.snapshot()
+    reply = world.registry.reply_to(registration, world.clock.now)
+    if reply.status != 409 or world.registry.snapshot() != before:
+        world.monitor.fail(
+            "registry_ordered",
+            f"the registry answered {reply.status} to a late registration of superseded "
+            f"incarnation {registration.incarnation} (live: {world.prefill_incarnation})"
+        )
 
 
 def _partition(world: World, choice: tuple[int, int], hint: int) -> None:
@@ -376,6 +416,9 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "crash_decode": lambda w, rank, hint: w.crash_decode(rank),
     "heartbeat_ok": _heartbeat(True),
     "heartbeat_fail": _heartbeat(False),
+    "pause_prefill": lambda w, choice, hint: w.pause_prefill(),
+    "resume_prefill": lambda w, choice, hint: w.resume_prefill(),
+    "late_registration": _late_registration,
     "partition": _partition,
     "heal": lambda w, choice, hint: w.network.heal(),
     "engine_race": _engine_race,
@@ -392,6 +435,7 @@ def settle(world: World, max_rounds: int = 400) -> None:
     still waiting for memory when nothing else can happen is aborted by its engine.
     """
     world.network.heal()
+    world.resume_prefill()
     _last_races(world)
     for _ in range(max_rounds):
         if _work_once(world):

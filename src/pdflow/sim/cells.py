@@ -61,6 +61,7 @@ from pdflow.core.resources.page_ledger import (
     VerifyDone,
     VerifyStarted,
     WriterDead,
+    WriterReadmitted,
 )
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
 from pdflow.core.rooms.sender_room import SenderRoom, SenderState
@@ -260,6 +261,7 @@ def ledger_cell_coverage() -> Counter[Transition]:
     reached: Counter[Transition] = Counter()
     writer = PeerId("10.0.0.1:7000", "inc", 0)
     alive = PeerId("10.0.0.1:7000", "inc", 1)
+    other = PeerId("10.0.0.1:7001", "inc", 1)
     ledger = PageLedger(4)
     steps: list[LedgerInput] = [
         Reserve(1, 1, (0,)), ReleaseUnpublished(1, 1), Reserve(2, 1, (1,)),
@@ -270,6 +272,11 @@ def ledger_cell_coverage() -> Counter[Transition]:
         # under the new one (its writer, alive, stays owed).
         Reserve(4, 1, (2,)), Fence(4, 1, (alive,), "decode:old"),
         Reserve(5, 1, (3,)), Fence(5, 1, (alive,), "decode:new"), SessionRetired("decode:old"),
+        # A room fenced when its only writer is already dead and fenced: freed at once.
+        Reserve(6, 1, (0,)), Fence(6, 1, (writer,)),
+        # A writer wrongly declared dead, readmitted while a room it was fenced in still waits.
+        Reserve(7, 1, (1,)), Fence(7, 1, (writer, other)), AckArrived(2, 1, writer),
+        WriterReadmitted(writer),
     ]  # fmt: skip
     for inp in steps:
         _record(reached, ledger.handle(inp, 1.0).fired)

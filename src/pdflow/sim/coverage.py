@@ -41,6 +41,12 @@ _CELL_ONLY: dict[str, str] = {
         "the simulated decode shell does not rotate its transport engine (fence by engine "
         "rotation is proven with real processes: tests/integration/test_nodes_rotation.py)"
         for guard, target in (("[all_writers_cleared]", "FREE"), ("", "FENCED"))},
+    "PageLedger: FENCED --WriterReadmitted--> FENCED":
+        "a world's writers all belong to its one prefill instance, lost and readmitted "
+        "together once they owe no ACK: no room of theirs is still fenced by then",
+    "PageLedger: RESERVED --Fence[no_writer_can_land]--> FREE":
+        "no room resolves to a writer declared dead and not readmitted (its topology waits), "
+        "and a room the loss fails is fenced before its writers are declared dead",
 }  # fmt: skip
 """Protocol transitions no world can take through an endpoint, and why; the cell drives
 (:mod:`pdflow.sim.cells`) take them."""

@@ -11,7 +11,14 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from pdflow.core.endpoints.endpoint_io import CloseSession, Dropped, RoomRemoved, StagingPlaced
+from pdflow.core.endpoints.endpoint_io import (
+    CloseSession,
+    Dropped,
+    IncarnationSuperseded,
+    ReadmitWriter,
+    RoomRemoved,
+    StagingPlaced,
+)
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 from pdflow.core.protocol.outputs import (
     Output,
@@ -77,6 +84,14 @@ class DecodeSimEffects(SimEffects):
         # reports nothing: the writer's pages wait for its drain ACK.
         if self.world.shape.receiver_fence:
             self.world.queue_local(self.process, "fence", request.peer)
+
+    def readmit_writer(self, readmit: ReadmitWriter) -> None:
+        # At once, before the step's later outputs (the node awaits it the same way).
+        if self.world.shape.receiver_fence:
+            self.world.transport.lift_fence(self.process.rank, readmit.peer)
+
+    def note_superseded(self, superseded: IncarnationSuperseded) -> None:
+        """The endpoint counted it; the fake engines have nothing to do."""
 
     def verify_checksums(self, request: VerifyChecksums) -> None:
         # The shell starts on the pages the room holds now; on a staged decode its scatter

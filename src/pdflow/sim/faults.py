@@ -97,6 +97,9 @@ ACTION_KINDS = (
     "heal",
     "engine_race",
     "redeliver",
+    "pause_prefill",
+    "resume_prefill",
+    "late_registration",
 )
 
 FAULT_KINDS = frozenset(
@@ -113,6 +116,8 @@ FAULT_KINDS = frozenset(
         "partition",
         "duplicate_claim",
         "redeliver",
+        "pause_prefill",
+        "late_registration",
     }
 )
 
@@ -122,12 +127,18 @@ LATE_KINDS = ("engine_race",)
 keeps its value."""
 LAST_KINDS = ("redeliver",)
 """Added after the fault profiles: drawn after them (and zeroed outside their profile)."""
+NEWEST_KINDS = ("pause_prefill", "resume_prefill", "late_registration")
+"""A paused, live prefill and a dead life's late registration: drawn after everything else
+(the faults zeroed outside their profile), so every earlier draw of a seed keeps its value."""
 
 FAULT_PROFILES: dict[str, frozenset[str]] = {
-    "all": FAULT_KINDS,
+    # Every fault but the newest (a pause, a late registration): they run in the liveness
+    # profile only, so they do not dilute the faults the "all" seeds were tuned to reach.
+    "all": FAULT_KINDS - {"pause_prefill", "late_registration"},
     "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt"}),
     "liveness": frozenset(
-        {"crash_prefill", "crash_decode", "heartbeat_fail", "partition"}
+        {"crash_prefill", "crash_decode", "heartbeat_fail", "partition", "pause_prefill",
+         "late_registration"}
     ),
     "room_races": frozenset(
         {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver"}
@@ -205,7 +216,7 @@ def draw_plan(seed: int) -> FaultPlan:
     shape = draw_shape(rng)
     weights: dict[str, float] = {}
     for kind in ACTION_KINDS:
-        if kind in LATE_KINDS or kind in LAST_KINDS:
+        if kind in LATE_KINDS or kind in LAST_KINDS or kind in NEWEST_KINDS:
             continue
         if kind in FAULT_KINDS:
             # Swarm testing: each fault is switched off for some seeds and frequent in others.
@@ -234,6 +245,11 @@ def draw_plan(seed: int) -> FaultPlan:
         # often as it lands whole.
         for kind in ("write_fail", "write_corrupt"):
             weights[kind] *= 5
+    if profile == "room_races":
+        # Likewise an engine abort, about as often as an engine step: one that lands while
+        # the room verifies is the race the release ledger must hold its pages through.
+        for kind in ("abort_prefill", "abort_decode"):
+            weights[kind] *= 5
     if not FAULT_PROFILES[profile] & LIVENESS_FAULTS:
         # Without a fault a heartbeat could notice, probing only slows the rooms down.
         weights["heartbeat_ok"] *= 0.1
@@ -247,6 +263,12 @@ def draw_plan(seed: int) -> FaultPlan:
     if rng.random() < 0.3:
         shape = msgspec.structs.replace(shape, max_finished_room_ids=rng.choice((1, 2)))
     shape = msgspec.structs.replace(shape, announces_layout=rng.random() < 0.5)
+    for kind in NEWEST_KINDS:
+        if kind == "resume_prefill":  # as ordinary as any engine step
+            weights[kind] = rng.choice((1.0, 2.0, 3.0))
+        else:
+            drawn = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
+            weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -4,11 +4,14 @@ Safety (every step): KVPoll monotone per room instance, Failed absorbing, termin
 message creates or revives a room; no status after a room was cleared; at most one terminal
 outcome per room instance and side; a decode Success agrees with its writers' outcomes and the
 pages hold exactly the bytes they sent; no write lands in a page its room instance does not own;
-admission never promises pages the ledger holds and never deadlocks.
+admission never promises pages the ledger holds and never deadlocks; a decode that requires
+checksums never succeeds unverified; the registry never names a superseded incarnation.
 
 Liveness (:func:`check_quiescent`, after :func:`settle`): every room terminal and cleared, no
 outstanding write, the decode pool whole except for quarantine that a lost control message
-explains (such pages stay quarantined and reported, never released by a timer).
+explains (such pages stay quarantined and reported, never released by a timer), and no live
+prefill incarnation still declared dead (a false heartbeat verdict is lifted once the writer
+answers and drains), except where a lost ABORT or ACK explains it.
 """
 
 from __future__ import annotations
@@ -71,6 +74,7 @@ INVARIANTS = (
     "bounded_room_state",
     "no_core_error",
     "rooms_settle",
+    "verdict_revisable",
     "pages_return",
 )
 """The ids of spec/protocol.toml's [[invariants]], each checked here (or by the World, through
@@ -478,6 +482,19 @@ def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) ->
     return False
 
 
+def explained_verdict(world: World, decode_rank: int, peers: tuple[PeerId, ...]) -> bool:
+    """A live writer may stay declared dead after settling only if an ABORT to it or its ACK
+    was lost: then it owes an ACK the decode can never receive."""
+    address = world.decode[decode_rank].me.address
+    writers = {p.address for p in peers}
+    return any(
+        isinstance(e.message, (Abort, AbortAck))
+        and e.message.decode.address == address
+        and e.message.prefill.address in writers
+        for e in world.network.lost
+    )
+
+
 def check_quiescent(world: World) -> list[str]:
     """Liveness (rooms_settle, pages_return), once the world has settled: what is still held,
     open or outstanding; each problem starts with the invariant's id."""
@@ -518,6 +535,16 @@ def check_quiescent(world: World) -> list[str]:
         ]
         if stuck:
             problems.append(f"[pages_return] {d.name}: admitted requests never finished: {stuck}")
+        for lost in d.endpoint.lost.values():
+            live = world.prefill_incarnation in lost.incarnations
+            if live and not explained_verdict(world, d.rank, lost.peers):
+                owing = [p.address for p in lost.peers if d.endpoint.ledger.owes_acks(p)]
+                problems.append(
+                    f"[verdict_revisable] {d.name}: live prefill incarnation "
+                    f"{world.prefill_incarnation} is still "
+                    f"declared dead after settling (answered: {lost.answered}, owes drain "
+                    f"ACKs: {owing}), no message lost"
+                )
     for (name, room_id, gen), poll in world.monitor.polls.items():
         if not poll.is_terminal and world.is_live(name):
             problems.append(

@@ -16,6 +16,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+from pdflow.core.cluster.registry import REGISTRY_TABLE
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
 from pdflow.core.endpoints.opened_marks import NONE
@@ -31,6 +32,7 @@ from pdflow.core.protocol.inputs import Input, SuccessArrived
 from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.core.resources.page_ledger import (
     PAGE_LEDGER_TABLE,
+    PageLedger,
     RoomPages,
     RoomPagesState,
     WriterHealth,
@@ -111,15 +113,22 @@ def _accept_duplicate_claim(original: Any) -> Any:
 
 def _heartbeat_keeps_rooms(original: Any) -> Any:
     def instance_lost(
-        self: DecodeEndpoint, bootstrap: str, now: float, out: Any, fired: Any
+        self: DecodeEndpoint, target: Any, peers: Any, now: float, out: Any, fired: Any
     ) -> None:
         rooms, self.rooms = self.rooms, {}  # the loss is noted, but no room is failed
         try:
-            original(self, bootstrap, now, out, fired)
+            original(self, target, peers, now, out, fired)
         finally:
             self.rooms = rooms
 
     return instance_lost
+
+
+def _never_owes(original: Any) -> Any:
+    def owes_acks(self: PageLedger, writer: Any) -> bool:
+        return False
+
+    return owes_acks
 
 
 def _chunk_offset_reused(original: Any) -> Any:
@@ -154,8 +163,8 @@ def _restart_not_detected(original: Any) -> Any:
     def heartbeat(
         self: DecodeEndpoint, inp: HeartbeatResult, now: float, out: Any, fired: Any
     ) -> None:
-        if inp.ok:
-            inp = HeartbeatResult(inp.bootstrap, True, None)  # the incarnation is not compared
+        if inp.ok:  # the incarnation is not compared
+            inp = HeartbeatResult(inp.bootstrap, True, None, inp.health)
         original(self, inp, now, out, fired)
 
     return heartbeat
@@ -332,6 +341,13 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("late_status_resurrects", "sglang#17259 (stale room slot)",
            "a status for a cleared room re-creates the room",
            ((DecodeEndpoint, "_receive", _status_resurrects),)),
+    Mutant("registry_accepts_older_registration", "pdflow issue 12 finding 4 (unordered PUTs)",
+           "a late registration of a superseded incarnation replaces the live one's rank",
+           (_rows_swapped(REGISTRY_TABLE, "guard", "superseded", _always(False)),)),
+    Mutant("readmit_before_drain", "pdflow issue 12 finding 2 (revisable verdict)",
+           "a writer wrongly declared dead is readmitted as soon as it answers, before it "
+           "ACKed the rooms it may still write",
+           ((PageLedger, "owes_acks", _never_owes),)),
     Mutant("checksum_fails_open", "pdflow issue 12 finding 3 (unverified Success)",
            "a writer that sent no checksum is left out of the verification the decode requires",
            (_rows_swapped(RECEIVER_TABLE, "guard", "completes_without_checksum", _always(False)),)),

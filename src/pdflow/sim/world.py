@@ -44,6 +44,7 @@ from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     DecodeEndpointConfig,
     Dropped,
+    HeartbeatResult,
     PrefillEndpointConfig,
     PrefillInfo,
     Received,
@@ -54,6 +55,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
+from pdflow.core.endpoints.liveness import ProbeTarget
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
@@ -94,6 +96,8 @@ from pdflow.trace.observe import room_summaries, touched_rooms
 BOOTSTRAP = "10.0.9.1:8998"
 PREFILL_IP = "10.0.0.1"
 PREFILL_PORT = 7000
+HEALTH = f"{PREFILL_IP}:9000"
+"""The prefill instance's own health endpoint (its ranks register it; the decode probes it)."""
 DECODE_IP = "10.0.1.1"
 DECODE_PORT = 8000
 KV_DTYPE = "auto"
@@ -142,6 +146,9 @@ class World:
         self.registrations: list[RegisterRank] = []
         """Every prefill registration sent, in order (a dead life's may be retried late)."""
         self.prefill_life = 0
+        self.prefill_paused = False
+        """The prefill process is stopped (SIGSTOP): alive, but it does nothing and answers no
+        probe; once resumed, its late writes may try to land."""
         self.prefill_incarnation = ""
         self.prefill: list[PrefillProcess] = []
         self.decode: list[DecodeProcess] = []
@@ -222,6 +229,7 @@ class World:
             incarnation=self.prefill_incarnation,
             started_at=self.clock.now,
             checksum=declared,
+            health=HEALTH,
         )
         self.registrations.append(registration)
         reply = self.registry.reply_to(registration, self.clock.now)
@@ -281,7 +289,24 @@ class World:
             if request.prefill_life == self.prefill_life:
                 request.unopened_prefill.clear()
         self._start_prefill_instance()
+        self.prefill_paused = False
         self.local_events = [e for e in self.local_events if e.side != "prefill"]
+
+    def pause_prefill(self) -> None:
+        self.prefill_paused = True
+
+    def resume_prefill(self) -> None:
+        self.prefill_paused = False
+
+    def probe(self, target: ProbeTarget) -> HeartbeatResult:
+        """What a heartbeat probe of ``target`` sees: the prefill process answers at its own
+        health address unless it is stopped; the registry (an external one) always answers,
+        without an incarnation."""
+        if target.health is None:
+            return HeartbeatResult(target.bootstrap, True, None)
+        up = target.health == HEALTH and not self.prefill_paused
+        incarnation = self.prefill_incarnation if up else None
+        return HeartbeatResult(target.bootstrap, up, incarnation, target.health)
 
     def crash_decode(self, rank: int) -> None:
         for request in self.requests:
@@ -333,7 +358,8 @@ class World:
                 )
             port = info.rank_port
             peer = PeerId(f"{info.rank_ip}:{port}", info.incarnation or "", port - PREFILL_PORT)
-            ranks.append(RegisteredPrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer))
+            ranks.append(RegisteredPrefillRank(dp=c.dp, cp=c.cp, tp=c.tp, pp=c.pp, peer=peer,
+                                               health=info.health))
         # The registry does not carry the attention kind; both sides of a world agree on it.
         return TopologyKnown(
             PrefillInfo(
@@ -413,6 +439,8 @@ class World:
         if event.kind == "topology":
             self.feed(process, self._answer_topology())
         elif event.kind == "fence":
+            if process.endpoint.ledger.verdict_lifted(event.payload):
+                return  # readmitted meanwhile: the shell has no verdict left to enforce
             self.transport.fence(process.rank, event.payload)
             self.feed(process, SessionClosed(event.payload))
         elif event.kind == "checksum":
@@ -574,14 +602,20 @@ class World:
         return process if process.me == write.writer else None
 
     # ---- timers ------------------------------------------------------------------------------
+    def running(self) -> Iterator[PrefillProcess | DecodeProcess]:
+        """The processes that act (a stopped prefill's timers do not fire)."""
+        if not self.prefill_paused:
+            yield from self.prefill
+        yield from self.decode
+
     def next_deadline(self) -> float | None:
-        deadlines = [p.endpoint.timer_at() for p in self.processes()]
+        deadlines = [p.endpoint.timer_at() for p in self.running()]
         present = [d for d in deadlines if d is not None]
         return min(present) if present else None
 
     def fire_timers(self) -> None:
         now = self.clock.now
-        for process in self.processes():
+        for process in self.running():
             due = process.endpoint.timer_at()
             if due is not None and due <= now:
                 self.feed(process, TimerFired())

@@ -78,6 +78,9 @@ class RegisterRank(Input, frozen=True, tag="RegisterRank"):
     is_mla: bool | None = None
     """Whether this prefill's KV is MLA (one latent head; one writer per decode rank, the other
     TP ranks dummies); None: not declared (SGLang sends none)."""
+    health: str | None = None
+    """``host:port`` of the rank's process's own health endpoint (pdflow's PrefillNode serves
+    one), so the decode notices a dead process even behind an external registry."""
     token: str | None = None
     """From the HTTP header, never from the body."""
 
@@ -222,6 +225,7 @@ class PrefillRankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     started_at: float | None = None
     checksum: bool | None = None
     is_mla: bool | None = None
+    health: str | None = None
 
 
 class RegistrySnapshot(msgspec.Struct, frozen=True):
@@ -439,7 +443,7 @@ class Registry(TableMachine[RegistryState]):
             self.superseded.add(held.incarnation)
         self.ranks[reg.rank_key] = PrefillRankInfo(
             reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version, reg.started_at,
-            reg.checksum, reg.is_mla,
+            reg.checksum, reg.is_mla, reg.health,
         )
         return [Reply(200, OK)]
 
@@ -629,9 +633,16 @@ def _malformation(reg: RegisterRank) -> str | None:
             f"Malformed registration: started_at={reg.started_at!r} must be seconds since the "
             "Unix epoch (finite, >= 0)"
         )
+    if reg.health is not None and not _is_host_port(reg.health):
+        return f"Malformed registration: health={reg.health!r} must be host:port"
     if reg.started_at is not None and reg.incarnation is None:
         return "Malformed registration: started_at orders process lives; send an incarnation too"
     return None
+
+
+def _is_host_port(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    return bool(host) and port.isdigit() and 1 <= int(port) <= _MAX_PORT
 
 
 def _shown(value: object) -> str:

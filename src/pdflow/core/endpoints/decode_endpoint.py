@@ -2,8 +2,11 @@
 
 It resolves each room's prefill ranks from the registry's topology (cached per incarnation),
 routes status reports to rooms and drain ACKs to the ledger, counts heartbeat failures per
-prefill instance, and on a dead instance fails its rooms, marks its writers dead and asks the
-shell to close their transport sessions: the ledger frees a dead writer's pages only after that.
+prefill instance (its own health address, else the registry), and on a dead instance fails its
+rooms, marks its writers dead and asks the shell to fence them: the ledger frees a dead writer's
+pages only after that. The verdict is revisable: a lost instance that answers again as the same
+incarnation and owes no drain ACK is readmitted (:mod:`pdflow.core.endpoints.liveness`); one
+another incarnation replaced never is.
 
 Where the transport has no per-peer fence, the shell fences by rotating the engine: it hands
 the endpoint a new session (SessionRotated; new rooms use it, the layout is announced again),
@@ -34,9 +37,11 @@ from pdflow.core.endpoints.endpoint_io import (
     CloseSession,
     DecodeEndpointConfig,
     HeartbeatResult,
+    IncarnationSuperseded,
     NeedTopology,
     OpenReceiver,
     PrefillInfo,
+    ReadmitWriter,
     Received,
     RoomCall,
     SessionRotated,
@@ -45,6 +50,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyFailed,
     TopologyKnown,
 )
+from pdflow.core.endpoints.liveness import LostInstance, ProbeTarget, instances_of, replaced_in
 from pdflow.core.endpoints.room_host import RoomHost
 from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
@@ -72,7 +78,6 @@ from pdflow.core.protocol.messages import (
     KvArgsAccepted,
     PeerId,
     StatusReport,
-    peer_order,
 )
 from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage, VerifyChecksums
 from pdflow.core.resources.kv_layouts import (
@@ -99,6 +104,7 @@ from pdflow.core.resources.page_ledger import (
     VerifyDone,
     VerifyStarted,
     WriterDead,
+    WriterReadmitted,
 )
 from pdflow.core.resources.staging_ring import (
     Assign,
@@ -134,6 +140,8 @@ class DecodeSnapshot(msgspec.Struct, frozen=True):
     heartbeat_failures: dict[str, int]
     counters: dict[str, int]
     announced_to: int = 0
+    lost_instances: tuple[str, ...] = ()
+    superseded: tuple[str, ...] = ()
 
 
 class DecodeEndpoint(RoomHost[ReceiverRoom]):
@@ -151,6 +159,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._resolved: dict[str, tuple[PrefillInfo, dict[int, PeersResolved]]] = {}
         self.awaiting_topology: dict[str, list[int]] = {}
         self.heartbeat_failures: Counter[str] = Counter()
+        """Consecutive failed probes per probe key (an instance's health address, or the
+        bootstrap address for the registry's /health)."""
+        self.lost: dict[str, LostInstance] = {}
+        self.superseded: set[str] = set()
+        """Prefill incarnations another one replaced: never readmitted, never resolved to."""
         self.ledger = PageLedger(config.num_pages)
         self.staging = StagingRing(config.staging_capacity) if config.staging_capacity else None
         # A room's region is the ring allocation (room, chunk=generation): a reused room id
@@ -311,12 +324,24 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             # the fences track; a restart is reported by the heartbeat, never by overwriting.
             self._drop(out, "stale_topology", f"topology of {info.bootstrap} is already known")
             return
-        problem = self._incompatibility(info)
+        problem = self._incompatibility(info) or self._stale(info, out)
         if problem:
             self._fail_waiting(info.bootstrap, problem, now, out, fired)
             return
+        dead = next((r.peer for r in info.ranks if self.ledger.is_dead(r.peer)), None)
+        if dead is not None:
+            # Never resolve a room to a writer declared dead and not readmitted (its writes
+            # are fenced): fail the waiting rooms now; the engine retries later.
+            reason = (
+                f"prefill incarnation {dead.incarnation} at {info.bootstrap} was declared dead "
+                "and is not readmitted yet (it has not answered a probe since, or still owes "
+                "drain ACKs); retry the request"
+            )
+            self._fail_waiting(info.bootstrap, reason, now, out, fired)
+            return
         self.topologies[info.bootstrap] = info
-        self.heartbeat_failures.pop(info.bootstrap, None)
+        for target in instances_of(info):
+            self.heartbeat_failures.pop(target.key, None)
         for room_id in self.awaiting_topology.pop(info.bootstrap, []):
             room = self.rooms.get(room_id)
             if room is not None and room.state is ReceiverState.BOOTSTRAPPING:
@@ -346,6 +371,22 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"{info.bootstrap} registered without them; set PDFLOW_CHECKSUM=1 on the "
                 "prefill too, or turn it off on the decode"
             )
+        return ""
+
+    def _stale(self, info: PrefillInfo, out: list[Output]) -> str:
+        """Why rooms must never resolve to this topology: it names an incarnation another
+        one replaced. A lost instance it shows replaced is superseded here."""
+        same = [lost for lost in self.lost.values() if lost.target.bootstrap == info.bootstrap]
+        for lost in same:
+            if replaced_in(info, lost):
+                self._supersede(self.lost.pop(lost.target.key), out)
+        for rank in info.ranks:
+            if rank.peer.incarnation in self.superseded:
+                return (
+                    f"the registry at {info.bootstrap} names prefill incarnation "
+                    f"{rank.peer.incarnation}, which another incarnation replaced; is a stale "
+                    "process still registered?"
+                )
         return ""
 
     def _fail_waiting(
@@ -550,49 +591,120 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             except RemoteProtocolError as exc:
                 # No ABORT goes out for pages being verified or released: a forged ACK.
                 self._drop(out, "protocol_error", str(exc))
+                return
+            self._acked_by_lost(message.prefill, now, out, fired)
             return
         self._slot(message.room, message.generation, StatusArrived(message), now, out, fired)
 
     def _heartbeat(
         self, inp: HeartbeatResult, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
+        target = ProbeTarget(inp.bootstrap, inp.health)
+        self._revisit_lost(target, inp, now, out, fired)
         info = self.topologies.get(inp.bootstrap)
-        known = {r.peer.incarnation for r in info.ranks} if info else set()
-        restarted = bool(inp.ok and known and inp.incarnation not in (None, *known))
+        peers = instances_of(info).get(target, ()) if info else ()
+        if not peers:
+            return
+        known = {p.incarnation for p in peers}
+        restarted = inp.ok and inp.incarnation not in (None, *known)
         if inp.ok and not restarted:
-            self.heartbeat_failures.pop(inp.bootstrap, None)
+            self.heartbeat_failures.pop(target.key, None)
             return
         if not inp.ok:
-            self.heartbeat_failures[inp.bootstrap] += 1
+            self.heartbeat_failures[target.key] += 1
             self.counters["heartbeat_failures"] += 1
-            if self.heartbeat_failures[inp.bootstrap] < self.config.heartbeat_max_failure:
+            if self.heartbeat_failures[target.key] < self.config.heartbeat_max_failure:
                 return
-        self._instance_lost(inp.bootstrap, now, out, fired)
+        self._instance_lost(target, peers, now, out, fired)
+        if restarted:
+            self._supersede(self.lost.pop(target.key), out)
 
     def _instance_lost(
-        self, bootstrap: str, now: float, out: list[Output], fired: list[Fired]
-    ) -> None:
-        """Every rank of this prefill instance (as we knew it) is gone."""
-        info = self.topologies.pop(bootstrap, None)
+        self, target: ProbeTarget, peers: tuple[PeerId, ...], now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        """The ranks this probe speaks for (as we knew them) are gone: fail their rooms, mark
+        them dead and fence them. They stay probed, in case they were only paused."""
+        bootstrap = target.bootstrap
+        self.topologies.pop(bootstrap, None)
         self._resolved.pop(bootstrap, None)
-        self.heartbeat_failures.pop(bootstrap, None)
+        self.heartbeat_failures.pop(target.key, None)
         self.counters["prefill_instances_lost"] += 1
-        peers = sorted({r.peer for r in info.ranks}, key=peer_order) if info else []
         for room_id in sorted(self.rooms):
             room = self.rooms[room_id]
             if self.room_bootstrap.get(room_id) != bootstrap or room.poll.is_terminal:
                 continue
-            dead = next((t.peer for t in room.targets), None)
-            if dead is None:
+            if not room.targets:
                 self._room_input(room, ResolveFailed("prefill instance lost"), now, out, fired)
                 self._forget_waiting(bootstrap, room_id)
-            else:
+                continue
+            dead = next((t.peer for t in room.targets if t.peer in peers), None)
+            if dead is not None:
                 self._room_input(room, PeerDied(dead), now, out, fired)
+        sessions: dict[PeerId, str | None] = {}
         for peer in peers:
             self._ledger(WriterDead(peer), now, out, fired)
-            out.append(CloseSession(peer, self.announcements.session_of(peer)))
+            session = self.announcements.session_of(peer)
+            sessions[peer] = session
+            out.append(CloseSession(peer, session))
             if self.announcements.is_announced(peer):
                 fired.append(self.announcements.fire(peer, PeerLost(), now)[1])
+        self.lost[target.key] = LostInstance(target, peers, sessions)
+
+    def _revisit_lost(
+        self, target: ProbeTarget, inp: HeartbeatResult, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        """A probe of an instance declared dead: the same incarnation answering may be
+        readmitted; another one answering there has replaced it."""
+        lost = self.lost.get(target.key)
+        if lost is None or not inp.ok or inp.incarnation is None:
+            return
+        if inp.incarnation in lost.incarnations:
+            lost.answered = True
+            self._try_readmit(lost, now, out, fired)
+        else:
+            self._supersede(self.lost.pop(target.key), out)
+
+    def _try_readmit(
+        self, lost: LostInstance, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        """Readmit once it answered and ACKed every room fenced while it may have written:
+        only then can no write it issues from now on land in a page freed meanwhile."""
+        if not lost.answered or any(self.ledger.owes_acks(p) for p in lost.peers):
+            return
+        del self.lost[lost.target.key]
+        self.counters["prefill_instances_readmitted"] += 1
+        for peer in lost.peers:
+            self._ledger(WriterReadmitted(peer), now, out, fired)
+            out.append(ReadmitWriter(peer, lost.sessions.get(peer)))
+        self._refetch_for_waiting(lost.target.bootstrap, out)
+
+    def _supersede(self, lost: LostInstance, out: list[Output]) -> None:
+        for incarnation in sorted(lost.incarnations - self.superseded):
+            self.superseded.add(incarnation)
+            self.counters["prefill_incarnations_superseded"] += 1
+            out.append(IncarnationSuperseded(lost.target.bootstrap, incarnation))
+        self._refetch_for_waiting(lost.target.bootstrap, out)
+
+    def _refetch_for_waiting(self, bootstrap: str, out: list[Output]) -> None:
+        """Rooms parked on a lost instance's topology: fetch it again now that it changed."""
+        if self.awaiting_topology.get(bootstrap) and bootstrap not in self.topologies:
+            out.append(NeedTopology(bootstrap))
+
+    def _acked_by_lost(
+        self, writer: PeerId, now: float, out: list[Output], fired: list[Fired]
+    ) -> None:
+        for lost in list(self.lost.values()):
+            if writer in lost.peers:
+                self._try_readmit(lost, now, out, fired)
+
+    def probe_targets(self) -> tuple[ProbeTarget, ...]:
+        """What the shell's heartbeat probes: every instance of a known topology, and every
+        lost one that may yet answer again."""
+        targets = {t for info in self.topologies.values() for t in instances_of(info)}
+        targets |= {lost.target for lost in self.lost.values()}
+        return tuple(sorted(targets))
 
     # ---- fence by engine rotation ----------------------------------------------------------------
     def _rotate(self, inp: SessionRotated, now: float, fired: list[Fired]) -> None:
@@ -624,6 +736,10 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             )
         self.counters["sessions_retired"] += 1
         self._ledger(inp, now, out, fired)
+        # A lost writer owes no ACK for rooms of the destroyed engine: one that answered may be
+        # readmitted now rather than once its writes to that engine fail and it drains.
+        for lost in list(self.lost.values()):
+            self._try_readmit(lost, now, out, fired)
 
     def live_rooms_on(self, session: str) -> tuple[int, ...]:
         """Rooms not ended whose writers were (or will be) told to write through ``session``:
@@ -772,10 +888,6 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         """When the longest-quarantined room was fenced (None: no page is quarantined)."""
         return self.ledger.oldest_fenced_at()
 
-    def known_bootstraps(self) -> tuple[str, ...]:
-        """Prefill instances whose topology this rank holds (the ones to heartbeat)."""
-        return tuple(sorted(self.topologies))
-
     def writers_of(self, room_id: int) -> tuple[PeerId, ...]:
         """The prefill ranks that write into the open room's pages; () when it is not open."""
         room = self.rooms.get(room_id)
@@ -800,4 +912,6 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             dict(sorted(self.heartbeat_failures.items())),
             dict(sorted(self.counters.items())),
             len(self.announcements),
+            tuple(sorted(self.lost)),
+            tuple(sorted(self.superseded)),
         )

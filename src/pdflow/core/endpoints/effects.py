@@ -16,7 +16,9 @@ from typing import Protocol, TypeVar, assert_never
 from pdflow.core.endpoints.endpoint_io import (
     CloseSession,
     Dropped,
+    IncarnationSuperseded,
     NeedTopology,
+    ReadmitWriter,
     RoomRemoved,
     StagingPlaced,
 )
@@ -52,6 +54,8 @@ DecodeOutput = (
     CommonOutput
     | NeedTopology
     | CloseSession
+    | ReadmitWriter
+    | IncarnationSuperseded
     | VerifyChecksums
     | StoreAux
     | StagingPlaced
@@ -110,6 +114,16 @@ class DecodeEffects(EndpointEffects[R], Protocol[R]):
         A shell that cannot fence it never answers: its pages wait for its drain ACK."""
         ...
 
+    def readmit_writer(self, readmit: ReadmitWriter) -> R:
+        """Lift the fence for the writes this writer starts from now on (it was wrongly
+        declared dead and drained what it owed); writes it started before stay refused. Done
+        before the step's later outputs, which may let it write."""
+        ...
+
+    def note_superseded(self, superseded: IncarnationSuperseded) -> R:
+        """Count and log that another incarnation replaced this one (never readmitted)."""
+        ...
+
     def verify_checksums(self, request: VerifyChecksums) -> R:
         """Recompute what each writer wrote into the room's pages; answer ChecksumChecked."""
         ...
@@ -159,6 +173,10 @@ def carry_out_decode(effects: DecodeEffects[R], output: Output, msg_id: str | No
             return effects.fetch_topology(output.bootstrap)
         case CloseSession():
             return effects.close_session(output)
+        case ReadmitWriter():
+            return effects.readmit_writer(output)
+        case IncarnationSuperseded():
+            return effects.note_superseded(output)
         case VerifyChecksums():
             return effects.verify_checksums(output)
         case StoreAux():

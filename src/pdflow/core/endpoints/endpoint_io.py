@@ -74,6 +74,9 @@ class RegisteredPrefillRank(msgspec.Struct, frozen=True):
     tp: int
     pp: int
     peer: PeerId
+    health: str | None = None
+    """The rank's process's own health endpoint (``host:port``), probed by the heartbeat;
+    None (SGLang): only the registry's ``/health`` is known."""
 
 
 class PrefillInfo(msgspec.Struct, frozen=True):
@@ -113,11 +116,15 @@ class TopologyFailed(EndpointInput, frozen=True, tag="TopologyFailed"):
 
 
 class HeartbeatResult(EndpointInput, frozen=True, tag="HeartbeatResult"):
-    """One /health probe of a prefill instance: ok, and the incarnation it reported if any."""
+    """One /health probe of a prefill instance: ok, and the incarnation it reported if any.
+
+    ``health`` is the instance's own health address that was probed; None: the registry's
+    ``/health`` at ``bootstrap`` (all the decode knows of an SGLang prefill)."""
 
     bootstrap: str
     ok: bool
     incarnation: str | None = None
+    health: str | None = None
 
 
 class ChecksumChecked(Input, frozen=True, tag="ChecksumChecked"):
@@ -159,6 +166,22 @@ class SessionRotated(EndpointInput, frozen=True, tag="SessionRotated"):
     session stays until the shell retires it (SessionRetired), once no live room uses it."""
 
     session: str
+
+
+class ReadmitWriter(Output, frozen=True, tag="readmit_writer"):
+    """A writer wrongly declared dead answered again and owes no drain ACK: lift the receiver
+    fence for the writes it issues from now on (those issued before stay refused)."""
+
+    peer: PeerId
+    session_id: str | None = None
+    """The writer's transport session, as it was when the writer was fenced (None: unknown)."""
+
+
+class IncarnationSuperseded(Output, frozen=True, tag="incarnation_superseded"):
+    """Another incarnation replaced this one behind ``bootstrap``: it is never readmitted."""
+
+    bootstrap: str
+    incarnation: str
 
 
 class StagingPlaced(Output, frozen=True, tag="staging_placed"):

@@ -108,6 +108,17 @@ class WriterDead(Input, frozen=True, tag="WriterDead"):
     writer: PeerId
 
 
+class WriterReadmitted(Input, frozen=True, tag="WriterReadmitted"):
+    """A writer wrongly declared dead answered again and owes no drain ACK: it is alive.
+
+    The dead verdict and the fence are lifted for the writes it issues from now on (the shell
+    lifts the transport fence for those only). A room that cleared this writer while it was
+    dead and fenced keeps it cleared: its drain ACK for that room already arrived.
+    """
+
+    writer: PeerId
+
+
 class SessionClosed(Input, frozen=True, tag="SessionClosed"):
     """The shell fenced this writer on the decode's own receiving side: nothing it sent or
     sends can land any more.
@@ -143,6 +154,7 @@ LedgerInput = (
     | WriterDead
     | SessionClosed
     | SessionRetired
+    | WriterReadmitted
 )
 
 
@@ -227,15 +239,46 @@ class PagePool:
 
 
 class WriterHealth:
-    """What the shell told the ledger about writers: permanent facts about one process life."""
+    """What the shell told the ledger about writers, and the drain ACKs each still owes.
+
+    A dead verdict (with its fence) holds until the writer is readmitted, which the endpoint
+    allows only once the writer answered again and owes no ACK.
+    """
 
     def __init__(self) -> None:
         self.dead: set[PeerId] = set()
         self.closed: set[PeerId] = set()
         self.retired: set[str] = set()
+        self.owed: dict[PeerId, dict[tuple[int, int], str]] = {}
+        """Fenced room instances whose ABORT each writer has not ACKed yet, with the session
+        each was published under."""
+        self.readmitted: set[PeerId] = set()
 
     def cannot_write(self, writer: PeerId) -> bool:
         return writer in self.dead and writer in self.closed
+
+    def owe(self, writers: tuple[PeerId, ...], room: int, generation: int, session: str) -> None:
+        for writer in writers:
+            self.owed.setdefault(writer, {})[(room, generation)] = session
+
+    def acked(self, writer: PeerId, room: int, generation: int) -> None:
+        owed = self.owed.get(writer)
+        if owed is not None:
+            owed.pop((room, generation), None)
+            if not owed:
+                del self.owed[writer]
+
+    def retire(self, session: str) -> None:
+        """The session's engine is destroyed: nothing written through it can land, so no
+        writer owes an ACK for a room published under it."""
+        self.retired.add(session)
+        if not session:
+            return  # rooms fenced without a session are never freed by a retirement
+        for writer, owed in list(self.owed.items()):
+            for key in [k for k, s in owed.items() if s == session]:
+                del owed[key]
+            if not owed:
+                del self.owed[writer]
 
 
 class RoomPages(TableMachine[RoomPagesState]):
@@ -279,7 +322,7 @@ class RoomPages(TableMachine[RoomPagesState]):
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired)):
+        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired, WriterReadmitted)):
             return
         keyed = inp
         if not isinstance(keyed, (Reserve, VerifyStarted, VerifyDone, ReleaseAfterSuccess,
@@ -329,6 +372,12 @@ class RoomPages(TableMachine[RoomPagesState]):
         self.acked.add(inp.writer)
         return []
 
+    def _act_keep_cleared(self, inp: WriterReadmitted, now: float) -> list[Output]:
+        # Called before the verdict is lifted: a writer the room no longer waits on stays so.
+        if self._health.cannot_write(inp.writer):
+            self.acked.add(inp.writer)
+        return []
+
     def _act_ack_and_free(self, inp: AckArrived, now: float) -> list[Output]:
         self._act_record_ack(inp, now)
         return self._act_free(inp, now)
@@ -357,6 +406,7 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
         WriterDead,
         SessionClosed,
         SessionRetired,
+        WriterReadmitted,
     ),
     remote_inputs=(AckArrived,),
     rows=[
@@ -391,6 +441,7 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
         row(_P.FENCED, SessionRetired, _P.FREE,
             guard=_M._guard_all_writers_cleared, emits=[_FREED], action=_M._act_free),
         row(_P.FENCED, SessionRetired, _P.FENCED),  # published under another session
+        row(_P.FENCED, WriterReadmitted, _P.FENCED, action=_M._act_keep_cleared),
     ],
 )  # fmt: skip
 RoomPages.table = PAGE_LEDGER_TABLE
@@ -439,6 +490,18 @@ class PageLedger:
             heapq.heappop(heap)
         return None
 
+    def owes_acks(self, writer: PeerId) -> bool:
+        """Whether some fenced room instance still waits for this writer's drain ACK."""
+        return writer in self._health.owed
+
+    def is_dead(self, writer: PeerId) -> bool:
+        return writer in self._health.dead
+
+    def verdict_lifted(self, writer: PeerId) -> bool:
+        """The writer was readmitted and not declared dead again: a fence the shell has yet
+        to apply for the earlier verdict is no longer asked for."""
+        return writer in self._health.readmitted - self._health.dead
+
     def is_free(self, page: int) -> bool:
         return 0 <= page < self._pool.size and page not in self._pool.owner
 
@@ -478,8 +541,12 @@ class PageLedger:
 
     # ---- driving -------------------------------------------------------------------------------
     def handle(self, inp: LedgerInput, now: float) -> Step:
-        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired)):
+        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired, WriterReadmitted)):
             return self._writer_news(inp, now)
+        if isinstance(inp, Fence):
+            self._health.owe(inp.writers, inp.room, inp.generation, inp.session)
+        elif isinstance(inp, AckArrived):
+            self._health.acked(inp.writer, inp.room, inp.generation)
         key = (inp.room, inp.generation)
         machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
         was_fenced, pages = machine.state is RoomPagesState.FENCED, len(machine.pages)
@@ -526,12 +593,20 @@ class PageLedger:
         """The sessions fenced rooms were published under."""
         return {r.session for r in self._fenced.values()}
 
-    def _writer_news(self, inp: WriterDead | SessionClosed | SessionRetired, now: float) -> Step:
+    def _writer_news(
+        self, inp: WriterDead | SessionClosed | SessionRetired | WriterReadmitted, now: float
+    ) -> Step:
+        health = self._health
+        if isinstance(inp, SessionClosed) and inp.writer in health.readmitted - health.dead:
+            # A fence reported after the writer was readmitted: its verdict was lifted, and a
+            # later death must wait for a fence of its own.
+            return Step((), None, ())
         if isinstance(inp, SessionRetired):
-            self._health.retired.add(inp.session)
-        else:
-            facts = self._health.dead if isinstance(inp, WriterDead) else self._health.closed
-            facts.add(inp.writer)
+            health.retire(inp.session)
+        elif isinstance(inp, WriterDead):
+            health.dead.add(inp.writer)
+        elif isinstance(inp, SessionClosed):
+            health.closed.add(inp.writer)
         outputs: list[Output] = []
         fired: list[Fired] = []
         # Only fenced rooms can be waiting on a writer: the reserved ones are never visited.
@@ -547,4 +622,8 @@ class PageLedger:
             if not machine.holds_pages():
                 del self._rooms[key]
             self._index_fence(key, machine, True, pages)
+        if isinstance(inp, WriterReadmitted):
+            self._health.dead.discard(inp.writer)
+            self._health.closed.discard(inp.writer)
+            self._health.readmitted.add(inp.writer)
         return Step(tuple(outputs), None, tuple(fired))

@@ -1,0 +1,46 @@
+"""A prefill process's own health endpoint: ``GET /health`` answers 200 with its incarnation.
+
+The decode's heartbeat probes it (the address travels in each rank's registration), so a dead
+or paused prefill is noticed even behind an external registry (``pdflow bootstrap``), whose own
+``/health`` only says the registry is up. A PrefillNode hosting its registry needs none: the
+registry's ``/health`` is served by the same process and carries the same incarnation header.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import structlog
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse, Response
+from starlette.routing import Route
+
+from pdflow.io.asgi_serving import bind, require_asyncio, serving
+from pdflow.io.bootstrap_client import INCARNATION_HEADER
+
+log = structlog.get_logger("pdflow.health")
+
+
+def health_app(incarnation: str) -> Starlette:
+    async def health(request: Request) -> Response:
+        return PlainTextResponse("OK", headers={INCARNATION_HEADER: incarnation})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("404: Not Found", status_code=404)
+
+    return Starlette(routes=[Route("/health", health, methods=["GET"])],
+                     exception_handlers={404: not_found, 405: not_found})  # fmt: skip
+
+
+@asynccontextmanager
+async def serve_health(host: str, incarnation: str, port: int = 0) -> AsyncIterator[str]:
+    """Serve the process's health endpoint until the block ends; yields its ``host:port``."""
+    require_asyncio("health endpoint")
+    listener = bind(host, port, "health endpoint")
+    bound_host, bound_port = listener.getsockname()[:2]
+    address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
+    async with serving(health_app(incarnation), listener, "health endpoint"):
+        log.info("health_listening", address=address, incarnation=incarnation)
+        yield address

@@ -1,0 +1,143 @@
+"""Liveness with real processes on loopback: an external ``pdflow bootstrap`` registry, prefill
+processes that do not host it, kill -9, and a dead incarnation's late registration.
+
+Issue 12, findings 4 and 5: behind an external registry the decode probed only the registry's
+``/health``, so a prefill killed with -9 was never noticed (its rooms failed only at
+``waiting_timeout``, 300 s by default); and a late PUT of the dead incarnation got 200 and took
+its ranks back from the live one.
+"""
+
+from __future__ import annotations
+
+import select
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import anyio
+import httpx
+import pytest
+
+from pdflow.io.node_decode import DecodeNode
+from pdflow.io.settings import load_settings
+from pdflow.transport.mooncake import MooncakeTransport
+
+from .node_harness import DecodeEngine, decode_caches, prefill_process, stall_then_kill
+
+pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
+
+HEARTBEAT_S, MAX_FAILURES = 0.5, 2
+TOPOLOGY = "/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1"
+RANK_0 = "/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=0&target_pp_rank=0"
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+@contextmanager
+def external_registry() -> Iterator[str]:
+    """``pdflow bootstrap`` in its own process; yields its ``host:port``."""
+    command = [sys.executable, "-c", "import sys; from pdflow.cli import main; sys.exit(main())",
+               "bootstrap", "--host", "127.0.0.1", "--port", "0"]  # fmt: skip
+    # Its log (stderr) is not read here: discarded, so a full pipe can never stall it.
+    process = subprocess.Popen(command, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                               stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    try:
+        assert process.stdout is not None
+        ready, _, _ = select.select([process.stdout], [], [], 30)
+        assert ready, "pdflow bootstrap printed no address within 30 s"
+        url = process.stdout.readline().strip().rsplit(" ", 1)[1]
+        yield url.removeprefix("http://")
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+        if process.stdout is not None:
+            process.stdout.close()
+
+
+def late_registration(ready: dict[str, Any], topology: dict[str, Any]) -> dict[str, Any]:
+    """Rank 0's registration as the (now dead) prefill process sent it."""
+    ip, _, port = ready["ranks"][0].rpartition(":")
+    return {
+        "attn_tp_size": topology["attn_tp_size"], "attn_tp_rank": 0, "attn_cp_size": 1,
+        "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+        "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": ip, "rank_port": int(port),
+        "page_size": topology["page_size"], "kv_cache_dtype": topology["kv_cache_dtype"],
+        "incarnation": ready["incarnation"], "started_at": ready["started_at"],
+        "health": ready["health"], "checksum": True,
+    }
+
+
+async def test_finding5_external_registry_kill_9_is_noticed_and_a_late_put_gets_409(
+    tmp_path: anyio.Path,
+) -> None:
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
+    caches = decode_caches(2, num_pages=512)
+    transport = MooncakeTransport.open()
+    with external_registry() as registry:
+        await kill_9_then_a_late_put(registry, settings, caches, transport)
+
+
+async def kill_9_then_a_late_put(registry: str, settings: dict[str, Any], caches: Any,
+                                 transport: MooncakeTransport) -> None:  # fmt: skip
+    """The steps of the test above, against the registry process it started."""
+    async with (
+        anyio.create_task_group() as tasks,
+        transport,
+        httpx.AsyncClient(base_url=f"http://{registry}", timeout=5) as http,
+    ):
+        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                              settings=load_settings(**settings)) as node:  # fmt: skip
+            engine = DecodeEngine(node, [cache for cache, _ in caches])
+            tasks.start_soon(engine.pump)
+            options = {"bootstrap": registry, "serve_bootstrap": False, "settings": settings,
+                       "num_pages": 512}  # fmt: skip
+            async with prefill_process(tasks, options) as first:
+                assert first.ready["health"] != registry, "the prefill serves its own health"
+                for room in range(3):
+                    await first.start_room(room, 0, 64)
+                    assert await engine.run_room(registry, room, 0, 64) == "Success"
+                probed = {t.health for r in node.ranks for t in r.probe_targets()}
+                assert probed == {first.ready["health"]}, "the decode probes the process itself"
+                # Behind an external registry nothing but the prefill's own health endpoint
+                # fails these rooms before waiting_timeout (300 s): the registry stays up.
+                with anyio.fail_after(HEARTBEAT_S * MAX_FAILURES + 20):
+                    stalled, killed_at = await stall_then_kill(engine, first, registry,
+                                                               range(100, 105))  # fmt: skip
+                noticed_within = time.monotonic() - killed_at
+                with anyio.fail_after(5):
+                    await first.process.wait()
+                assert set(stalled.values()) == {"Failed"}
+                assert (await http.get("/health")).status_code == 200
+                lost = sum(r.snapshot().counters["prefill_instances_lost"] for r in node.ranks)
+                assert lost == len(node.ranks)
+            print(f"kill -9 noticed through the prefill's own health endpoint in "
+                  f"{noticed_within:.2f}s (interval {HEARTBEAT_S}s x {MAX_FAILURES})")
+            assert noticed_within < HEARTBEAT_S * MAX_FAILURES + 3
+
+            async with prefill_process(tasks, options) as second:
+                topology = (await http.get(TOPOLOGY)).json()
+                # The dead process's registration, retried late: refused, nothing changes.
+                late = await http.put("/route", json=late_registration(first.ready, topology))
+                assert late.status_code == 409, late.text
+                assert late.text.startswith("Superseded registration")
+                rank = (await http.get(RANK_0)).json()
+                assert rank["incarnation"] == second.ready["incarnation"]
+                for room in range(200, 205):
+                    await second.start_room(room, 0, 48)
+                    with anyio.fail_after(15):
+                        assert await engine.run_room(registry, room, 0, 48) == "Success"
+                superseded = {i for r in node.ranks for i in r.snapshot().superseded}
+            assert superseded == {first.ready["incarnation"]}, "never to be readmitted"
+            assert engine.corrupt == []
+        tasks.cancel_scope.cancel()
