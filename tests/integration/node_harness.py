@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import sys
 import time
 from collections import Counter
@@ -24,8 +25,11 @@ from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, RoomStatus, WriterFenced
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import Settings
+from pdflow.io.node_decode import DecodeNode, DecodeRank
+from pdflow.io.node_prefill import PrefillNode, PrefillRank
+from pdflow.io.settings import Settings, load_settings
+from pdflow.transport import InProcessFabric
+from pdflow.transport.base import Transport
 
 sys.path.insert(0, os.path.dirname(__file__))
 from canaries import Canaries
@@ -259,6 +263,89 @@ async def wait_readmitted(node: DecodeNode, timeout_s: float = 10) -> None:
         while not all(r.snapshot().counters.get("prefill_instances_readmitted")
                       for r in node.ranks):  # fmt: skip
             await anyio.sleep(0.02)
+
+
+@asynccontextmanager
+async def decode_engine(
+    tasks: TaskGroup, transport: Transport, settings: dict[str, Any], *, tp: int = 2,
+    num_pages: int = 256,
+) -> AsyncIterator[DecodeEngine]:
+    """A DecodeNode of ``tp`` ranks over host caches of ``num_pages`` pages each, and the
+    engine that drives it, pumping its events in ``tasks`` (the node is ``engine.node``)."""
+    caches = decode_caches(tp, num_pages=num_pages)
+    async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
+                          settings=load_settings(**settings)) as node:  # fmt: skip
+        engine = DecodeEngine(node, [cache for cache, _ in caches])
+        tasks.start_soon(engine.pump)
+        yield engine
+
+
+async def sigstop_with_writes_held(
+    engine: DecodeEngine, prefill: PrefillProcess, bootstrap: str, rooms: range
+) -> tuple[dict[int, str], float]:
+    """Three warm rooms succeed; then the prefill (started with ``gate_writes``) holds its
+    writes, ``rooms`` run until every chunk was handed to its transport and held, and the
+    prefill is paused (SIGSTOP) with those writes in flight. Returns each room's outcome, once
+    every room ended (the heartbeat fails them), and the monotonic time of the SIGSTOP."""
+    for room in range(3):
+        await prefill.start_room(room, 0, 64)
+        assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+    await prefill.send(op="hold_writes")
+    outcomes: dict[int, str] = {}
+
+    async def held_room(room: int) -> None:
+        await prefill.start_room(room, 0, 64)
+        outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
+
+    async with anyio.create_task_group() as group:
+        for room in rooms:
+            group.start_soon(held_room, room)
+        with anyio.fail_after(10):  # every chunk handed to the transport, held
+            while prefill.counts["chunks_sent"] < 2 * len(rooms):
+                await anyio.sleep(0.01)
+        assert prefill.counts["write_held"] > 0
+        prefill.process.send_signal(signal.SIGSTOP)
+        stopped_at = time.monotonic()
+    return outcomes, stopped_at
+
+
+@asynccontextmanager
+async def inprocess_nodes(
+    p_kv: list[RankKv], d_kv: list[RankKv], settings: Settings
+) -> AsyncIterator[tuple[PrefillNode, DecodeNode]]:
+    """A prefill node and a decode node over one in-process fabric (the prefill hosts the
+    registry)."""
+    fabric = InProcessFabric()
+    async with (
+        fabric.create_transport() as p_transport,
+        fabric.create_transport() as d_transport,
+        PrefillNode(ranks=p_kv, transport=p_transport, bootstrap="127.0.0.1:0",
+                    settings=settings) as p_node,
+        DecodeNode(ranks=d_kv, transport=d_transport, settings=settings) as d_node,
+    ):  # fmt: skip
+        yield p_node, d_node
+
+
+@asynccontextmanager
+async def inprocess_room(
+    p_kv: RankKv, d_kv: RankKv, settings: Settings, room: int = 1
+) -> AsyncIterator[tuple[PrefillRank, DecodeRank]]:
+    """:func:`inprocess_nodes` of one rank each, with ``room`` (generation 0) opened on both
+    and its bootstrap done: the decode may publish."""
+    async with inprocess_nodes([p_kv], [d_kv], settings) as (p_node, d_node):
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        await p_rank.open_room(room, 0)
+        await d_rank.open(room, 0, p_node.bootstrap)
+        await d_rank.wait(room)
+        yield p_rank, d_rank
+
+
+def free_port() -> int:
+    """A TCP port free on loopback now (for a process that must bind a known address)."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port: int = probe.getsockname()[1]
+        return port
 
 
 def decode_caches(tp: int, num_pages: int) -> list[tuple[HostKvCache, RankKv]]:

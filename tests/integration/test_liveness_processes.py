@@ -21,11 +21,9 @@ import anyio
 import httpx
 import pytest
 
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process, stall_then_kill
+from .node_harness import decode_engine, prefill_process, stall_then_kill
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -82,13 +80,12 @@ async def test_finding5_external_registry_kill_9_is_noticed_and_a_late_put_gets_
 ) -> None:
     settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
                 "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
-    caches = decode_caches(2, num_pages=512)
     transport = MooncakeTransport.open()
     with external_registry() as registry:
-        await kill_9_then_a_late_put(registry, settings, caches, transport)
+        await kill_9_then_a_late_put(registry, settings, transport)
 
 
-async def kill_9_then_a_late_put(registry: str, settings: dict[str, Any], caches: Any,
+async def kill_9_then_a_late_put(registry: str, settings: dict[str, Any],
                                  transport: MooncakeTransport) -> None:  # fmt: skip
     """The steps of the test above, against the registry process it started."""
     async with (
@@ -96,10 +93,8 @@ async def kill_9_then_a_late_put(registry: str, settings: dict[str, Any], caches
         transport,
         httpx.AsyncClient(base_url=f"http://{registry}", timeout=5) as http,
     ):
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            node = engine.node
             options = {"bootstrap": registry, "serve_bootstrap": False, "settings": settings,
                        "num_pages": 512}  # fmt: skip
             async with prefill_process(tasks, options) as first:

@@ -12,14 +12,12 @@ import anyio
 import pytest
 
 from pdflow.io.node_common import PagesHeld, PagesReleased, WriterFenced
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
 from .node_harness import (
-    DecodeEngine,
-    decode_caches,
+    decode_engine,
     prefill_process,
+    sigstop_with_writes_held,
     stall_then_kill,
     wait_readmitted,
 )
@@ -43,13 +41,10 @@ async def test_kill_9_mid_transfer_fails_rooms_quarantines_their_pages_and_a_res
     tmp_path: anyio.Path,
 ) -> None:
     settings = node_settings(str(tmp_path))
-    caches = decode_caches(2, num_pages=512)
     transport = MooncakeTransport.open()
     async with anyio.create_task_group() as tasks, transport:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            node = engine.node
             options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
             async with prefill_process(tasks, options) as first:
                 bootstrap = first.ready["bootstrap"]
@@ -97,16 +92,12 @@ async def test_abort_storm_never_reuses_a_page_a_write_can_still_reach(
     rng = random.Random(7)
     settings = node_settings(str(tmp_path))
     # A small pool: aborted rooms' pages must come back (by ACK) before later rooms can run.
-    caches = decode_caches(2, num_pages=160)
     transport = MooncakeTransport.open()
     async with anyio.create_task_group() as tasks, transport:
         options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 1024}
         async with prefill_process(tasks, options) as prefill:
             bootstrap = prefill.ready["bootstrap"]
-            async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                                  settings=load_settings(**settings)) as node:  # fmt: skip
-                engine = DecodeEngine(node, [cache for cache, _ in caches])
-                tasks.start_soon(engine.pump)
+            async with decode_engine(tasks, transport, settings, num_pages=160) as engine:
                 outcomes: dict[int, str] = {}
 
                 async def room(room_id: int, abort: bool) -> None:
@@ -142,37 +133,17 @@ async def test_sigstop_past_the_heartbeat_lands_no_late_write_in_a_released_page
     serves new rooms. Mooncake TCP has no receiver-side fence, so the pages must wait for the
     resumed prefill's drain ACKs."""
     settings = node_settings(str(tmp_path))
-    caches = decode_caches(2, num_pages=256)
     transport = MooncakeTransport.open()
     rooms = range(100, 108)
     async with anyio.create_task_group() as tasks, transport:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=256) as engine:
+            node = engine.node
             options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
                        "gate_writes": True}  # fmt: skip
             async with prefill_process(tasks, options) as prefill:
                 bootstrap = prefill.ready["bootstrap"]
-                for room in range(3):
-                    await prefill.start_room(room, 0, 64)
-                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
-                await prefill.send(op="hold_writes")
-                outcomes: dict[int, str] = {}
-
-                async def held_room(room: int) -> None:
-                    await prefill.start_room(room, 0, 64)
-                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
-
-                async with anyio.create_task_group() as group:
-                    for room in rooms:
-                        group.start_soon(held_room, room)
-                    with anyio.fail_after(10):  # every chunk handed to the transport, held
-                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
-                            await anyio.sleep(0.01)
-                    assert prefill.counts["write_held"] > 0
-                    prefill.process.send_signal(signal.SIGSTOP)
-                    stopped_at = time.monotonic()
+                outcomes, stopped_at = await sigstop_with_writes_held(engine, prefill, bootstrap,
+                                                                      rooms)  # fmt: skip
                 assert set(outcomes.values()) == {"Failed"}
                 await anyio.sleep(HEARTBEAT_S * MAX_FAILURES)  # more verdicts, still paused
                 paused_for = time.monotonic() - stopped_at

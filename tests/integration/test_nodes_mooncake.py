@@ -8,11 +8,9 @@ from typing import Any
 import anyio
 import pytest
 
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process
+from .node_harness import decode_engine, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -36,16 +34,14 @@ async def test_concurrent_rooms_succeed_verified_without_leaks(
 ) -> None:
     rng = random.Random(decode_tp)
     settings = node_settings(str(tmp_path))
-    caches = decode_caches(decode_tp, num_pages=4096)
     transport = MooncakeTransport.open()
     options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 4096}
     async with anyio.create_task_group() as tasks, transport:  # noqa: SIM117 - tasks first
         async with prefill_process(tasks, options) as prefill:
             bootstrap = prefill.ready["bootstrap"]
-            async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                                  settings=load_settings(**settings)) as node:  # fmt: skip
-                engine = DecodeEngine(node, [cache for cache, _ in caches])
-                tasks.start_soon(engine.pump)
+            async with decode_engine(tasks, transport, settings, tp=decode_tp,
+                                     num_pages=4096) as engine:  # fmt: skip
+                node = engine.node
                 outcomes: dict[int, str] = {}
 
                 async def room(room_id: int) -> None:

@@ -13,10 +13,9 @@ from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, host_cache_for_rank
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
-from pdflow.transport import InProcessFabric
+
+from .node_harness import inprocess_room
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -41,7 +40,6 @@ def copy_page(src: HostKvCache, src_page: int, dst: HostKvCache, dst_page: int) 
 
 async def transfer(prefix: int) -> dict[str, object]:
     settings = load_settings(trace_enabled=False, checksum=True)
-    fabric = InProcessFabric()
     p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     src_pages = [5, 9, 2]
@@ -53,17 +51,7 @@ async def transfer(prefix: int) -> dict[str, object]:
     prefix_pages = prefix // MODEL["page_size"]  # type: ignore[operator]
     for index in range(prefix_pages):  # the decode's cached prefix: it computed these itself
         copy_page(p_cache, src_pages[index], d_cache, dst_all[index])
-    async with (
-        fabric.create_transport() as p_transport,
-        fabric.create_transport() as d_transport,
-        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
-        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
-    ):  # fmt: skip
-        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
-        await p_rank.open_room(1, 0)
-        await d_rank.open(1, 0, p_node.bootstrap)
-        await d_rank.wait(1)
+    async with inprocess_room(p_kv, d_kv, settings) as (p_rank, d_rank):
         try:
             await d_rank.publish_pages(1, dst_all[prefix_pages:], decode_prefix_len=prefix)
         except InvalidInput as exc:

@@ -17,7 +17,14 @@ from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process, wait_readmitted
+from .node_harness import (
+    DecodeEngine,
+    decode_caches,
+    decode_engine,
+    prefill_process,
+    sigstop_with_writes_held,
+    wait_readmitted,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -53,14 +60,11 @@ async def test_kill_9_mid_transfer_then_the_quarantine_threshold_rotates_the_eng
 ) -> None:
     """The setting, not a call, rotates: pages held for the dead prefill pass 5% of the pool."""
     settings = node_settings(str(tmp_path), rotate_percent=5.0)
-    caches = decode_caches(2, num_pages=POOL)
     transport = MooncakeTransport.open()
     stalled_rooms = range(100, 120)
     async with anyio.create_task_group() as tasks, transport:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=POOL) as engine:
+            node = engine.node
             first_session = transport.session_id
             options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": POOL}
             async with prefill_process(tasks, options) as first:
@@ -184,13 +188,10 @@ async def test_a_writer_declared_dead_after_its_room_failed_still_rotates(
     released after that. The dead verdict alone must pass the threshold (chaos finding 6): the
     decode is quiet, so nothing else would ever check it again."""
     settings = node_settings(str(tmp_path), rotate_percent=1.0, waiting_timeout=1.0)
-    caches = decode_caches(2, num_pages=POOL)
     transport = MooncakeTransport.open()
     async with anyio.create_task_group() as tasks, transport:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=POOL) as engine:
+            node = engine.node
             options = {"bootstrap": "127.0.0.1:0", "settings": node_settings(str(tmp_path)),
                        "num_pages": POOL}  # fmt: skip
             async with prefill_process(tasks, options) as first:
@@ -233,35 +234,16 @@ async def test_sigstop_then_reclaim_quarantine_frees_pages_and_the_resumed_write
     no byte lands in the released pages (canaries). It then serves new rooms through the new
     engine."""
     settings = node_settings(str(tmp_path))
-    caches = decode_caches(2, num_pages=256)
     transport = MooncakeTransport.open()
     rooms = range(100, 108)
     async with anyio.create_task_group() as tasks, transport:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=256) as engine:
+            node = engine.node
             options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
                        "gate_writes": True}  # fmt: skip
             async with prefill_process(tasks, options) as prefill:
                 bootstrap = prefill.ready["bootstrap"]
-                for room in range(3):
-                    await prefill.start_room(room, 0, 64)
-                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
-                await prefill.send(op="hold_writes")
-                outcomes: dict[int, str] = {}
-
-                async def held_room(room: int) -> None:
-                    await prefill.start_room(room, 0, 64)
-                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
-
-                async with anyio.create_task_group() as group:
-                    for room in rooms:
-                        group.start_soon(held_room, room)
-                    with anyio.fail_after(10):
-                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
-                            await anyio.sleep(0.01)
-                    prefill.process.send_signal(signal.SIGSTOP)
+                outcomes, _ = await sigstop_with_writes_held(engine, prefill, bootstrap, rooms)
                 assert set(outcomes.values()) == {"Failed"}
                 held = quarantined(node)
                 assert held > 0 and not engine.order_of(PagesReleased, room=rooms[0])

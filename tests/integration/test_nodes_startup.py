@@ -3,7 +3,6 @@ the registry listens. Both sides retry; nothing has to start first."""
 
 from __future__ import annotations
 
-import socket
 from typing import Any
 
 import anyio
@@ -11,11 +10,9 @@ import pytest
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.bootstrap_server import serve
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process
+from .node_harness import decode_engine, free_port, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(90)]
 
@@ -25,23 +22,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
-
-
 async def test_decode_waits_through_503_until_the_prefill_registers(tmp_path: anyio.Path) -> None:
     settings: dict[str, Any] = {"trace_dir": str(tmp_path), "checksum": True}
-    caches = decode_caches(2, num_pages=64)
     transport = MooncakeTransport.open()
     # A registry with no incarnation of its own: the heartbeat must not read it as a restart.
     async with anyio.create_task_group() as tasks, transport, serve("127.0.0.1", 0) as registry:
-        async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                              settings=load_settings(**settings)) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with decode_engine(tasks, transport, settings, num_pages=64) as engine:
+            node = engine.node
             outcome: list[str] = []
 
             async def decode_room() -> None:
@@ -69,7 +56,6 @@ async def test_prefill_registration_retries_until_the_registry_binds(
     settings: dict[str, Any] = {"trace_dir": str(tmp_path)}
     port = free_port()
     address = f"127.0.0.1:{port}"
-    caches = decode_caches(2, num_pages=64)
     transport = MooncakeTransport.open()
     registry_up = anyio.Event()
     stop_registry = anyio.Event()
@@ -86,10 +72,7 @@ async def test_prefill_registration_retries_until_the_registry_binds(
                    "num_pages": 64}  # fmt: skip
         async with prefill_process(tasks, options) as prefill:  # ready = registered
             assert registry_up.is_set()
-            async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
-                                  settings=load_settings(**settings)) as node:  # fmt: skip
-                engine = DecodeEngine(node, [cache for cache, _ in caches])
-                tasks.start_soon(engine.pump)
+            async with decode_engine(tasks, transport, settings, num_pages=64) as engine:
                 await prefill.start_room(3, 0, 20)
                 with anyio.fail_after(20):
                     assert await engine.run_room(address, 3, 0, 20) == "Success"

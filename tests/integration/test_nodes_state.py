@@ -26,10 +26,9 @@ from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.dataplane.pure import PythonExecutor
 from pdflow.io.kv_buffers import host_cache_for_rank, state_digest, state_slices
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
-from pdflow.transport import InProcessFabric
+
+from .node_harness import inprocess_nodes, inprocess_room
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -72,7 +71,6 @@ def indices(slot: int, swa_first_slot: int, blob: int) -> tuple[tuple[int, ...],
 
 async def transfer(send_state: bool) -> dict[str, Any]:
     settings = load_settings(trace_enabled=False, checksum=True)
-    fabric = InProcessFabric()
     p_state, d_state = HostState(), HostState()
     p_state.fill()
     p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
@@ -80,17 +78,7 @@ async def transfer(send_state: bool) -> dict[str, Any]:
     p_kv = msgspec.structs.replace(p_kv, state=p_state.components)
     d_kv = msgspec.structs.replace(d_kv, state=d_state.components)
     src, dst = indices(2, 1, 5), indices(6, 3, 0)
-    async with (
-        fabric.create_transport() as p_transport,
-        fabric.create_transport() as d_transport,
-        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
-        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
-    ):  # fmt: skip
-        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
-        await p_rank.open_room(1, 0)
-        await d_rank.open(1, 0, p_node.bootstrap)
-        await d_rank.wait(1)
+    async with inprocess_room(p_kv, d_kv, settings) as (p_rank, d_rank):
         await d_rank.publish_pages(1, [4, 5, 6], state_indices=dst)
         await p_rank.wait(1)
         await p_rank.init_transfer(1, 3)
@@ -196,7 +184,6 @@ async def transfer_across_tp(prefill_tp: int, decode_tp: int) -> list[str]:
     """Mamba, SWA and blob state from TP ``prefill_tp`` into TP ``decode_tp``; the decode
     components that did not get the source items' bytes for their heads."""
     settings = load_settings(trace_enabled=False, checksum=True)
-    fabric = InProcessFabric()
     model = {**MODEL, "total_kv_heads": 4}
     p_states = [SplitState(prefill_tp, r) for r in range(prefill_tp)]
     d_states = [SplitState(decode_tp, r) for r in range(decode_tp)]
@@ -211,13 +198,7 @@ async def transfer_across_tp(prefill_tp: int, decode_tp: int) -> list[str]:
     d_kv = [msgspec.structs.replace(kv, state=d_states[r].components)
             for r, (_, kv) in enumerate(d_caches)]  # fmt: skip
     src, dst = ((3,), (1, 2), (6,)), ((5,), (7, 0), (2,))
-    async with (
-        fabric.create_transport() as p_transport,
-        fabric.create_transport() as d_transport,
-        PrefillNode(ranks=p_kv, transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
-        DecodeNode(ranks=d_kv, transport=d_transport, settings=settings) as d_node,
-    ):  # fmt: skip
+    async with inprocess_nodes(p_kv, d_kv, settings) as (p_node, d_node):
         for rank in p_node.ranks:
             await rank.open_room(1, 0)
         for rank in d_node.ranks:

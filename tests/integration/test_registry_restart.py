@@ -4,7 +4,6 @@ rooms succeed again without restarting the prefill or the decode."""
 
 from __future__ import annotations
 
-import socket
 import sys
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack, asynccontextmanager
@@ -15,11 +14,9 @@ import httpx
 import pytest
 from anyio.abc import Process
 
-from pdflow.io.node_decode import DecodeNode
-from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import DecodeEngine, decode_caches, prefill_process
+from .node_harness import decode_engine, free_port, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -27,13 +24,6 @@ pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(12
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 @asynccontextmanager
@@ -68,18 +58,15 @@ async def test_a_restarted_registry_is_registered_again_and_rooms_succeed(
     address = f"127.0.0.1:{port}"
     settings: dict[str, Any] = {"trace_dir": str(tmp_path), "heartbeat_interval": 0.3,
                                 "heartbeat_max_failure": 2}  # fmt: skip
-    caches = decode_caches(2, num_pages=64)
     transport = MooncakeTransport.open()
     options = {"bootstrap": address, "serve_bootstrap": False, "settings": settings,
                "num_pages": 64}  # fmt: skip
     async with anyio.create_task_group() as tasks, transport, AsyncExitStack() as first_life:
         await first_life.enter_async_context(registry_process(port))
-        async with prefill_process(tasks, options) as prefill, DecodeNode(
-            ranks=[kv for _, kv in caches], transport=transport,
-            settings=load_settings(**settings),
-        ) as node:  # fmt: skip
-            engine = DecodeEngine(node, [cache for cache, _ in caches])
-            tasks.start_soon(engine.pump)
+        async with (
+            prefill_process(tasks, options) as prefill,
+            decode_engine(tasks, transport, settings, num_pages=64) as engine,
+        ):
             await prefill.start_room(1, 0, 24)
             with anyio.fail_after(20):
                 assert await engine.run_room(address, 1, 0, 24) == "Success"
