@@ -14,6 +14,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pdflow.sglang.conn import INCARNATION_ENV, STARTED_AT_ENV
+
 DRIVER = Path(__file__).resolve().parent / "driver.py"
 
 
@@ -22,6 +24,14 @@ def free_port() -> int:
         sock.bind(("127.0.0.1", 0))
         port: int = sock.getsockname()[1]
         return port
+
+
+def _inherited_env() -> dict[str, str]:
+    """This environment without the SGLang instance identity: each driver process is its own
+    instance (a new incarnation) unless the caller passes one. A test that ran the adapter in
+    the pytest process set it here, and every later driver inherited it, so a restarted prefill
+    came back as the incarnation the decode had seen replaced."""
+    return {k: v for k, v in os.environ.items() if k not in (INCARNATION_ENV, STARTED_AT_ENV)}
 
 
 class DriverProcess:
@@ -39,7 +49,7 @@ class DriverProcess:
         self.proc = subprocess.Popen(
             [python, str(DRIVER), role, *args, "--events-fd", str(write_fd)],
             stdin=subprocess.PIPE, stdout=self._log, stderr=subprocess.STDOUT, text=True,
-            env={**os.environ, **(env or {})}, pass_fds=(write_fd,),
+            env={**_inherited_env(), **(env or {})}, pass_fds=(write_fd,),
         )  # fmt: skip
         os.close(write_fd)
         self._event_pipe = os.fdopen(read_fd)
