@@ -8,7 +8,8 @@ of a room on every rank (``stall`` sends only the first chunk and never the last
 stays mid-transfer); ``{"op": "stats"}`` prints the metrics. Each finished room prints
 ``{"event": "room", ...}``. With the option ``"gate_writes": true``, ``{"op": "hold_writes"}``
 makes every later write wait, in flight for the node, until ``{"op": "release_writes"}``; each
-write that starts waiting prints ``{"event": "write_held"}``. ``"staging_slot_pages": N`` gives
+write that starts waiting prints ``{"event": "write_held"}``, and every write handed to the
+transport, held or not, ``{"event": "write_submitted"}``. ``"staging_slot_pages": N`` gives
 each rank a staging slot of N pages (a decode of another TP size receives staged).
 """
 
@@ -43,6 +44,7 @@ class GatedTransport(MooncakeTransport):
 
     async def batch_write(self, peer_session_id: str,
                           ops: Sequence[WriteOpLike]) -> TransferOutcome:  # fmt: skip
+        emit(event="write_submitted")
         if self.shut is not None:
             emit(event="write_held")
             await self.shut.wait()

@@ -58,6 +58,7 @@ from pdflow.core.protocol.inputs import (
 )
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
+from pdflow.core.rooms.sender_room import SenderState
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import (
     BootstrapClient,
@@ -104,6 +105,11 @@ from pdflow.io.settings import Settings, load_settings, timeouts_from
 from pdflow.transport.base import Transport, TransportError
 
 log = structlog.get_logger("pdflow.prefill")
+
+_NOT_SUBMITTED = (
+    "not submitted: the room failed or was aborted while this chunk waited in its transfer "
+    "queue, so none of its bytes was written"
+)
 
 
 FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
@@ -573,6 +579,8 @@ class PrefillNode(NodeLifecycle):
         def failed(reason: str) -> TransferCompleted:
             return TransferCompleted(start.room, start.generation, start.seq, False, reason)
 
+        if not self._write_wanted(host, start):
+            return failed(_NOT_SUBMITTED)
         if args is None:
             return failed(
                 f"decode {start.peer.address}#{start.peer.rank} never sent its KV "
@@ -594,6 +602,8 @@ class PrefillNode(NodeLifecycle):
         checksum = None
         if self.settings.checksum and self._executor is not None:
             checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
+        if not self._write_wanted(host, start):  # aborted during the gather or the digest
+            return failed(_NOT_SUBMITTED)
         try:
             outcome = await self.transport.batch_write(start.session_id, ops)
         except TransportError as exc:
@@ -609,6 +619,19 @@ class PrefillNode(NodeLifecycle):
             kv = self.rank_kv[self.rank_index(host.rank)]
             aux = read_aux_row(aux_buffer_of(kv, "the last chunk"), start.src_aux_index)
         return TransferCompleted(start.room, start.generation, start.seq, True, "", checksum, aux)
+
+    @staticmethod
+    def _write_wanted(host: EndpointHost, start: StartTransfer) -> bool:
+        """Whether the chunk's room instance still transfers. A chunk of a room that failed or
+        was aborted (DRAINING) while the chunk waited in its transfer queue is never handed to
+        the transport: it cannot land, so the room's drain ACK waits only for writes already
+        submitted, not for a queue of doomed ones ahead of it (chaos finding 8)."""
+        summary = host.endpoint.summary(start.room)
+        return (
+            summary is not None
+            and summary.generation == start.generation
+            and summary.state == SenderState.TRANSFERRING.name
+        )
 
     @staticmethod
     def _gather(executor: Executor, pages: tuple[StagedSlices, ...]) -> None:
