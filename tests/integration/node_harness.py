@@ -14,6 +14,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +31,7 @@ from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import Settings, load_settings
 from pdflow.transport import InProcessFabric
 from pdflow.transport.base import Transport
+from pdflow.transport.mooncake import MooncakeTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
 from canaries import Canaries
@@ -280,33 +282,55 @@ async def decode_engine(
         yield engine
 
 
-async def sigstop_with_writes_held(
-    engine: DecodeEngine, prefill: PrefillProcess, bootstrap: str, rooms: range
-) -> tuple[dict[int, str], float]:
-    """Three warm rooms succeed; then the prefill (started with ``gate_writes``) holds its
-    writes, ``rooms`` run until every chunk was handed to its transport and held, and the
-    prefill is paused (SIGSTOP) with those writes in flight. Returns each room's outcome, once
-    every room ended (the heartbeat fails them), and the monotonic time of the SIGSTOP."""
-    for room in range(3):
-        await prefill.start_room(room, 0, 64)
-        assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
-    await prefill.send(op="hold_writes")
-    outcomes: dict[int, str] = {}
+@dataclass
+class SigstoppedPrefill:
+    """What :func:`sigstopped_prefill` leaves: the decode engine, the paused prefill, its
+    bootstrap, each held room's outcome and the monotonic time of the SIGSTOP."""
 
-    async def held_room(room: int) -> None:
-        await prefill.start_room(room, 0, 64)
-        outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
+    engine: DecodeEngine
+    prefill: PrefillProcess
+    bootstrap: str
+    outcomes: dict[int, str]
+    stopped_at: float
 
-    async with anyio.create_task_group() as group:
-        for room in rooms:
-            group.start_soon(held_room, room)
-        with anyio.fail_after(10):  # every chunk handed to the transport, held
-            while prefill.counts["chunks_sent"] < 2 * len(rooms):
-                await anyio.sleep(0.01)
-        assert prefill.counts["write_held"] > 0
-        prefill.process.send_signal(signal.SIGSTOP)
-        stopped_at = time.monotonic()
-    return outcomes, stopped_at
+
+@asynccontextmanager
+async def sigstopped_prefill(
+    settings: dict[str, Any], rooms: range
+) -> AsyncIterator[SigstoppedPrefill]:
+    """Over Mooncake TCP, a decode engine (2 ranks of 256 pages) and a prefill process started
+    with ``gate_writes``: three warm rooms succeed; then the prefill holds its writes, ``rooms``
+    run until every chunk was handed to its transport and held, and the prefill is paused
+    (SIGSTOP) with those writes in flight. Yields once the heartbeat failed every one of
+    ``rooms``; afterwards stops everything it started."""
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=256) as engine:
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
+                       "gate_writes": True}  # fmt: skip
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                for room in range(3):
+                    await prefill.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                await prefill.send(op="hold_writes")
+                outcomes: dict[int, str] = {}
+
+                async def held_room(room: int) -> None:
+                    await prefill.start_room(room, 0, 64)
+                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
+
+                async with anyio.create_task_group() as group:
+                    for room in rooms:
+                        group.start_soon(held_room, room)
+                    with anyio.fail_after(10):  # every chunk handed to the transport, held
+                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
+                            await anyio.sleep(0.01)
+                    assert prefill.counts["write_held"] > 0
+                    prefill.process.send_signal(signal.SIGSTOP)
+                    stopped_at = time.monotonic()
+                assert set(outcomes.values()) == {"Failed"}, outcomes
+                yield SigstoppedPrefill(engine, prefill, bootstrap, outcomes, stopped_at)
+        tasks.cancel_scope.cancel()
 
 
 @asynccontextmanager

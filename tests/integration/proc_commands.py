@@ -13,20 +13,13 @@ import anyio
 import structlog
 from anyio.abc import TaskGroup
 
-
-def emit(**fields: Any) -> None:
-    print(json.dumps(fields), flush=True)
+from pdflow.chaos.agent_io import emit, stdin_commands
 
 
 async def serve_commands(handle: Callable[[dict[str, Any], TaskGroup], None]) -> None:
     """Hand every stdin command to ``handle`` until ``{"op": "quit"}`` or end of input."""
     async with anyio.create_task_group() as tasks:
-        async for line in anyio.wrap_file(sys.stdin):
-            if not line.strip():
-                continue
-            cmd = json.loads(line)
-            if cmd["op"] == "quit":
-                break
+        async for cmd in stdin_commands():
             handle(cmd, tasks)
         tasks.cancel_scope.cancel()
     emit(event="stopped")

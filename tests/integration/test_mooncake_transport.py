@@ -188,25 +188,48 @@ def landed_bytes(memory: ctypes.Array[ctypes.c_char]) -> int:
     return int(np.count_nonzero(np.frombuffer(memory, dtype=np.uint8)))
 
 
-async def test_two_processes_an_accepted_write_lands_after_the_receiver_unregisters() -> None:
-    """Why MooncakeTransport.fence_is_real is False: over TCP the receiver checks a request's
-    destination once, when its header arrives, so a writer paused mid-request still lands the
-    rest when it resumes, into memory the receiver unregistered while it was paused."""
-    size = 256 << 20
+class WriteTarget(NamedTuple):
+    receiving: MooncakeTransport
+    writer: RemoteReceiver
+    memory: ctypes.Array[ctypes.c_char]
+    addr: int
+
+
+@asynccontextmanager
+async def write_target(size: int) -> AsyncIterator[WriteTarget]:
+    """An engine in this process with ``size`` zeroed bytes registered, and a writer process
+    (its own engine) to write into them."""
     memory = ctypes.create_string_buffer(size)
     addr = ctypes.addressof(memory)
     config = MooncakeConfig(host="127.0.0.1", protocol="tcp")
     async with MooncakeTransport.open(config) as receiving, remote_peer(size, 0xAB) as writer:
         receiving.register_buffer(addr, size)
+        yield WriteTarget(receiving, writer, memory, addr)
+
+
+async def pause_mid_write(target: WriteTarget, session_id: str, size: int) -> None:
+    """The writer starts one ``size``-byte write to ``session_id`` and is paused (SIGSTOP) as
+    soon as its first byte has landed."""
+    writer, addr = target.writer, target.addr
+    assert writer.process.stdin is not None
+    await writer.process.stdin.send(f"write {session_id} {addr} {size}\n".encode())
+    with anyio.fail_after(30):
+        while ctypes.string_at(addr, 1) == b"\0":
+            await anyio.sleep(0.0002)
+    writer.process.send_signal(signal.SIGSTOP)
+
+
+async def test_two_processes_an_accepted_write_lands_after_the_receiver_unregisters() -> None:
+    """Why MooncakeTransport.fence_is_real is False: over TCP the receiver checks a request's
+    destination once, when its header arrives, so a writer paused mid-request still lands the
+    rest when it resumes, into memory the receiver unregistered while it was paused."""
+    size = 256 << 20
+    async with write_target(size) as target:
+        receiving, writer, memory, addr = target
         assert not receiving.fence_is_real
         with pytest.raises(FenceUnavailableError, match="drain ACK"):
             await receiving.fence(writer.session_id)
-        assert writer.process.stdin is not None
-        await writer.process.stdin.send(f"write {receiving.session_id} {addr} {size}\n".encode())
-        with anyio.fail_after(30):
-            while ctypes.string_at(addr, 1) == b"\0":
-                await anyio.sleep(0.0002)
-        writer.process.send_signal(signal.SIGSTOP)
+        await pause_mid_write(target, receiving.session_id, size)
         receiving.unregister_buffer(addr)
         await anyio.sleep(0.3)  # what was already in the socket buffers is read meanwhile
         at_pause = landed_bytes(memory)
@@ -232,6 +255,18 @@ async def engine_pair() -> AsyncIterator[tuple[MooncakeTransport, MooncakeTransp
         yield first, second
 
 
+def registered_buffers(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], size: int, seed: int
+) -> tuple[LocalBuffer, LocalBuffer]:
+    """A ``size``-byte source registered in the pair's first (sending) engine and a destination
+    in its second, each with its own pattern (``seed`` and ``seed + 1``)."""
+    sender, receiver = engine_pair
+    src, dst = LocalBuffer(size, seed=seed), LocalBuffer(size, seed=seed + 1)
+    sender.register_buffer(src.addr, src.size)
+    receiver.register_buffer(dst.addr, dst.size)
+    return src, dst
+
+
 async def test_one_process_batch_beyond_engine_queue_succeeds(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:
@@ -239,9 +274,7 @@ async def test_one_process_batch_beyond_engine_queue_succeeds(
     # keep the transport under it.
     sender, receiver = engine_pair
     count, page = 4096, 4096
-    src, dst = LocalBuffer(count * page, seed=2), LocalBuffer(count * page, seed=3)
-    sender.register_buffer(src.addr, src.size)
-    receiver.register_buffer(dst.addr, dst.size)
+    src, dst = registered_buffers(engine_pair, count * page, seed=2)
     ops = [Op(src.addr + i * page, dst.addr + i * page, page) for i in range(count)]
     with anyio.fail_after(60):
         outcome = await sender.batch_write(receiver.session_id, ops)
@@ -255,9 +288,7 @@ async def test_one_process_partial_failure_settles_before_returning(
 ) -> None:
     sender, receiver = engine_pair
     size = 16 << 20
-    src, dst = LocalBuffer(size, seed=4), LocalBuffer(size, seed=5)
-    sender.register_buffer(src.addr, size)
-    receiver.register_buffer(dst.addr, size)
+    src, dst = registered_buffers(engine_pair, size, seed=4)
     half = size // 2
     ops = [
         Op(src.addr, dst.addr, half),
@@ -282,9 +313,7 @@ async def test_one_process_close_session_fences_concurrent_writes(
 ) -> None:
     sender, receiver = engine_pair
     chunk, writers = 8 << 20, 4
-    src, dst = LocalBuffer(chunk * writers, seed=6), LocalBuffer(chunk * writers, seed=7)
-    sender.register_buffer(src.addr, src.size)
-    receiver.register_buffer(dst.addr, dst.size)
+    src, dst = registered_buffers(engine_pair, chunk * writers, seed=6)
     results: list[bool] = []
 
     async def write(index: int) -> None:
@@ -325,9 +354,7 @@ async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
     # (counted, not timed), every byte lands, and the one bad call fails without the others.
     sender, receiver = engine_pair
     rooms, page = 64, 4096
-    src, dst = LocalBuffer(rooms * page, seed=8), LocalBuffer(rooms * page, seed=9)
-    sender.register_buffer(src.addr, src.size)
-    receiver.register_buffer(dst.addr, dst.size)
+    src, dst = registered_buffers(engine_pair, rooms * page, seed=8)
     jobs: list[int] = []
     real = MooncakeTransport._write_settled
 
@@ -363,19 +390,11 @@ async def test_two_processes_rotation_cuts_an_accepted_write_and_serves_through_
     more of it lands after SIGCONT (the writer is told it failed), while the new engine, in the
     same process and over the same memory, takes new writes."""
     size = 256 << 20
-    memory = ctypes.create_string_buffer(size)
-    addr = ctypes.addressof(memory)
-    config = MooncakeConfig(host="127.0.0.1", protocol="tcp")
-    async with MooncakeTransport.open(config) as receiving, remote_peer(size, 0xAB) as writer:
-        receiving.register_buffer(addr, size)
+    async with write_target(size) as target:
+        receiving, writer, memory, addr = target
         assert receiving.can_rotate and not receiving.fence_is_real
         old = receiving.session_id
-        assert writer.process.stdin is not None
-        await writer.process.stdin.send(f"write {old} {addr} {size}\n".encode())
-        with anyio.fail_after(30):
-            while ctypes.string_at(addr, 1) == b"\0":
-                await anyio.sleep(0.0002)
-        writer.process.send_signal(signal.SIGSTOP)
+        await pause_mid_write(target, old, size)
         new = await receiving.rotate()
         assert new != old and receiving.session_id == new
         assert receiving.retiring_sessions == (old,)
@@ -409,9 +428,7 @@ async def test_one_process_two_engines_share_the_same_registered_memory(
     # Before the old engine is retired, writes through either engine land in the one buffer.
     sender, receiver = engine_pair
     page = 4096
-    src, dst = LocalBuffer(4 * page, seed=10), LocalBuffer(4 * page, seed=11)
-    sender.register_buffer(src.addr, src.size)
-    receiver.register_buffer(dst.addr, dst.size)
+    src, dst = registered_buffers(engine_pair, 4 * page, seed=10)
     old = receiver.session_id
     new = await receiver.rotate()
     first = await sender.batch_write(old, [Op(src.addr, dst.addr, page)])

@@ -17,7 +17,7 @@ from pdflow.transport.mooncake import MooncakeTransport
 from .node_harness import (
     decode_engine,
     prefill_process,
-    sigstop_with_writes_held,
+    sigstopped_prefill,
     stall_then_kill,
     wait_readmitted,
 )
@@ -133,47 +133,38 @@ async def test_sigstop_past_the_heartbeat_lands_no_late_write_in_a_released_page
     serves new rooms. Mooncake TCP has no receiver-side fence, so the pages must wait for the
     resumed prefill's drain ACKs."""
     settings = node_settings(str(tmp_path))
-    transport = MooncakeTransport.open()
     rooms = range(100, 108)
-    async with anyio.create_task_group() as tasks, transport:
-        async with decode_engine(tasks, transport, settings, num_pages=256) as engine:
-            node = engine.node
-            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
-                       "gate_writes": True}  # fmt: skip
-            async with prefill_process(tasks, options) as prefill:
-                bootstrap = prefill.ready["bootstrap"]
-                outcomes, stopped_at = await sigstop_with_writes_held(engine, prefill, bootstrap,
-                                                                      rooms)  # fmt: skip
-                assert set(outcomes.values()) == {"Failed"}
-                await anyio.sleep(HEARTBEAT_S * MAX_FAILURES)  # more verdicts, still paused
-                paused_for = time.monotonic() - stopped_at
-                assert paused_for > 2 * HEARTBEAT_S * MAX_FAILURES
-                released_while_paused = engine.order_of(PagesReleased)
-                assert not [i for i in released_while_paused if engine.events[i].room in rooms]
-                prefill.process.send_signal(signal.SIGCONT)
-                await prefill.send(op="release_writes")
-                with anyio.fail_after(30):
-                    for room in rooms:
-                        await prefill.room_done[room].wait()
-                    while not all(engine.order_of(PagesReleased, room=room, rank=rank)
-                                  for room in rooms for rank in (0, 1)):  # fmt: skip
-                        await anyio.sleep(0.01)
-                await anyio.sleep(0.5)  # time for anything still on its way to land
-                late = engine.written_after_release()
-                pages_released = sum(len(e.pages) for e in engine.events
-                                     if isinstance(e, PagesReleased) and e.room in rooms)
-                print(f"paused {paused_for:.2f}s: rooms failed {len(outcomes)}, pages released "
-                      f"{pages_released}, late writes landed in pages still quarantined "
-                      f"{len(engine.landed_while_held)}, in released pages {len(late)}")
-                assert late == [], f"late writes landed in released pages: {late}"
-                assert engine.landed_while_held, "no held write landed: the test tested nothing"
-                assert engine.order_of(WriterFenced) == []
-                await wait_readmitted(node)
-                for room in range(200, 205):  # the resumed prefill serves new rooms
-                    await prefill.start_room(room, 0, 48)
-                    with anyio.fail_after(15):
-                        assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
-                assert engine.corrupt == []
-                assert await engine.settled_leak_report() == []
-                assert engine.written_after_release() == []
-        tasks.cancel_scope.cancel()
+    async with sigstopped_prefill(settings, rooms) as paused:
+        engine, prefill, bootstrap = paused.engine, paused.prefill, paused.bootstrap
+        node, outcomes = engine.node, paused.outcomes
+        await anyio.sleep(HEARTBEAT_S * MAX_FAILURES)  # more verdicts, still paused
+        paused_for = time.monotonic() - paused.stopped_at
+        assert paused_for > 2 * HEARTBEAT_S * MAX_FAILURES
+        released_while_paused = engine.order_of(PagesReleased)
+        assert not [i for i in released_while_paused if engine.events[i].room in rooms]
+        prefill.process.send_signal(signal.SIGCONT)
+        await prefill.send(op="release_writes")
+        with anyio.fail_after(30):
+            for room in rooms:
+                await prefill.room_done[room].wait()
+            while not all(engine.order_of(PagesReleased, room=room, rank=rank)
+                          for room in rooms for rank in (0, 1)):  # fmt: skip
+                await anyio.sleep(0.01)
+        await anyio.sleep(0.5)  # time for anything still on its way to land
+        late = engine.written_after_release()
+        pages_released = sum(len(e.pages) for e in engine.events
+                             if isinstance(e, PagesReleased) and e.room in rooms)
+        print(f"paused {paused_for:.2f}s: rooms failed {len(outcomes)}, pages released "
+              f"{pages_released}, late writes landed in pages still quarantined "
+              f"{len(engine.landed_while_held)}, in released pages {len(late)}")
+        assert late == [], f"late writes landed in released pages: {late}"
+        assert engine.landed_while_held, "no held write landed: the test tested nothing"
+        assert engine.order_of(WriterFenced) == []
+        await wait_readmitted(node)
+        for room in range(200, 205):  # the resumed prefill serves new rooms
+            await prefill.start_room(room, 0, 48)
+            with anyio.fail_after(15):
+                assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
+        assert engine.corrupt == []
+        assert await engine.settled_leak_report() == []
+        assert engine.written_after_release() == []

@@ -22,7 +22,7 @@ from .node_harness import (
     decode_caches,
     decode_engine,
     prefill_process,
-    sigstop_with_writes_held,
+    sigstopped_prefill,
     wait_readmitted,
 )
 
@@ -234,40 +234,32 @@ async def test_sigstop_then_reclaim_quarantine_frees_pages_and_the_resumed_write
     no byte lands in the released pages (canaries). It then serves new rooms through the new
     engine."""
     settings = node_settings(str(tmp_path))
-    transport = MooncakeTransport.open()
     rooms = range(100, 108)
-    async with anyio.create_task_group() as tasks, transport:
-        async with decode_engine(tasks, transport, settings, num_pages=256) as engine:
-            node = engine.node
-            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512,
-                       "gate_writes": True}  # fmt: skip
-            async with prefill_process(tasks, options) as prefill:
-                bootstrap = prefill.ready["bootstrap"]
-                outcomes, _ = await sigstop_with_writes_held(engine, prefill, bootstrap, rooms)
-                assert set(outcomes.values()) == {"Failed"}
-                held = quarantined(node)
-                assert held > 0 and not engine.order_of(PagesReleased, room=rooms[0])
-                with anyio.fail_after(30):
-                    rotation = await node.reclaim_quarantine()
-                assert rotation.reason == "requested" and rotation.released_pages == held
-                for rank in node.ranks:
-                    assert rank.quarantine() == () and rank.allocatable == 256
-                prefill.process.send_signal(signal.SIGCONT)
-                await prefill.send(op="release_writes")
-                with anyio.fail_after(30):
-                    for room in rooms:
-                        await prefill.room_done[room].wait()
-                await anyio.sleep(0.5)  # time for anything still on its way to land
-                results = {room: prefill.rooms[room] for room in rooms}
-                late = engine.written_after_release()
-                print(f"SIGSTOP + rotation: rooms failed {len(outcomes)}, pages released by "
-                      f"rotation {rotation.released_pages}, prefill results {results}, late "
-                      f"writes in released pages {len(late)}")
-                assert late == [], f"late writes landed in released pages: {late}"
-                assert engine.landed_while_held == []
-                await wait_readmitted(node)  # the same life, its ABORTs ACKed
-                await serve_new_rooms(engine, prefill, bootstrap, range(200, 205))
-                assert engine.corrupt == []
-                assert await engine.settled_leak_report() == []
-                assert engine.written_after_release() == []
-        tasks.cancel_scope.cancel()
+    async with sigstopped_prefill(settings, rooms) as paused:
+        engine, prefill, bootstrap = paused.engine, paused.prefill, paused.bootstrap
+        node, outcomes = engine.node, paused.outcomes
+        held = quarantined(node)
+        assert held > 0 and not engine.order_of(PagesReleased, room=rooms[0])
+        with anyio.fail_after(30):
+            rotation = await node.reclaim_quarantine()
+        assert rotation.reason == "requested" and rotation.released_pages == held
+        for rank in node.ranks:
+            assert rank.quarantine() == () and rank.allocatable == 256
+        prefill.process.send_signal(signal.SIGCONT)
+        await prefill.send(op="release_writes")
+        with anyio.fail_after(30):
+            for room in rooms:
+                await prefill.room_done[room].wait()
+        await anyio.sleep(0.5)  # time for anything still on its way to land
+        results = {room: prefill.rooms[room] for room in rooms}
+        late = engine.written_after_release()
+        print(f"SIGSTOP + rotation: rooms failed {len(outcomes)}, pages released by "
+              f"rotation {rotation.released_pages}, prefill results {results}, late "
+              f"writes in released pages {len(late)}")
+        assert late == [], f"late writes landed in released pages: {late}"
+        assert engine.landed_while_held == []
+        await wait_readmitted(node)  # the same life, its ABORTs ACKed
+        await serve_new_rooms(engine, prefill, bootstrap, range(200, 205))
+        assert engine.corrupt == []
+        assert await engine.settled_leak_report() == []
+        assert engine.written_after_release() == []

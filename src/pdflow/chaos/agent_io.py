@@ -7,7 +7,7 @@ import contextlib
 import json
 import logging
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import anyio
@@ -50,15 +50,22 @@ def configure_logging() -> None:
     )
 
 
+async def stdin_commands() -> AsyncIterator[dict[str, Any]]:
+    """Each JSON command line on stdin (blank lines skipped) until ``{"op": "quit"}`` or the
+    end of input."""
+    async for line in anyio.wrap_file(sys.stdin):
+        if not line.strip():
+            continue
+        command: dict[str, Any] = json.loads(line)
+        if command["op"] == "quit":
+            return
+        yield command
+
+
 async def serve_commands(handlers: dict[str, Handler]) -> None:
     """Run each command in its own task until ``quit`` or the end of stdin."""
     async with anyio.create_task_group() as tasks:
-        async for line in anyio.wrap_file(sys.stdin):
-            if not line.strip():
-                continue
-            command = json.loads(line)
-            if command["op"] == "quit":
-                break
+        async for command in stdin_commands():
             tasks.start_soon(_guarded, handlers[command["op"]], command)
         tasks.cancel_scope.cancel()
 
