@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from pdflow.sglang.conn import INCARNATION_ENV, STARTED_AT_ENV
+from pdflow.sglang.identity import INCARNATION_ENV, STARTED_AT_ENV
 
 DRIVER = Path(__file__).resolve().parent / "driver.py"
 

@@ -21,9 +21,7 @@ Two guarantees SGLang's own backends do not give, and how they are kept:
 
 from __future__ import annotations
 
-import os
 import random
-import secrets
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
@@ -51,6 +49,7 @@ from pdflow.io.bootstrap_server import serve
 from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import Settings, load_settings
+from pdflow.sglang.identity import instance_identity
 from pdflow.sglang.layout import (
     UnsupportedByPdflow,
     rank_kv_from_kv_args,
@@ -62,20 +61,7 @@ from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.sglang")
 
-# One SGLang instance (its launcher and every scheduler process it spawns) is one pdflow
-# incarnation: the plugin sets these in the launcher, the children inherit them, so all ranks
-# and the bootstrap server report the same life and a restart is a new one.
-INCARNATION_ENV = "PDFLOW_SGLANG_INCARNATION"
-STARTED_AT_ENV = "PDFLOW_SGLANG_STARTED_AT"
 GENERATION = 0  # SGLang room ids are random per request; a room id is never reused.
-
-
-def instance_identity() -> tuple[str, float]:
-    """This SGLang instance's incarnation and start time (set once, inherited by children)."""
-    if not os.environ.get(INCARNATION_ENV):
-        os.environ[INCARNATION_ENV] = secrets.token_hex(8)
-        os.environ[STARTED_AT_ENV] = repr(time.time())
-    return os.environ[INCARNATION_ENV], float(os.environ.get(STARTED_AT_ENV) or time.time())
 
 
 def _routable(host: str) -> str:

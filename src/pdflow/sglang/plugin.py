@@ -48,7 +48,7 @@ def register() -> None:
     from sglang.srt.disaggregation import utils
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    from pdflow.sglang.conn import instance_identity
+    from pdflow.sglang.identity import instance_identity
 
     instance_identity()  # in the launcher: its children inherit this instance's identity
     if PDFLOW not in DISAGG_TRANSFER_BACKEND_CHOICES:
