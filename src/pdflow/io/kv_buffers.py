@@ -44,7 +44,13 @@ from pdflow.core.dataplane.layout import (
     packed_layout,
     rank_head_range,
 )
-from pdflow.core.dataplane.planning import StagedSlices, WriteOp, plan_buffers
+from pdflow.core.dataplane.planning import (
+    SlicePairs,
+    StagedSlices,
+    WriteOp,
+    buffer_slice_pairs,
+    plan_buffers,
+)
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.protocol.messages import KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
@@ -137,19 +143,40 @@ def peer_place(args: KvArgs) -> TpPlace:
     return TpPlace(args.tp_size, args.tp_rank)
 
 
+# Peer layouts whose slice pairs a planner keeps; past this the oldest is dropped.
+_KEPT_PEER_LAYOUTS = 256
+
+
 class TransferPlanner:
-    """Plans the writes of one prefill rank. Override :meth:`plan` for a staged path."""
+    """Plans the writes of one prefill rank. Override :meth:`plan` for a staged path.
+
+    Which slice of each buffer lands where depends on the two layouts only, so it is worked out
+    once per peer's ``KvArgs`` (the object the core keeps for that decode rank) and kept; each
+    room then only pairs its pages. Finding those slices was most of a small room's plan."""
 
     stage = False
     """The rank is one pipeline stage: it writes only the tensors (layers) it holds."""
 
     def __init__(self, local: RankKv) -> None:
         self.local = local
+        self._local_buffers = local.kv_buffers
+        # id(KvArgs) -> (that KvArgs, stage, its slice pairs); holding the KvArgs keeps its id
+        # from being reused by another object while the entry lives.
+        self._pairs: dict[int, tuple[KvArgs, bool, SlicePairs]] = {}
 
     def plan(self, start: StartTransfer, peer: KvArgs) -> tuple[WriteOp, ...]:
         """Raises ``InvalidInput`` (from planning) when the two layouts cannot exchange pages."""
-        return plan_buffers(self.local.kv_buffers, self.local.tp, peer.layout, peer_place(peer),
-                            start.src_pages, start.dst_pages, self.stage)  # fmt: skip
+        kept = self._pairs.get(id(peer))
+        if kept is not None and kept[0] is peer and kept[1] == self.stage:
+            pairs = kept[2]
+        else:
+            pairs = buffer_slice_pairs(self._local_buffers, self.local.tp, peer.layout,
+                                       peer_place(peer), self.stage)  # fmt: skip
+            if len(self._pairs) >= _KEPT_PEER_LAYOUTS:
+                del self._pairs[next(iter(self._pairs))]
+            self._pairs[id(peer)] = (peer, self.stage, pairs)
+        return plan_buffers(self._local_buffers, self.local.tp, peer.layout, peer_place(peer),
+                            start.src_pages, start.dst_pages, self.stage, pairs)  # fmt: skip
 
 
 # ---- model state ---------------------------------------------------------------------------------

@@ -53,9 +53,11 @@ from pdflow.core.framework.errors import InvalidInput
 
 __all__ = [
     "PageChunk",
+    "SlicePairs",
     "StagedSlices",
     "StagingPlan",
     "WriteOp",
+    "buffer_slice_pairs",
     "destination_ranges",
     "kv_to_page_indices",
     "pages_after_prefix",
@@ -207,20 +209,39 @@ def plan_slice_pairs(pairs: Sequence[tuple[BufferSlice, BufferSlice]], src_pages
             "the shorter list before planning"
         )
     ops: list[WriteOp] = []
+    runs: list[tuple[int, int, int]] | None = None  # the same for every buffer: found once
     for mine, theirs in pairs:
         a, b = mine.slice, theirs.slice
         if (a.pieces, a.nbytes) != (b.pieces, b.nbytes):
             raise InvalidInput("the two sides slice a page differently; cannot pair the bytes")
         if a.nbytes == mine.item_len and b.nbytes == theirs.item_len:
-            ops += [WriteOp(mine.addr + s * mine.item_len, theirs.addr + d * theirs.item_len,
-                            count * mine.item_len)
-                    for s, d, count in _page_runs(src_pages, dst_pages)]  # fmt: skip
+            if runs is None:
+                runs = list(_page_runs(src_pages, dst_pages))
+            src_base, dst_base, item = mine.addr, theirs.addr, mine.item_len
+            dst_item = theirs.item_len
+            ops += [WriteOp(src_base + s * item, dst_base + d * dst_item, count * item)
+                    for s, d, count in runs]  # fmt: skip
             continue
         for s, d in zip(src_pages, dst_pages, strict=True):
             ops += [WriteOp(src_addr, dst_addr, length)
                     for (src_addr, length), (dst_addr, _) in zip(mine.ranges(s), theirs.ranges(d),
                                                                  strict=True)]  # fmt: skip
     return tuple(ops)
+
+
+SlicePairs = tuple[tuple[BufferSlice, BufferSlice], ...]
+
+
+def buffer_slice_pairs(src: KvBuffers, src_tp: TpPlace, dst: KvBuffers, dst_tp: TpPlace,
+                       stage: bool = False) -> SlicePairs:  # fmt: skip
+    """Each source slice the source rank writes with the destination slice it lands on: the
+    tensors it writes under the TP rule (:func:`~pdflow.core.dataplane.buffers.shared_heads`),
+    in the destination's buffer order; ``stage``: the source is one pipeline stage and writes
+    only the tensors (layers) it holds. Depends on the two layouts only, never on the pages,
+    so a shell may keep it per peer layout."""
+    mine = exchanged_slices(src, True, src_tp, dst_tp, dst, stage)
+    theirs = {found.index: found for found in destination_slices(dst, src_tp, dst_tp)}
+    return tuple((m, theirs[m.index]) for m in mine)
 
 
 def plan_buffers(
@@ -231,16 +252,15 @@ def plan_buffers(
     src_pages: Sequence[int],
     dst_pages: Sequence[int],
     stage: bool = False,
+    pairs: SlicePairs | None = None,
 ) -> tuple[WriteOp, ...]:
-    """Every write the source rank makes into the destination rank for these page pairs: the
-    tensors it writes under the TP rule (:func:`~pdflow.core.dataplane.buffers.shared_heads`),
-    in the destination's buffer order; ``stage``: the source is one pipeline stage and writes
-    only the tensors (layers) it holds."""
+    """Every write the source rank makes into the destination rank for these page pairs
+    (:func:`buffer_slice_pairs`, or ``pairs`` when the caller kept them for these layouts)."""
     src.check_pages(src_pages, "source")
     dst.check_pages(dst_pages, "destination")
-    mine = exchanged_slices(src, True, src_tp, dst_tp, dst, stage)
-    theirs = {found.index: found for found in destination_slices(dst, src_tp, dst_tp)}
-    return plan_slice_pairs([(m, theirs[m.index]) for m in mine], src_pages, dst_pages)
+    if pairs is None:
+        pairs = buffer_slice_pairs(src, src_tp, dst, dst_tp, stage)
+    return plan_slice_pairs(pairs, src_pages, dst_pages)
 
 
 def _layout_slices(layout: KvLayout, own: HeadRange, shared: HeadRange,
