@@ -9,7 +9,9 @@ after the decode. Anything else is an error that says what the server answered.
 
 from __future__ import annotations
 
+import functools
 import random
+import ssl
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -24,6 +26,14 @@ from pdflow.core.cluster.registry import PrefillRankInfo, PrefillServerInfo, Reg
 INCARNATION_HEADER = "X-Pdflow-Incarnation"
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
 _ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
+
+
+@functools.cache
+def _tls_context() -> ssl.SSLContext:
+    """httpx's default verifying context, built once per process: httpx builds (and loads the
+    CA bundle into) a new one for every client, even one that only speaks http://, and the
+    prefill opens a client every heartbeat interval; that load showed in its profile."""
+    return httpx.create_ssl_context()
 
 log = structlog.get_logger("pdflow.bootstrap_client")
 
@@ -104,7 +114,7 @@ class BootstrapClient:
         self._health_timeout = httpx.Timeout(health_read_s, connect=health_connect_s)
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers,
-                                       transport=transport)
+                                       transport=transport, verify=_tls_context())  # fmt: skip
         self._topology: tuple[str | None, PrefillServerInfo] | None = None
 
     async def __aenter__(self) -> BootstrapClient:
