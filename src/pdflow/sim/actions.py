@@ -142,6 +142,73 @@ def _superseded_registrations(world: World) -> list[Any]:
             if r.incarnation != world.prefill_incarnation]  # fmt: skip
 
 
+def race_windows(world: World) -> list[Any]:
+    """Windows a uniform pick of the next action seldom lands in, and the race timed into
+    each: the prefill engine aborts a room between chunks (in a world whose engines abort) or
+    one that drains, or makes its next call on a draining room it has not polled yet; a late
+    copy of a message the room already got arrives while it transfers or drains (prefill) or
+    while the node verifies it (decode)."""
+    windows: list[Any] = []
+    racing = set(_racing(world))
+    for p in [] if world.prefill_paused else world.prefill:
+        for room in p.endpoint.open_rooms():
+            summary = p.endpoint.summary(room)
+            assert summary is not None
+            job = p.jobs.get(room)
+            draining = summary.state == "DRAINING"
+            transferring = summary.state == "TRANSFERRING"
+            chunks_left = job is not None and not job.last_sent
+            between_chunks = transferring and (chunks_left or not summary.outstanding)
+            if world.plan.weights["abort_prefill"] > 0 and (draining or between_chunks):
+                windows.append(("abort", p.rank, room))
+            if draining and (p.rank, room) in racing:
+                windows.append(("engine_race", p.rank, room, "completion"))
+                if job is not None and job.computed and job.initialized and chunks_left:
+                    windows.append(("engine_race", p.rank, room, "chunk"))
+            if draining or transferring:
+                windows += _late_copies(world, p, room, summary.generation)
+    for d in world.decode:
+        for room in _verifying(d):
+            verifying = d.endpoint.summary(room)
+            assert verifying is not None
+            windows += _late_copies(world, d, room, verifying.generation)
+    return windows
+
+
+def _verifying(decode: DecodeProcess) -> list[int]:
+    """The decode rank's rooms whose checksums its node verifies now (its engine sees them
+    Transferring)."""
+    return [
+        room
+        for room in decode.endpoint.open_rooms()
+        if getattr(decode.endpoint.summary(room), "state", None) == "VERIFYING"
+    ]
+
+
+def _late_copies(
+    world: World, process: PrefillProcess | DecodeProcess, room: int, generation: int
+) -> list[Any]:
+    got = world.last_delivered.get((process.name, room, generation), {})
+    return [("late_copy", process.name, room, generation, kind) for kind in sorted(got)]
+
+
+def _mid_write(world: World) -> bool:
+    """A prefill room has chunks still to send, or a decode room verifies what its writers
+    reported written."""
+    return _mid_transfer(world) or any(_verifying(d) for d in world.decode)
+
+
+def _mid_transfer(world: World) -> bool:
+    """Some prefill room is transferring with chunks still to send."""
+    return any(
+        getattr(p.endpoint.summary(room), "state", None) == "TRANSFERRING"
+        and not p.jobs[room].last_sent
+        for p in world.prefill
+        for room in p.endpoint.open_rooms()
+        if room in p.jobs
+    )
+
+
 def _partitions(world: World) -> list[Any]:
     return [
         (p, d)
@@ -190,6 +257,9 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "engine_race": lambda w: [] if w.prefill_paused else _racing(w),
     "redeliver": lambda w: list(range(len(w.network.recent))) if len(w.network) < MAX_IN_FLIGHT
     else [],
+    "window_race": race_windows,
+    "abort_verifying": lambda w: [(d.rank, room) for d in w.decode for room in _verifying(d)],
+    "stall_mid_write": lambda w: [()] if not w.prefill_paused and _mid_write(w) else [],
 }
 
 
@@ -347,9 +417,10 @@ def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
             process.endpoint.is_draining(room, generation)
         )
         if draining and world.plan.weights["redeliver"] > 0:
-            # A late copy of the room's metadata reaches it while it drains out of sight.
+            # A late copy of the room's metadata, or of an ABORT, reaches it while it drains
+            # out of sight.
             for kind in sorted(late):
-                if kind.startswith("RoomMetadata"):
+                if kind.startswith(("RoomMetadata", "Abort")):
                     world.deliver(late[kind])
 
     return run
@@ -384,6 +455,34 @@ def _late_registration(world: World, index: int, hint: int) -> None:
             f"the registry answered {reply.status} to a late registration of superseded "
             f"incarnation {registration.incarnation} (live: {world.prefill_incarnation})"
         )
+
+
+def _window_race(world: World, window: tuple[Any, ...], hint: int) -> None:
+    what = window[0]
+    if what == "abort":
+        _abort("prefill")(world, window[1:], hint)
+    elif what == "engine_race":
+        _, rank, room, call = window
+        # _engine_race repeats the completion notice when the hint is a multiple of 3.
+        _engine_race(world, (rank, room), 3 * hint + (call == "chunk"))
+    else:
+        _, name, room, generation, kind = window
+        world.deliver(world.last_delivered[(name, room, generation)][kind])
+
+
+def _stall(world: World) -> None:
+    """The prefill stops (SIGSTOP) for as long as it takes every decode rank to declare it dead
+    (heartbeat rounds) and its shell to fence it; then it resumes and answers the next probe.
+    What it still had to send, and the ABORTs on their way to it, race on from there."""
+    world.pause_prefill()
+    for _ in range(max(d.config.heartbeat_max_failure for d in world.decode)):
+        for rank in range(len(world.decode)):
+            _heartbeat(True)(world, rank, 0)
+    while fences := [i for i, e in enumerate(world.local_events) if e.kind == "fence"]:
+        world.run_local_event(fences[0])
+    world.resume_prefill()
+    for rank in range(len(world.decode)):
+        _heartbeat(True)(world, rank, 0)
 
 
 def _partition(world: World, choice: tuple[int, int], hint: int) -> None:
@@ -423,6 +522,9 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "heal": lambda w, choice, hint: w.network.heal(),
     "engine_race": _engine_race,
     "redeliver": lambda w, index, hint: w.network.redeliver(index),
+    "window_race": _window_race,
+    "abort_verifying": _abort("decode"),
+    "stall_mid_write": lambda w, choice, hint: _stall(w),
 }
 
 

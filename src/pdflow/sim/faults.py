@@ -100,6 +100,9 @@ ACTION_KINDS = (
     "pause_prefill",
     "resume_prefill",
     "late_registration",
+    "window_race",
+    "abort_verifying",
+    "stall_mid_write",
 )
 
 FAULT_KINDS = frozenset(
@@ -118,6 +121,9 @@ FAULT_KINDS = frozenset(
         "redeliver",
         "pause_prefill",
         "late_registration",
+        "window_race",
+        "abort_verifying",
+        "stall_mid_write",
     }
 )
 
@@ -130,18 +136,29 @@ LAST_KINDS = ("redeliver",)
 NEWEST_KINDS = ("pause_prefill", "resume_prefill", "late_registration")
 """A paused, live prefill and a dead life's late registration: drawn after everything else
 (the faults zeroed outside their profile), so every earlier draw of a seed keeps its value."""
+WINDOW_KINDS = ("window_race", "abort_verifying", "stall_mid_write")
+"""Faults timed into a narrow window that a uniform pick of the next action seldom lands in
+(see :mod:`pdflow.sim.actions`): the prefill engine's abort or next call, or a late copy of a
+message, while a room is between chunks, drains or verifies (``window_race``); the decode
+engine's abort while the node verifies a room's checksums (``abort_verifying``); the prefill
+stopped until declared dead and fenced, then answering again, while a room has chunks left to
+send or verifies (``stall_mid_write``). Enabled only while their window is open; drawn after
+everything else, so every earlier draw of a seed keeps its value."""
 
 FAULT_PROFILES: dict[str, frozenset[str]] = {
     # Every fault but the newest (a pause, a late registration): they run in the liveness
-    # profile only, so they do not dilute the faults the "all" seeds were tuned to reach.
+    # profile only, so they do not dilute the faults the "all" seeds were tuned to reach. A
+    # stall timed mid-write runs here too: these are the seeds whose transfers get going.
     "all": FAULT_KINDS - {"pause_prefill", "late_registration"},
-    "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt"}),
+    # An abort while a room verifies would pre-empt the checksum failures this profile is for.
+    "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt", "window_race"}),
     "liveness": frozenset(
         {"crash_prefill", "crash_decode", "heartbeat_fail", "partition", "pause_prefill",
-         "late_registration"}
+         "late_registration", "stall_mid_write"}
     ),
     "room_races": frozenset(
-        {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver"}
+        {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver",
+         "window_race", "abort_verifying"}
     ),
 }  # fmt: skip
 """Swarm testing by feature omission: a seed runs under one profile, which switches off every
@@ -215,8 +232,9 @@ def draw_plan(seed: int) -> FaultPlan:
     rng = random.Random(seed)
     shape = draw_shape(rng)
     weights: dict[str, float] = {}
+    drawn_later = {*LATE_KINDS, *LAST_KINDS, *NEWEST_KINDS, *WINDOW_KINDS}
     for kind in ACTION_KINDS:
-        if kind in LATE_KINDS or kind in LAST_KINDS or kind in NEWEST_KINDS:
+        if kind in drawn_later:
             continue
         if kind in FAULT_KINDS:
             # Swarm testing: each fault is switched off for some seeds and frequent in others.
@@ -269,6 +287,11 @@ def draw_plan(seed: int) -> FaultPlan:
         else:
             drawn = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
             weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
+    for kind in WINDOW_KINDS:
+        # Weighted like a few engine steps, but enabled only while its window is open: then it
+        # often beats the step that closes the window.
+        drawn = 0.0 if rng.random() < 0.2 else rng.choice((2.0, 4.0, 8.0))
+        weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -150,7 +150,7 @@ class Monitor:
         if process.endpoint.role == "prefill":
             self._check_generations(process, inp, step)  # type: ignore[arg-type]
             self._check_sender(process, inp, step)  # type: ignore[arg-type]
-        self._check_writes()
+        self.check_writes()
         if process.endpoint.role == "decode":
             self._check_admission(process)  # type: ignore[arg-type]
             self._check_lost_writers(process, step)  # type: ignore[arg-type]
@@ -383,7 +383,8 @@ class Monitor:
     def room_removed(self, process: PrefillProcess | DecodeProcess, room: int, gen: int) -> None:
         self.removed.add((process.name, room, gen))
 
-    def _check_writes(self) -> None:
+    def check_writes(self) -> None:
+        """Report each use-after-free the transport saw since the last check."""
         found = self.world.transport.violations
         for uaf in found[self._reported_uaf :]:
             self.fail("no_use_after_free", f"use-after-free: {uaf.describe()}")

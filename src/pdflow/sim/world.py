@@ -449,6 +449,7 @@ class World:
             check: LocalCheck = event.payload
             verify = check.request
             self.transport.local_write(process.rank, verify.room, verify.generation, check.pages)
+            self.monitor.check_writes()  # a scatter into freed pages, before the core answers
             self.feed(process, self._check_checksums(process, check))
 
     def _check_checksums(self, process: DecodeProcess, check: LocalCheck) -> ChecksumChecked:
