@@ -156,6 +156,16 @@ class ControlChannel:
         except FrameError as exc:
             raise SendRefused(exc.reason, exc.detail) from None
         sock = self._socket_to(address)
+        try:
+            # Almost always the peer's queue has room: queue it now, with no timer to arm
+            # (the timeout scope was most of a small message's send cost).
+            await sock.send_multipart(frames, flags=zmq.NOBLOCK)
+            return True
+        except zmq.Again:
+            pass  # the queue is full (SNDHWM): nothing was queued; wait for room, bounded
+        except zmq.ZMQError as exc:
+            self.forget(address)
+            raise SendRefused("send_error", f"{address!r}: {exc}") from None
         with anyio.move_on_after(self._send_timeout_s):
             try:
                 await sock.send_multipart(frames)
