@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import anyio
+import anyio.lowlevel
 import anyio.to_thread
 import pytest
 import zmq
@@ -15,7 +16,7 @@ import zmq.asyncio
 
 from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
-from pdflow.io.control import ControlChannel, Deliver
+from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -172,3 +173,51 @@ async def test_a_send_that_cannot_be_attempted_is_refused_counted_and_leaks_no_s
     with anyio.fail_after(5):  # term() waits for every socket: a leaked one hangs it
         await anyio.to_thread.run_sync(context.term)
     assert refused == Counter(connect_failed=1, bad_address=1, oversized=1)
+
+
+async def test_a_burst_of_queued_frames_lets_other_tasks_run_between_its_frames() -> None:
+    """Frames already queued are received and handled without yielding (the endpoint lock is
+    taken without a checkpoint), so the loop itself must yield every YIELD_EVERY frames: a
+    timer or another channel's task must not wait for the whole burst."""
+    burst = 20 * YIELD_EVERY
+    handled: list[int] = []
+    done = anyio.Event()
+    ticks_during_burst: list[int] = []
+    ticks = 0
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        handled.append(message.room)  # type: ignore[union-attr]
+        if len(handled) == 1:
+            ticks_during_burst.append(ticks)
+        if len(handled) == burst:
+            ticks_during_burst.append(ticks)
+            done.set()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not done.is_set():
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, MsgpackCodec())
+    raw = context.socket(zmq.PUSH)
+    raw.connect(f"tcp://{receiver.address}")
+    codec = MsgpackCodec()
+    try:
+        for room in range(burst):  # all queued at the receiver before it starts receiving
+            await raw.send_multipart(codec.encode(Abort(room, 0, DECODE, PREFILL), None))
+        await anyio.sleep(0.5)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(receiver.receive_forever, deliver)
+                tasks.start_soon(ticker)
+                await done.wait()
+                tasks.cancel_scope.cancel()
+    finally:
+        raw.close(linger=0)
+        receiver.close()
+        context.term()
+    assert handled == list(range(burst))
+    first, last = ticks_during_burst
+    assert last - first >= burst // YIELD_EVERY - 2, f"the ticker ran {last - first} times"

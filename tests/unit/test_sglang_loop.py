@@ -6,7 +6,10 @@ from __future__ import annotations
 import threading
 
 import anyio
+import anyio.lowlevel
+import anyio.to_thread
 
+from pdflow.io.control import YIELD_EVERY
 from pdflow.sglang.loop import LoopThread
 
 
@@ -83,3 +86,46 @@ def test_calls_queued_before_close_still_run() -> None:
         loop.submit(run, lambda exc: None)
     loop.close()
     assert ran == list(range(20))
+
+
+def test_a_burst_of_calls_that_never_yield_lets_other_tasks_run_between_them() -> None:
+    """A node call may finish without yielding (its endpoint lock is taken without a
+    checkpoint): the command loop yields every YIELD_EVERY calls, so the node's channels and
+    timers are not held up for a whole burst of the scheduler's calls."""
+    loop = LoopThread("test-loop")
+    burst = 20 * YIELD_EVERY
+    ticks = 0
+    seen: list[int] = []
+    stop, done = threading.Event(), threading.Event()
+    release = threading.Event()
+
+    async def ticker() -> None:
+        nonlocal ticks
+        while not stop.is_set():
+            ticks += 1
+            await anyio.lowlevel.checkpoint()
+
+    async def hold() -> None:
+        await anyio.to_thread.run_sync(release.wait)
+
+    def call(index: int):  # type: ignore[no-untyped-def]
+        async def run() -> None:  # never awaits anything
+            if index in (0, burst - 1):
+                seen.append(ticks)
+            if index == burst - 1:
+                done.set()
+
+        return run
+
+    try:
+        loop.spawn(ticker, lambda exc: None)
+        loop.submit(hold, lambda exc: None)  # the burst queues up behind this call
+        for index in range(burst):
+            loop.submit(call(index), lambda exc: None)
+        release.set()
+        assert done.wait(10)
+        first, last = seen
+        assert last - first >= burst // YIELD_EVERY - 2, f"the ticker ran {last - first} times"
+    finally:
+        stop.set()
+        loop.close()

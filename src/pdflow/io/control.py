@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 
 import anyio
+import anyio.lowlevel
 import structlog
 import zmq
 import zmq.asyncio
@@ -27,6 +28,8 @@ from pdflow.io.codec import ControlMessage, FrameError, WireCodec
 from pdflow.io.limits import SocketPool
 
 DEFAULT_MAX_SOCKETS = 512
+YIELD_EVERY = 32
+"""Frames handled back to back before the receive loop yields to the event loop."""
 
 # Frames beyond this multiple of the codec limit are never even buffered.
 _HARD_LIMIT_FACTOR = 8
@@ -188,7 +191,14 @@ class ControlChannel:
     # ---- receiving -------------------------------------------------------------------------------
     async def receive_forever(self, deliver: Deliver) -> None:
         """Serve until cancelled: no frame, and no failure handling one, ends the loop."""
+        received = 0
         while True:
+            received += 1
+            if received % YIELD_EVERY == 0:
+                # While frames are queued, receiving and handling them never yields (the
+                # endpoint lock is taken without a checkpoint): let the timers and the other
+                # channels run between bursts.
+                await anyio.lowlevel.checkpoint()
             frames = await self._pull.recv_multipart()
             try:
                 message, msg_id = self.codec.decode(frames)

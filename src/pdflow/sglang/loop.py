@@ -28,8 +28,11 @@ from typing import Any, TypeVar
 
 import anyio
 import anyio.from_thread
+import anyio.lowlevel
 import structlog
 from anyio.from_thread import BlockingPortal
+
+from pdflow.io.control import YIELD_EVERY
 
 log = structlog.get_logger("pdflow.sglang.loop")
 
@@ -109,12 +112,18 @@ class LoopThread:
             with self._wake_lock:
                 # From here on a new submit wakes the loop again; what is queued now runs below.
                 self._wake_scheduled = False
+            ran = 0
             while pending:
                 fn, on_error = pending.popleft()
                 try:
                     await fn()
                 except Exception as exc:
                     on_error(exc)
+                ran += 1
+                if ran % YIELD_EVERY == 0:
+                    # A node call may finish without yielding (its endpoint lock is taken
+                    # without a checkpoint): let the channels and timers run between bursts.
+                    await anyio.lowlevel.checkpoint()
             if self._stopping:
                 return
 
