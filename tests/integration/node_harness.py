@@ -233,22 +233,33 @@ class DecodeEngine:
                 and all(getattr(e, k) == v for k, v in match.items())]  # fmt: skip
 
 
+def start_rooms(
+    group: TaskGroup, engine: DecodeEngine, prefill: PrefillProcess, bootstrap: str,
+    rooms: range, tokens: int = 64, stall: bool = False,
+) -> dict[int, str]:
+    """Start each of ``rooms`` (generation 0, ``tokens`` long) on the prefill and run it on the
+    decode engine, each in its own task of ``group``. Returns the dict that gets each room's
+    outcome as it ends."""
+    outcomes: dict[int, str] = {}
+
+    async def one(room: int) -> None:
+        await prefill.start_room(room, 0, tokens, stall=stall)
+        outcomes[room] = await engine.run_room(bootstrap, room, 0, tokens)
+
+    for room in rooms:
+        group.start_soon(one, room)
+    return outcomes
+
+
 async def stall_then_kill(
     engine: DecodeEngine, prefill: PrefillProcess, bootstrap: str, rooms: range, tokens: int = 128
 ) -> tuple[dict[int, str], float]:
     """Run ``rooms`` whose prefill writes only their first chunk; once every decode rank reports
     each of them Transferring, kill -9 the prefill. Returns each room's outcome, once every room
     ended, and the monotonic time of the kill."""
-    outcomes: dict[int, str] = {}
-
-    async def stalled_room(room: int) -> None:
-        await prefill.start_room(room, 0, tokens, stall=True)
-        outcomes[room] = await engine.run_room(bootstrap, room, 0, tokens)
-
     transferring = len(rooms) * len(engine.node.ranks)
     async with anyio.create_task_group() as group:
-        for room in rooms:
-            group.start_soon(stalled_room, room)
+        outcomes = start_rooms(group, engine, prefill, bootstrap, rooms, tokens, stall=True)
         with anyio.fail_after(10):
             while sum(isinstance(e, RoomStatus) and e.room in rooms
                       and e.poll is KVPoll.Transferring for e in engine.events) < transferring:
@@ -313,15 +324,8 @@ async def sigstopped_prefill(
                     await prefill.start_room(room, 0, 64)
                     assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
                 await prefill.send(op="hold_writes")
-                outcomes: dict[int, str] = {}
-
-                async def held_room(room: int) -> None:
-                    await prefill.start_room(room, 0, 64)
-                    outcomes[room] = await engine.run_room(bootstrap, room, 0, 64)
-
                 async with anyio.create_task_group() as group:
-                    for room in rooms:
-                        group.start_soon(held_room, room)
+                    outcomes = start_rooms(group, engine, prefill, bootstrap, rooms)
                     with anyio.fail_after(10):  # every chunk handed to the transport, held
                         while prefill.counts["chunks_sent"] < 2 * len(rooms):
                             await anyio.sleep(0.01)

@@ -18,7 +18,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import PagesReleased, RoomStatus
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import decode_engine, prefill_process
+from .node_harness import decode_engine, prefill_process, start_rooms
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -55,15 +55,8 @@ async def test_chunks_queued_behind_held_writes_of_an_aborted_room_are_never_sub
                     while prefill.counts["write_submitted"] < 2 * len(node.ranks):
                         await anyio.sleep(0.01)
                 submitted_before = prefill.counts["write_submitted"]
-                outcomes: dict[int, str] = {}
-
-                async def room(room_id: int) -> None:
-                    await prefill.start_room(room_id, 0, 64)
-                    outcomes[room_id] = await engine.run_room(bootstrap, room_id, 0, 64)
-
                 async with anyio.create_task_group() as group:
-                    for room_id in rooms:
-                        group.start_soon(room, room_id)
+                    outcomes = start_rooms(group, engine, prefill, bootstrap, rooms)
                     # Two chunks per room and prefill rank: LANES writes held in flight, the
                     # rest queued behind them.
                     queued = 2 * len(rooms) * len(node.ranks)
