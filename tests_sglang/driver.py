@@ -98,15 +98,21 @@ def start_sglang(mode: str, args: argparse.Namespace) -> Any:
     server_args = ServerArgs(
         model_path=str(MODEL_DIR), skip_tokenizer_init=True, device="cpu", host="127.0.0.1",
         port=args.http_port, page_size=args.page_size, disaggregation_mode=mode,
-        disaggregation_transfer_backend=args.backend, tp_size=args.tp_size,
+        disaggregation_transfer_backend=args.backend,
         disaggregation_bootstrap_port=args.bootstrap_port,
         disaggregation_decode_allocation_policy=args.allocation_policy,
+        # Attention DP: SGLang's TP ranks are DP groups x attention TP ranks (tp-size here).
+        tp_size=args.tp_size * args.dp_size, dp_size=args.dp_size,
+        enable_dp_attention=args.dp_size > 1,
+        **({"load_balance_method": args.load_balance_method} if args.load_balance_method
+           else {}),
     )  # fmt: skip
-    publish(server_args, role="test", ranks=SpawnRanks(world_rank=args.tp_rank))
+    publish(server_args, role="test", ranks=SpawnRanks(world_rank=global_tp_rank(args)))
     get_parallel().override_permanently(pp_group=None)
     if not dist.is_initialized():
-        # The TP group's gloo group, as a scheduler has: SGLang's poll reductions (MIN over
-        # the ranks) run unchanged. A TP=1 process has a group of one.
+        # The attention TP group's gloo group, as a scheduler has: SGLang's poll reductions
+        # (MIN over the ranks) run unchanged. A TP=1 process (one per DP group with attention
+        # DP and attention TP 1) has a group of one.
         store = args.gloo_store or str(
             Path(os.environ.get("TMPDIR", "/tmp")) / f"sglang-driver-gloo-{os.getpid()}")
         if args.tp_size == 1:
@@ -114,6 +120,19 @@ def start_sglang(mode: str, args: argparse.Namespace) -> Any:
         dist.init_process_group("gloo", init_method=f"file://{store}",
                                 world_size=args.tp_size, rank=args.tp_rank)  # fmt: skip
     return server_args
+
+
+def global_tp_rank(args: argparse.Namespace) -> int:
+    """SGLang's TP rank of this process: (DP group, attention TP rank), TP fastest."""
+    return args.dp_rank * args.tp_size + args.tp_rank
+
+
+def serving_dp_rank(room: int, args: argparse.Namespace) -> int:
+    """The prefill DP group the router sends ``room`` to: room % dp_size under SGLang's
+    follow_bootstrap_room; under another load-balancing method, a group the decode cannot
+    compute from the room (the next one), so it has to ask the registry (/query_dp_ranks)."""
+    follows = args.load_balance_method in (None, "follow_bootstrap_room")
+    return (room if follows else room + 1) % args.dp_size
 
 
 class CpuKv:
@@ -195,7 +214,9 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
                           max_sampling_mask_tokens=0,
                           kv_checksum_enabled=args.kv_checksum)  # fmt: skip
     kv_args = get_kv_class(backend, KVClassType.KVARGS)()
-    kv_args.engine_rank, kv_args.pp_rank, kv_args.system_dp_rank = args.tp_rank, 0, 0
+    # As SGLang sets it: the prefill's global TP rank, the decode's attention TP rank.
+    kv_args.engine_rank = global_tp_rank(args) if mode == "prefill" else args.tp_rank
+    kv_args.pp_rank, kv_args.system_dp_rank = 0, 0
     kv_args.rust_http_port = None
     kv_args.kv_cache_dtype_str = "auto"
     kv_args.kv_layout = None
@@ -262,7 +283,7 @@ def run_prefill(args: argparse.Namespace) -> None:
 
     backend = TransferBackend(args.backend)
     server = None
-    if args.serve_bootstrap and args.tp_rank == 0:  # the launcher's one bootstrap server
+    if args.serve_bootstrap and global_tp_rank(args) == 0:  # the launcher's one server
         server_class = get_kv_class(backend, KVClassType.BOOTSTRAP_SERVER)
         server = server_class(host="127.0.0.1", port=args.bootstrap_port)
     kv = CpuKv(args)
@@ -276,14 +297,19 @@ def run_prefill(args: argparse.Namespace) -> None:
     next_index = 0
     free_aux = list(range(args.aux_slots))
     last_progress = time.monotonic()
-    while time.monotonic() < deadline and (args.rooms == 0 or served < args.rooms):
+    share = sum(serving_dp_rank(args.room_base + i, args) == args.dp_rank
+                for i in range(args.rooms))  # this DP group's rooms
+    while time.monotonic() < deadline and (args.rooms == 0 or served < share):
         # New requests arrive as the router sends them: one sender per room, as create_sender.
+        # With DP, this group gets only the rooms the router sends it.
         while next_index < (args.rooms or 10**9) and len(pending) < args.aux_slots:
-            room = args.room_base + next_index
+            room, index = args.room_base + next_index, next_index
+            next_index += 1
+            if serving_dp_rank(room, args) != args.dp_rank:
+                continue
             sender = sender_class(mgr=manager, bootstrap_addr=f"127.0.0.1:{args.bootstrap_port}",
                                   bootstrap_room=room)  # fmt: skip
-            pending[room] = {"sender": sender, "index": next_index, "phase": "bootstrap"}
-            next_index += 1
+            pending[room] = {"sender": sender, "index": index, "phase": "bootstrap"}
         rooms = list(pending)
         polls = reduce_polls([pending[r]["sender"] for r in rooms])
         progressed = False
@@ -369,7 +395,7 @@ def run_prefill(args: argparse.Namespace) -> None:
 class DecodeDriver:
     def __init__(self, args: argparse.Namespace) -> None:
         server_args = start_sglang("decode", args)  # first, as in run_prefill
-        from sglang.srt.disaggregation.decode import DecodeTransferQueue
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
         from sglang.srt.disaggregation.utils import (
             KVClassType,
             ReqToMetadataIdxAllocator,
@@ -409,28 +435,44 @@ class DecodeDriver:
         queue_.scheduler = _NoMetrics()
         queue_._release_request = self._release_pages  # free the KV the request held
         self.sglang_queue = queue_
+        # SGLang's own prealloc-queue code resolves each request's prefill DP group
+        # (_resolve_pending_reqs: the topology through try_ensure_parallel_info, then room %
+        # dp_size or its /query_dp_ranks lookups, prefetched on the manager's executor) and
+        # calls the receiver's init(prefill_dp_rank).
+        prealloc = object.__new__(DecodePreallocQueue)
+        prealloc.kv_manager = self.manager
+        prealloc.pending_reqs = []
+        prealloc._prefill_dp_rank_queries = {}
+        prealloc._ensure_retry_count, prealloc._ensure_last_attempt_time = {}, {}
+        prealloc._max_ensure_retries, prealloc._ensure_retry_interval = 15, 1.0  # SGLang's
+        self.prealloc = prealloc
 
     # -- what the scheduler's decode loop does, one iteration --------------------------------
     def tick(self) -> bool:
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         progressed = False
-        # DecodePreallocQueue._resolve_pending_reqs
+        # The event loop's prefetch, then DecodePreallocQueue._resolve_pending_reqs (SGLang's)
+        prealloc = self.prealloc
+        prealloc.pending_reqs = [entry["decode_req"] for entry in self.pending]
+        prealloc.prefetch_prefill_dp_rank_queries()
+        prealloc._resolve_pending_reqs()
+        still_pending = {id(decode_req) for decode_req in prealloc.pending_reqs}
         still: list[dict[str, Any]] = []
         for entry in self.pending:
-            addr = entry["addr"]
-            if self.manager.try_ensure_parallel_info(addr):
-                info = self.manager.prefill_info_table[addr]
-                if addr not in self.topologies:
-                    self.topologies.add(addr)
-                    emit("prefill_topology", bootstrap=addr,
-                         policy=str(getattr(info.decode_allocation_policy, "value",
-                                            info.decode_allocation_policy)))  # fmt: skip
-                entry["receiver"].init(0 if info.dp_size == 1 else entry["room"] % info.dp_size)
-                self.handshake.append(entry)
-                progressed = True
-            else:
+            if id(entry["decode_req"]) in still_pending:
                 still.append(entry)
+                continue
+            addr = entry["addr"]
+            info = self.manager.prefill_info_table.get(addr)
+            if addr not in self.topologies and info is not None:
+                self.topologies.add(addr)
+                emit("prefill_topology", bootstrap=addr, dp_size=info.dp_size,
+                     follow_bootstrap_room=info.follow_bootstrap_room,
+                     policy=str(getattr(info.decode_allocation_policy, "value",
+                                        info.decode_allocation_policy)))  # fmt: skip
+            self.handshake.append(entry)  # init(prefill_dp_rank) called, or aborted
+            progressed = True
         self.pending = still
         # _update_handshake_waiters + pop_preallocated
         polls = reduce_polls([e["receiver"] for e in self.handshake])
@@ -537,8 +579,15 @@ class DecodeDriver:
             addr = f"127.0.0.1:{bootstrap_port}"
             receiver = self.receiver_class(mgr=self.manager, bootstrap_addr=addr,
                                            bootstrap_room=room)  # fmt: skip
+            # What _resolve_pending_reqs reads of a DecodeRequest and its Req.
+            decode_req = SimpleNamespace(
+                req=SimpleNamespace(rid=f"req-{room}", bootstrap_host="127.0.0.1",
+                                    bootstrap_port=bootstrap_port, bootstrap_room=room,
+                                    disagg_prefill_dp_rank=None),
+                kv_receiver=receiver, is_rebootstrap=False)  # fmt: skip
             self.pending.append({"room": room, "index": index, "addr": addr,
-                                 "receiver": receiver, "batch": True})  # fmt: skip
+                                 "receiver": receiver, "batch": True,
+                                 "decode_req": decode_req})  # fmt: skip
 
     def abort(self, room: int) -> None:
         for entry in self.pending + self.handshake + self.transfer:
@@ -641,6 +690,11 @@ def main() -> None:
     parser.add_argument("--linger", action="store_true")
     parser.add_argument("--tp-size", type=int, default=1)
     parser.add_argument("--tp-rank", type=int, default=0)
+    parser.add_argument("--dp-size", type=int, default=1,
+                        help="attention DP groups of the instance (prefill: --tp-size each)")
+    parser.add_argument("--dp-rank", type=int, default=0, help="prefill: this process's group")
+    parser.add_argument("--load-balance-method", default=None,
+                        help="SGLang's --load-balance-method (both sides; default SGLang's)")
     parser.add_argument("--gloo-store", default="", help="shared file of the TP ranks' group")
     parser.add_argument("--num-layers", type=int, default=2)
     parser.add_argument("--heads", type=int, default=2, help="the model's KV heads")

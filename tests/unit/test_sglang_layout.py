@@ -24,7 +24,7 @@ def kv_args(**overrides: object) -> SimpleNamespace:
     ptrs = [0x10000 * (i + 1) for i in range(4)]
     fields: dict[str, object] = dict(
         kv_data_ptrs=ptrs, kv_data_lens=[9 * item] * 4, kv_item_lens=[item] * 4,
-        kv_head_num=2, total_kv_head_num=4, page_size=4, engine_rank=1, state_types=[],
+        kv_head_num=2, total_kv_head_num=4, page_size=4, state_types=[],
         num_draft_entries=0, kv_layout=None, pp_rank=0,
     )  # fmt: skip
     fields.update(overrides)
@@ -32,7 +32,7 @@ def kv_args(**overrides: object) -> SimpleNamespace:
 
 
 def test_kv_args_become_a_byte_exact_layout() -> None:
-    rank = rank_kv_from_kv_args(kv_args(), tp_size=2, is_mla=False)
+    rank = rank_kv_from_kv_args(kv_args(), tp_size=2, tp_rank=1, is_mla=False)
     kv = rank.kv_buffers
     assert [(b.addr, b.role, b.layer) for b in kv.buffers] == [
         (0x10000, KvRole.K, 0), (0x20000, KvRole.K, 1), (0x30000, KvRole.V, 0),
@@ -48,15 +48,15 @@ def test_mla_per_layer_item_lengths_and_hnd_pools_are_described_not_refused() ->
     mla = rank_kv_from_kv_args(
         kv_args(kv_data_ptrs=[0x10000, 0x20000, 0x30000], kv_data_lens=[9 * 576] * 3,
                 kv_item_lens=[576] * 3, kv_head_num=1, total_kv_head_num=1),
-        tp_size=2, is_mla=True)  # fmt: skip
+        tp_size=2, tp_rank=1, is_mla=True)  # fmt: skip
     assert [(b.role, b.layer, b.total_heads) for b in mla.kv_buffers.buffers] == [
         (KvRole.LATENT, layer, 1) for layer in range(3)]  # fmt: skip
     mixed = rank_kv_from_kv_args(kv_args(kv_item_lens=[128, 64, 128, 64],
                                          kv_data_lens=[9 * 128, 9 * 64, 9 * 128, 9 * 64]),
-                                 tp_size=2, is_mla=False)  # fmt: skip
+                                 tp_size=2, tp_rank=1, is_mla=False)  # fmt: skip
     assert [mixed.kv_buffers.head_bytes(b, mixed.tp) for b in mixed.kv_buffers.buffers] == [
         16, 8, 16, 8]  # fmt: skip
-    hnd = rank_kv_from_kv_args(kv_args(kv_layout="HND"), tp_size=2, is_mla=False)
+    hnd = rank_kv_from_kv_args(kv_args(kv_layout="HND"), tp_size=2, tp_rank=1, is_mla=False)
     assert {b.order for b in hnd.kv_buffers.buffers} == {PageOrder.HND}
 
 
@@ -76,7 +76,7 @@ def test_what_pdflow_cannot_move_is_refused_with_the_reason(
     overrides: dict[str, object], is_mla: bool, needle: str
 ) -> None:
     with pytest.raises(UnsupportedByPdflow) as refused:
-        rank_kv_from_kv_args(kv_args(**overrides), tp_size=2, is_mla=is_mla)
+        rank_kv_from_kv_args(kv_args(**overrides), tp_size=2, tp_rank=1, is_mla=is_mla)
     assert needle in str(refused.value)
 
 
@@ -103,7 +103,7 @@ def test_sglang_state_pools_become_pdflow_state_components_in_sglangs_order() ->
         state_data_lens=[[8 * 48, 8 * 80], [10 * 64] * 4, [10 * 32]],
         state_item_lens=[[48, 80], [64] * 4, [32]],
     )  # fmt: skip
-    components = rank_kv_from_kv_args(kv_args(**state), tp_size=2, is_mla=False).state
+    components = rank_kv_from_kv_args(kv_args(**state), tp_size=2, tp_rank=1, is_mla=False).state
     assert [c.kind for c in components] == [StateKind.MAMBA, StateKind.SWA, StateKind.BLOB]
     assert components[0].addrs == (0xA000, 0xB000) and components[0].item_lens == (48, 80)
     assert [c.num_items for c in components] == [8, 10, 10]
@@ -114,7 +114,7 @@ def test_state_buffers_of_different_item_counts_are_refused() -> None:
     state = dict(state_types=[SimpleNamespace(value="mamba")], state_data_ptrs=[[1, 2]],
                  state_data_lens=[[8 * 48, 9 * 80]], state_item_lens=[[48, 80]])  # fmt: skip
     with pytest.raises(UnsupportedByPdflow, match="different numbers of whole items"):
-        rank_kv_from_kv_args(kv_args(**state), tp_size=2, is_mla=False)
+        rank_kv_from_kv_args(kv_args(**state), tp_size=2, tp_rank=1, is_mla=False)
 
 
 def test_sglang_state_indices_become_one_index_list_per_component() -> None:

@@ -1,9 +1,12 @@
 """SGLang's own unit tests of its disaggregation queues, run with pdflow's plugin loaded.
 
 SGLang's test files are not part of pdflow (their code stays SGLang's): copy them in from an
-SGLang checkout at the tag the env installs (``test/registered/unit/disaggregation/test_*.py``
-of v0.5.23) and run ``make test-sglang``; ``.gitignore`` keeps them out of pdflow's commits.
-docs/sglang.md lists which of them were run here, their results, and which cannot take the
+SGLang clone (``test/registered/unit/disaggregation/test_*.py``, of v0.5.23 or of the commits
+docs/sglang.md names), ``pip install datasets`` into ``.venv-sglang`` and run
+``.venv-sglang/bin/pytest -p no:cacheprovider -q -rA tests_sglang/upstream``; remove them
+afterwards (``make test-sglang`` would run them too). ``.gitignore`` keeps them out of
+pdflow's commits. docs/sglang.md ("SGLang's own unit tests") has the exact commands, which
+files were run here with their results with and without the plugin, and which cannot take the
 pdflow backend and why.
 
 Before any of them is collected, SGLang's plugins are loaded exactly as SGLang loads them in

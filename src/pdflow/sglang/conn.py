@@ -22,8 +22,10 @@ Two guarantees SGLang's own backends do not give, and how they are kept:
 from __future__ import annotations
 
 import random
+import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import structlog
@@ -56,12 +58,16 @@ from pdflow.sglang.layout import (
     state_indices_for_pdflow,
 )
 from pdflow.sglang.loop import LoopThread
+from pdflow.sglang.parallel import attention_tp, prefill_placement, refuse_unmapped_parallelism
 from pdflow.sglang.rooms import RoomBook
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.sglang")
 
 GENERATION = 0  # SGLang room ids are random per request; a room id is never reused.
+# How long the decode scheduler may wait for a prefill's topology on its first request there
+# (a registry answers in milliseconds; an unreachable one costs at most this per retry).
+TOPOLOGY_FIRST_WAIT_S = 0.25
 
 
 def _routable(host: str) -> str:
@@ -102,16 +108,14 @@ class PdflowKVManager(BaseKVManager):
                 "on (the default): without it SGLang frees a failed room's pages while the "
                 "prefill may still write them"
             )
-        for name, size in (("attention data parallelism", parallel.attn_dp_size),
-                           ("pipeline parallelism", parallel.pp_size),
-                           ("context parallelism", parallel.attn_cp_size)):  # fmt: skip
-            if size and int(size) > 1:
-                raise UnsupportedByPdflow(
-                    f"pdflow's SGLang backend does not support {name} (size {size}) yet: its "
-                    "nodes register one TP group. Use --disaggregation-transfer-backend mooncake."
-                )
-        self.rank_kv = rank_kv_from_kv_args(args, tp_size=int(parallel.attn_tp_size),
+        refuse_unmapped_parallelism(parallel)
+        tp_size, tp_rank = attention_tp(parallel)
+        self.rank_kv = rank_kv_from_kv_args(args, tp_size=tp_size, tp_rank=tp_rank,
                                             is_mla=self.is_mla_backend)  # fmt: skip
+        self.placement = prefill_placement(
+            parallel, getattr(args, "system_dp_rank", None),
+            force_query_dp_rank=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()),
+        )  # fmt: skip
         self.local_ip = get_local_ip_auto()
         # SGLang's --disaggregation-decode-allocation-policy governs both roles' schedulers, so
         # it governs pdflow's nodes too (early, or prefill_complete: the decode reserves pages
@@ -122,6 +126,9 @@ class PdflowKVManager(BaseKVManager):
         # Decode: prefill topologies by bootstrap address, as SGLang's decode queue reads them.
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
         self._topology_pending: set[str] = set()
+        # Decode: SGLang's prealloc queue runs its /query_dp_ranks lookups on this executor
+        # (prefetch_prefill_dp_rank_queries), one per manager as on its own backends.
+        self._dp_rank_query_executor: ThreadPoolExecutor | None = None
         self.transfer_infos: dict[int, Any] = {}
         self.loop = LoopThread(f"pdflow-{disaggregation_mode.value}-{args.engine_rank}")
         self.transport = MooncakeTransport.open(MooncakeConfig(
@@ -143,6 +150,7 @@ class PdflowKVManager(BaseKVManager):
                 ranks=[self.rank_kv], transport=self.transport,
                 bootstrap=_bootstrap_of_this_instance(), settings=self.settings,
                 serve_bootstrap=False, incarnation=incarnation, started_at=started_at,
+                placement=self.placement,
             )  # fmt: skip
         # A decode rank is its own peer: its incarnation only has to be new per process.
         return DecodeNode(ranks=[self.rank_kv], transport=self.transport, settings=self.settings,
@@ -182,18 +190,26 @@ class PdflowKVManager(BaseKVManager):
         """The prefill node registers its rank when it starts (in ``__init__``)."""
 
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
-        """Decode, non-blocking: True once the prefill's topology is known; else starts a fetch."""
+        """Decode: True once the prefill's topology is known; else starts a fetch and waits for
+        it at most ``TOPOLOGY_FIRST_WAIT_S``. SGLang's prealloc queue asks again only after its
+        retry interval (1 s), so answering False at once would hold every first request to a
+        prefill for that second; SGLang's own backends block on the fetch (up to 5 s)."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         if bootstrap_addr not in self._topology_pending:
             self._topology_pending.add(bootstrap_addr)
+            fetched = threading.Event()
 
             async def fetch_topology() -> None:
-                await self._fetch_topology(bootstrap_addr)
+                try:
+                    await self._fetch_topology(bootstrap_addr)
+                finally:
+                    fetched.set()
 
             self.loop.spawn(fetch_topology, lambda exc: log.warning(
                 "prefill_topology_fetch_failed", bootstrap=bootstrap_addr, error=str(exc)))
-        return False
+            fetched.wait(TOPOLOGY_FIRST_WAIT_S)
+        return bootstrap_addr in self.prefill_info_table
 
     async def _fetch_topology(self, bootstrap_addr: str) -> None:
         try:
@@ -205,6 +221,14 @@ class PdflowKVManager(BaseKVManager):
             log.info("prefill_topology_unavailable", bootstrap=bootstrap_addr, error=str(exc))
         finally:
             self._topology_pending.discard(bootstrap_addr)
+
+    def _ensure_prefill_recompute_executor(self) -> ThreadPoolExecutor:
+        """The executor SGLang's decode queue submits its batched ``/query_dp_ranks`` lookups
+        to (its name is SGLang's; pdflow runs no prefill recompute on it)."""
+        if self._dp_rank_query_executor is None:
+            self._dp_rank_query_executor = ThreadPoolExecutor(
+                max_workers=1, thread_name_prefix="pdflow-dp-rank-query")
+        return self._dp_rank_query_executor
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
         """True only once pdflow released the room's pages: every writer drained or was fenced.
@@ -229,6 +253,8 @@ class PdflowKVManager(BaseKVManager):
 
     def close(self) -> None:
         """Stop the node (deregisters its buffers) and the loop."""
+        if self._dp_rank_query_executor is not None:
+            self._dp_rank_query_executor.shutdown(wait=False, cancel_futures=True)
         try:
             self._node_cm.__exit__(None, None, None)
         finally:

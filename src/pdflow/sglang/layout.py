@@ -36,8 +36,12 @@ class UnsupportedByPdflow(ValueError):
     """SGLang asked for something pdflow's backend cannot move yet; says what and why."""
 
 
-def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, is_mla: bool) -> RankKv:
-    """The pdflow description of one SGLang rank's KV pool; refuses what it cannot move."""
+def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, tp_rank: int, is_mla: bool) -> RankKv:
+    """The pdflow description of one SGLang rank's KV pool; refuses what it cannot move.
+
+    ``tp_size``/``tp_rank``: the rank's attention TP group and place in it. Not
+    ``kv_args.engine_rank``: SGLang's prefill sets that to the global TP rank, which with
+    attention DP also counts the DP groups before it."""
     refuse_unsupported(kv_args)
     ptrs = [int(p) for p in kv_args.kv_data_ptrs]
     lens = [int(n) for n in kv_args.kv_data_lens]
@@ -67,7 +71,7 @@ def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, is_mla: bool) -> RankKv:
         for index, (addr, length, item_len) in enumerate(zip(ptrs, lens, items, strict=True))
     )  # fmt: skip
     return RankKv(KvBuffers(page_size, buffers), tp_size=tp_size,
-                  tp_rank=int(kv_args.engine_rank), total_kv_heads=total,
+                  tp_rank=tp_rank, total_kv_heads=total,
                   aux=aux_buffer_from_kv_args(kv_args),
                   state=state_buffers_from_kv_args(kv_args))  # fmt: skip
 
