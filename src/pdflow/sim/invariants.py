@@ -485,14 +485,17 @@ def explained_quarantine(world: World, decode_rank: int, room: int, gen: int) ->
 
 def explained_verdict(world: World, decode_rank: int, peers: tuple[PeerId, ...]) -> bool:
     """A live writer may stay declared dead after settling only if an ABORT to it or its ACK
-    was lost: then it owes an ACK the decode can never receive."""
+    was lost, or the ABORT was refused past the prefill's max_pending_room_ids (not ACKed
+    either, as :func:`explained_quarantine` counts it): then it owes an ACK the decode can
+    never receive."""
     address = world.decode[decode_rank].me.address
     writers = {p.address for p in peers}
+    unanswered = [e.message for e in world.network.lost] + list(world.refused_aborts)
     return any(
-        isinstance(e.message, (Abort, AbortAck))
-        and e.message.decode.address == address
-        and e.message.prefill.address in writers
-        for e in world.network.lost
+        isinstance(message, (Abort, AbortAck))
+        and message.decode.address == address
+        and message.prefill.address in writers
+        for message in unanswered
     )
 
 
