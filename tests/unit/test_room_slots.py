@@ -6,6 +6,7 @@ independent user reported, and fails under its mutant in pdflow.sim.mutants.
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
@@ -24,6 +25,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyKnown,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.errors import ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import (
@@ -222,3 +224,59 @@ def test_prefill_failures_cleared_promptly_leave_nothing_after_the_answering_abo
     assert p.timer_at() is None
     p.handle(TimerFired(), 10_000.0)
     assert p.snapshot().pending == 0
+
+
+# ---- an ACKed cancel outlives a newer generation and the forgetting of opened marks ------------
+def fail_and_clear(p: PrefillEndpoint, room: int, generation: int, now: float) -> None:
+    p.handle(OpenRoom(room, generation), now)
+    p.handle(RoomCall(room, AbortRequested("engine gave up")), now)
+    p.handle(ClearRoom(room), now)
+
+
+def refused_open(p: PrefillEndpoint, room: int, generation: int, now: float) -> str:
+    """Open an older generation: refused with a typed error that changes nothing."""
+    before = msgspec.json.encode(p.snapshot())
+    with pytest.raises(ProtocolError) as refused:
+        p.handle(OpenRoom(room, generation), now)
+    assert msgspec.json.encode(p.snapshot()) == before and room not in p.rooms
+    return str(refused.value)
+
+
+@pytest.mark.invariant("abort_is_final", "bounded_room_state")
+def test_cancel_before_open_outlives_a_newer_generation_and_forgotten_marks() -> None:
+    """Model checker seed 284 (max_finished_room_ids 1): the ABORT for generation 1 arrived
+    before it opened and was ACKed; the engine opened generation 2 (the cancel was dropped, the
+    promise left to the opened mark), which failed and was cleared; other room ids then pushed
+    the mark out, and the engine's late open of generation 1 opened as new, free to write into
+    the pages the decode freed on that ACK. The cancel is kept, so the mark is too, and the
+    late open of generation 1 is refused."""
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=1))
+    assert messages(p.handle(Received(abort(1, 1)), 0.0), AbortAck)
+    fail_and_clear(p, 1, 2, 1.0)
+    for room in range(100, 105):
+        fail_and_clear(p, room, 1, 2.0)
+    assert p.opened.forgotten >= 5
+    assert "OpenSlot" in refused_open(p, 1, 1, 3.0)
+    assert p.opened.get(1) == 2 and p.pending[1].cancelled == 1
+    assert dropped(p.handle(Received(metadata(1, 1)), 4.0)) == ["stale_generation"]
+
+
+@pytest.mark.invariant("abort_is_final", "bounded_room_state")
+def test_opening_the_highest_cancelled_generation_keeps_a_lower_one() -> None:
+    """ABORTs for generations 3 and then 1 are ACKed before either opens; generation 3 opens
+    (and fails at once). Generation 1's promise still stands: the record stays, keeping the
+    mark through forgetting, and a late open of generation 1 is refused. A room id that had one
+    cancelled generation, opened, keeps nothing (SGLang: one generation per room id)."""
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=1))
+    assert messages(p.handle(Received(abort(1, 3)), 0.0), AbortAck)
+    assert messages(p.handle(Received(abort(1, 1)), 0.0), AbortAck)
+    assert polls(p.handle(OpenRoom(1, 3), 1.0)) == [KVPoll.Failed]
+    p.handle(ClearRoom(1), 1.0)
+    for room in range(100, 105):
+        fail_and_clear(p, room, 1, 2.0)
+    refused_open(p, 1, 1, 3.0)
+    assert p.snapshot().pending == 1
+    assert messages(p.handle(Received(abort(7, 0)), 4.0), AbortAck)
+    assert polls(p.handle(OpenRoom(7, 0), 5.0)) == [KVPoll.Failed]
+    p.handle(ClearRoom(7), 5.0)
+    assert 7 not in p.pending

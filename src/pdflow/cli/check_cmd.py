@@ -128,7 +128,8 @@ def _run_mutants(args: argparse.Namespace) -> int:
             actions = 0
             caught = None
             with applied(mutant):
-                for seed in range(args.seed, args.seed + args.examples):
+                first = args.seed + mutant.first_seed
+                for seed in range(first, first + args.examples):
                     result, _ = run_seed(seed, args.steps, record=False)
                     actions += result.actions
                     if not result.ok:

@@ -11,6 +11,9 @@ finished generations is taken as one for a generation not opened yet. Its metada
 and expires; its ABORT is ACKed (true: nothing of it can write any more) and its cancel floor is
 kept under ``max_pending_room_ids``. Neither can write: the engine opens each generation of a
 room id once, and a later open of the room id drops what was parked for an earlier generation.
+A room id with a pending record (a cancel ACKed before its generation opened) is never
+forgotten: the engine may open that older generation after a newer one, and only the mark
+tells that open apart from a new room id's (it is refused).
 """
 
 from __future__ import annotations

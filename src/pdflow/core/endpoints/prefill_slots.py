@@ -9,7 +9,9 @@ generations fail or how many stray messages arrive. Every rule is a row of
 
 - ABSENT: newer than every generation opened or cancelled, nothing parked for it.
 - PARKED: metadata waits for the engine to open this generation (expires).
-- CANCELLED: an ABORT came first and was ACKed; opening it fails at once, forever.
+- CANCELLED: an ABORT came first and was ACKed; opening it fails at once, forever. A newer
+  generation opening first does not end the cancel (the engine may open an older one later):
+  it is kept, and keeps the room id's opened mark, until the only cancelled generation opens.
 - OPEN: the engine's room (a SenderRoom).
 - DRAINING: the engine cleared it while writes were in flight; removed when they drain.
 - REMOVED: at or below the opened high-water mark and not hosted: finished (or skipped); its
@@ -58,6 +60,10 @@ class PendingRecord:
 
     cancelled: int = NONE
     """Highest generation ACK-cancelled before the engine opened it."""
+    cancelled_lowest: int = NONE
+    """Lowest one. The record is kept until the engine opens the only cancelled generation
+    (lowest == highest): an engine may open an older generation after a newer one, so a later
+    open does not end a cancel, and the record also keeps the room id's opened mark."""
     parked_generation: int = NONE
     parked: dict[PeerId, RoomMetadata] = field(default_factory=dict)
     parked_until: float | None = None
@@ -121,8 +127,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         """Fire the input, then keep the room id's record only while it holds something."""
         outputs, fired = self.fire(inp, now)
         record = self.record
-        opened = self.host.opened.get(self.key, NONE)
-        if record.parked_generation != NONE or record.cancelled > opened:
+        if record.parked_generation != NONE or record.cancelled != NONE:
             self.host.pending[self.key] = record
         else:
             self.host.pending.pop(self.key, None)
@@ -181,6 +186,10 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         if not room.poll.is_terminal:
             reason = "cancelled by the decode before the room opened"
             self.host.room_input(room, AbortRequested(reason), now)
+        record = self.record
+        if record.cancelled_lowest == record.cancelled == self.generation:
+            # The only cancelled generation opened (and failed): no promise is left to keep.
+            record.cancelled = record.cancelled_lowest = NONE
         return []
 
     def _act_park(self, inp: MetadataArrived, now: float) -> list[Output]:
@@ -198,13 +207,17 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         # Nothing of an unopened generation can be writing: ACK now. The ACK promises that this
         # generation never writes, so it stays cancelled (no expiry) until it or a later one opens.
         record = self.record
-        record.cancelled = max(record.cancelled, self.generation)  # O(1): one floor per room id
+        self._promise(self.generation)
         if NONE < record.parked_generation <= self.generation:
             self._forget_parked()
         self.host.fail_unopened(self.key, self.generation, "aborted by decode", now)
         return [self.host.ack(inp.abort)]
 
     def _act_ack(self, inp: AbortArrived, now: float) -> list[Output]:
+        return [self.host.ack(inp.abort)]
+
+    def _act_ack_cancelled(self, inp: AbortArrived, now: float) -> list[Output]:
+        self._promise(self.generation)  # it may lie below the lowest cancelled generation
         return [self.host.ack(inp.abort)]
 
     def _act_forget_parked(self, inp: Tick, now: float) -> list[Output]:
@@ -261,6 +274,13 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         return [self._drop("unopened_full", f"{kind}: {cap} room ids pending")]
 
     # ---- helpers -------------------------------------------------------------------------------
+    def _promise(self, generation: int) -> None:
+        """An ACK promises ``generation`` never writes: O(1), the floor and its lowest one."""
+        record = self.record
+        record.cancelled = max(record.cancelled, generation)
+        lowest = record.cancelled_lowest
+        record.cancelled_lowest = generation if lowest == NONE else min(lowest, generation)
+
     def _forget_parked(self) -> None:
         record = self.record
         record.parked_generation = NONE
@@ -289,7 +309,10 @@ PREFILL_SLOT_TABLE: Table[SlotState] = Table(
     inputs=(OpenSlot, MetadataArrived, AbortArrived, ClearSlot, TransferCompleted, Tick),
     remote_inputs=(MetadataArrived, AbortArrived),
     hints={
-        "OpenSlot": "a room id opens each generation once, and only a later one than it opened",
+        "OpenSlot": (
+            "a room id opens each generation once, and only a later one than it opened: "
+            "fail a request for an earlier generation without opening it"
+        ),
         "ClearSlot": CLEAR_HINT,
         "TransferCompleted": "report each StartTransfer of a hosted room exactly once",
     },
@@ -316,7 +339,7 @@ PREFILL_SLOT_TABLE: Table[SlotState] = Table(
         row(_P.CANCELLED, OpenSlot, _P.OPEN, action=_S._act_open_cancelled),
         row(_P.CANCELLED, MetadataArrived, _P.CANCELLED,
             emits=[_DROPPED], action=_S._act_drop_cancelled),
-        row(_P.CANCELLED, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_ack),
+        row(_P.CANCELLED, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_ack_cancelled),
         # -- OPEN: the engine's room -----------------------------------------------------------
         row(_P.OPEN, MetadataArrived, _P.OPEN, action=_S._act_deliver_metadata),
         row(_P.OPEN, AbortArrived, _P.OPEN, action=_S._act_deliver_abort),
