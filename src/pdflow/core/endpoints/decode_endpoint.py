@@ -183,14 +183,19 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         out: list[Output] = []
         fired: list[Fired] = []
-        if isinstance(inp, OpenReceiver):
+        # The input types are unrelated: the order only puts the per-room ones first.
+        if isinstance(inp, Received):
+            self._receive(inp, now, out, fired)
+        elif isinstance(inp, PublishPages):
+            self._publish(inp, now, out, fired)
+        elif isinstance(inp, OpenReceiver):
             self._open(inp, now, out, fired)
+        elif isinstance(inp, ClearRoom):
+            self._clear(inp.room, now, out, fired)
         elif isinstance(inp, TopologyKnown):
             self._topology_known(inp.info, now, out, fired)
         elif isinstance(inp, TopologyFailed):
             self._fail_waiting(inp.bootstrap, inp.reason, now, out, fired)
-        elif isinstance(inp, PublishPages):
-            self._publish(inp, now, out, fired)
         elif isinstance(inp, RoomCall):
             if not isinstance(inp.call, AbortRequested):
                 raise LocalProtocolError(
@@ -198,10 +203,6 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                     hint="publish pages with PublishPages",
                 )
             self._room_input(self._known_room(inp.room), inp.call, now, out, fired)
-        elif isinstance(inp, ClearRoom):
-            self._clear(inp.room, now, out, fired)
-        elif isinstance(inp, Received):
-            self._receive(inp, now, out, fired)
         elif isinstance(inp, HeartbeatResult):
             self._heartbeat(inp, now, out, fired)
         elif isinstance(inp, SessionClosed):

@@ -53,9 +53,13 @@ class DeadlineQueue(Generic[K]):
         return due
 
     def next_deadline(self) -> float | None:
-        while self._heap and self._current.get(self._heap[0][2]) != self._heap[0][0]:
-            heapq.heappop(self._heap)
-        return self._heap[0][0] if self._heap else None
+        heap, current = self._heap, self._current
+        while heap:
+            deadline, _, key = heap[0]
+            if current.get(key) == deadline:
+                return deadline
+            heapq.heappop(heap)  # stale: its key was disarmed or re-armed
+        return None
 
     @property
     def heap_size(self) -> int:

@@ -180,8 +180,8 @@ class Table(Generic[S]):
     def cell(self, state: S, on: str) -> tuple[Row[S], ...]:
         return self._cells.get((state._name_, on), ())
 
-    def compiled_cell(self, source: str, on: str) -> tuple[_Compiled[S], ...]:
-        """The cell's rows with everything a step needs worked out once, not on every step.
+    def compiled_cells(self) -> dict[tuple[str, str], tuple[_Compiled[S], ...]]:
+        """Every cell's rows with everything a step needs worked out once, not on every step.
         Rebuilt whenever ``_cells`` is replaced (a mutant swaps rows in by replacing it)."""
         cells = self._cells
         if cells is not self._compiled_from:
@@ -190,7 +190,7 @@ class Table(Generic[S]):
                 for key, rows in cells.items()
             }
             self._compiled_from = cells
-        return self._compiled.get((source, on), ())
+        return self._compiled
 
     def transitions(self) -> set[tuple[str, str, str | None, str]]:
         return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
@@ -242,7 +242,12 @@ class TableMachine(Generic[S]):
         on = type(inp).__name__
         table = self.table
         source = self.state._name_
-        cell = table.compiled_cell(source, on)
+        # compiled_cells() inlined (fire runs one to three times per step): the same
+        # staleness check, so rows a mutant swapped in are compiled before they are used.
+        compiled = table._compiled
+        if table._cells is not table._compiled_from:
+            compiled = table.compiled_cells()
+        cell = compiled.get((source, on), ())
         if not cell:
             raise table.refusal(self.state, on)
         self._validate(inp, now)
@@ -262,8 +267,10 @@ class TableMachine(Generic[S]):
         if chosen.backwards is not None:
             raise ConformanceError(f"{table.machine}: {chosen.backwards}")
         row_ = chosen.row
-        if outputs:
-            self._self_check(row_, outputs)
+        emits = row_.emits
+        for output in outputs:
+            if emit_name(output) not in emits:
+                raise self._emitted_outside_row(row_, output)
         key = self._fired_key(inp)
         return outputs, Fired(table.machine, key, source, on, row_.guard, chosen.target_name)
 
@@ -272,12 +279,8 @@ class TableMachine(Generic[S]):
         machines serving many rooms override it to name the input's room."""
         return self.key
 
-    def _self_check(self, chosen: Row[S], outputs: list[Output]) -> None:
-        emits = chosen.emits
-        for output in outputs:
-            name = emit_name(output)
-            if name not in emits:
-                raise ConformanceError(
-                    f"{self.table.machine}: {chosen.source.name} --{chosen.on}--> "
-                    f"{chosen.target.name} emitted {name}, not in its row"
-                )
+    def _emitted_outside_row(self, chosen: Row[S], output: Output) -> ConformanceError:
+        return ConformanceError(
+            f"{self.table.machine}: {chosen.source.name} --{chosen.on}--> "
+            f"{chosen.target.name} emitted {emit_name(output)}, not in its row"
+        )

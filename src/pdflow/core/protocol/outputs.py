@@ -86,16 +86,21 @@ _EMIT_NAMES: dict[type[msgspec.Struct], str] = {}
 every output it emits by name."""
 
 
+_BY_MESSAGE = ""
+"""What ``_EMIT_NAMES`` holds for a SendMessage type: the name is the sent message's."""
+
+
 def emit_name(output: Output) -> str:
     """The name the spec uses for an output: ``send.<message tag>`` or the output's tag."""
-    if isinstance(output, SendMessage):
-        sent = type(output.message)
-        name = _EMIT_NAMES.get(sent)
-        if name is None:
-            name = _EMIT_NAMES[sent] = f"send.{sent.__struct_config__.tag}"
-        return name
     kind = type(output)
     name = _EMIT_NAMES.get(kind)
     if name is None:
-        name = _EMIT_NAMES[kind] = str(kind.__struct_config__.tag)
+        sends = issubclass(kind, SendMessage)
+        name = _EMIT_NAMES[kind] = _BY_MESSAGE if sends else str(kind.__struct_config__.tag)
+    if name != _BY_MESSAGE:
+        return name
+    sent = type(output.message)  # type: ignore[attr-defined]
+    name = _EMIT_NAMES.get(sent)
+    if name is None:
+        name = _EMIT_NAMES[sent] = f"send.{sent.__struct_config__.tag}"
     return name
