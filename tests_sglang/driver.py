@@ -122,6 +122,11 @@ def start_sglang(mode: str, args: argparse.Namespace) -> Any:
     return server_args
 
 
+# The Mamba pool: (channels or heads over all attention TP ranks, floats each) of the conv and
+# the SSM buffer; at TP 1 a slot is 4 x 3 + 2 x 10 = 32 floats.
+MAMBA_SPLIT = ((4, 3), (2, 10))
+
+
 def global_tp_rank(args: argparse.Namespace) -> int:
     """SGLang's TP rank of this process: (DP group, attention TP rank), TP fastest."""
     return args.dp_rank * args.tp_size + args.tp_rank
@@ -151,17 +156,30 @@ class CpuKv:
         self.lens = [b.nbytes for b in buffers]
         self.item_lens = [b[0].nbytes for b in buffers]
         # --mamba-slots: a Mamba pool as SGLang's MambaPool hands it over, one slot per
-        # request in a conv and an SSM buffer (items of different sizes).
-        self.mamba = [torch.zeros((args.mamba_slots, width), dtype=torch.float32)
-                      for width in (12, 20)] if args.mamba_slots else []  # fmt: skip
+        # request in a conv buffer [slot, channels, kernel - 1] and an SSM buffer [slot, heads,
+        # head state], both split over attention TP by their channels or heads (SGLang's
+        # state_dim_per_tensor: this rank's count of them).
+        self.tp_rank = args.tp_rank
+        self.mamba = [torch.zeros((args.mamba_slots, total // args.tp_size, width),
+                                  dtype=torch.float32)
+                      for total, width in MAMBA_SPLIT] if args.mamba_slots else []  # fmt: skip
+
+    def _state_value(self, room_index: int, number: int, local: int) -> float:
+        """Channel or head ``local`` of this rank holds a value of its global index."""
+        global_index = self.tp_rank * self.mamba[number].shape[1] + local
+        return expected(room_index, 60 + global_index, 31, number)
 
     def fill_state(self, room_index: int, slot: int) -> None:
         for number, buffer in enumerate(self.mamba):
-            buffer[slot].fill_(expected(room_index, 63, 31, number))
+            for local in range(buffer.shape[1]):
+                buffer[slot][local].fill_(self._state_value(room_index, number, local))
 
     def wrong_state(self, room_index: int, slot: int) -> int:
-        return sum(not bool((buffer[slot] == expected(room_index, 63, 31, number)).all())
-                   for number, buffer in enumerate(self.mamba))  # fmt: skip
+        """Buffers of the slot whose channels or heads do not all hold the room's state."""
+        return sum(
+            not all(bool((buffer[slot][local] == self._state_value(room_index, number, local))
+                         .all()) for local in range(buffer.shape[1]))
+            for number, buffer in enumerate(self.mamba))  # fmt: skip
 
     def scrub_state(self, slot: int) -> None:
         for buffer in self.mamba:
@@ -241,9 +259,12 @@ def build_manager(mode: str, args: argparse.Namespace, kv: CpuKv,
         kv_args.state_data_ptrs = [[b.data_ptr() for b in kv.mamba]]
         kv_args.state_data_lens = [[b.nbytes for b in kv.mamba]]
         kv_args.state_item_lens = [[b[0].nbytes for b in kv.mamba]]
-        for name in ("state_dim_per_tensor", "state_slice_outer_counts", "state_layer_ids",
-                     "state_conv_shard_groups"):  # fmt: skip
-            setattr(kv_args, name, [[]])
+        # As MambaPool describes its TP split: this rank's channels or heads per buffer, one
+        # row outside the sliced axis, no conv sub-blocks (not GDN).
+        kv_args.state_dim_per_tensor = [[b.shape[1] for b in kv.mamba]]
+        kv_args.state_slice_outer_counts = [[1] * len(kv.mamba)]
+        kv_args.state_conv_shard_groups = [[None] * len(kv.mamba)]
+        kv_args.state_layer_ids = [[]]
     kv_args.is_hybrid_mla_backend = False
     kv_args.swa_kv_cache_layout = None
     kv_args.mla_compression_ratios = None

@@ -187,18 +187,38 @@ def test_what_pdflow_cannot_receive_fails_the_room_not_the_scheduler() -> None:
 
 
 def test_model_state_between_tp_widths_fails_the_room_with_the_reason() -> None:
+    """An SWA pool (whose TP split the adapter does not map) and a prefill of another
+    attention TP width: the room fails in send_metadata, naming the state type."""
     import numpy as np
+
+    from pdflow.sglang.layout import state_cross_tp_refusal
 
     mgr = _manager()
     mgr.rank_kv = SimpleNamespace(state=(object(),), tp_size=1)  # one state component, TP 1
+    swa = SimpleNamespace(state_types=[SimpleNamespace(value="swa")], state_data_ptrs=[[1]])
+    mgr.state_cross_tp_refusal = state_cross_tp_refusal(swa, 1)
     mgr.prefill_info_table = {"10.0.0.1:8998": SimpleNamespace(attn_tp_size=2)}
     receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 601)
     receiver.init(0)
     receiver.send_metadata([1, 2], 0, [[np.asarray(3)]])
     assert receiver.poll() == KVPoll.Failed
-    with pytest.raises(KVTransferError, match="between TP widths"):
+    with pytest.raises(KVTransferError, match=r"attention TP widths .* not \['swa'\]"):
         receiver.failure_exception()
     assert [name for _, name in mgr.calls] == ["open_room"]  # no pages published
+
+
+def test_a_mamba_pool_whose_split_is_known_goes_to_another_tp_width() -> None:
+    import numpy as np
+
+    mgr = _manager()
+    mgr.rank_kv = SimpleNamespace(state=(object(),), tp_size=1)
+    mgr.state_cross_tp_refusal = ""  # state_cross_tp_refusal of a described Mamba pool
+    mgr.prefill_info_table = {"10.0.0.1:8998": SimpleNamespace(attn_tp_size=2)}
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 602)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 0, [[np.asarray(3)]])
+    assert receiver.poll() != KVPoll.Failed
+    assert [name for _, name in mgr.calls] == ["open_room", "publish_pages"]
 
 
 def test_sglangs_pop_transferred_holds_a_failed_pdflow_room_instead_of_freeing_it() -> None:

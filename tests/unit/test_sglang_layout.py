@@ -14,6 +14,7 @@ from pdflow.core.dataplane.layout import StateKind, rank_head_range
 from pdflow.sglang.layout import (
     UnsupportedByPdflow,
     rank_kv_from_kv_args,
+    state_cross_tp_refusal,
     state_indices_for_pdflow,
 )
 
@@ -125,3 +126,54 @@ def test_sglang_state_indices_become_one_index_list_per_component() -> None:
     assert state_indices_for_pdflow([None, None, None], 3) == ()
     with pytest.raises(UnsupportedByPdflow, match="for 2 state types"):
         state_indices_for_pdflow([[1], [2]], 3)
+
+
+def _mamba(**fields: object) -> dict[str, object]:
+    """One Mamba type: a conv buffer (4 channels x 12 B here) and an SSM buffer (1 head x
+    80 B) per slot, 8 slots, as MambaPool describes them at attention TP 2."""
+    state: dict[str, object] = dict(
+        state_types=[SimpleNamespace(value="mamba")], state_data_ptrs=[[0xA000, 0xB000]],
+        state_data_lens=[[8 * 48, 8 * 80]], state_item_lens=[[48, 80]],
+        state_dim_per_tensor=[[4, 1]], state_slice_outer_counts=[[1, 1]],
+        state_conv_shard_groups=[[None, None]],
+    )  # fmt: skip
+    state.update(fields)
+    return state
+
+
+def test_a_mamba_pool_is_split_over_tp_as_sglang_describes_it() -> None:
+    (mamba,) = rank_kv_from_kv_args(kv_args(**_mamba()), tp_size=2, tp_rank=1,
+                                    is_mla=False).state  # fmt: skip
+    # This rank's 4 channels and 1 head of 8 and 2 over both ranks; one row each.
+    assert (mamba.total_heads, mamba.tokens) == ((8, 2), 1)
+    assert state_cross_tp_refusal(kv_args(**_mamba()), 2) == ""
+    # A buffer every rank holds whole (SGLang's 0) is one "head" pdflow replicates.
+    (replicated,) = rank_kv_from_kv_args(kv_args(**_mamba(state_dim_per_tensor=[[4, 0]])),
+                                         tp_size=2, tp_rank=1, is_mla=False).state  # fmt: skip
+    assert replicated.total_heads == (8, 1)
+    # Rows outside the sliced axis (one count for the type) are pdflow's tokens.
+    (rows,) = rank_kv_from_kv_args(kv_args(**_mamba(state_slice_outer_counts=[[2, 2]])),
+                                   tp_size=2, tp_rank=1, is_mla=False).state  # fmt: skip
+    assert (rows.total_heads, rows.tokens) == ((8, 2), 2)
+
+
+@pytest.mark.parametrize("fields", [
+    {"state_dim_per_tensor": [[]]},  # no split described
+    {"state_slice_outer_counts": [[3, 1]]},  # Kimi's conv [K - 1, dim] beside a [dim] SSM
+    {"state_conv_shard_groups": [[[2, 1, 1], None]]},  # GDN's [q | k | v] conv sub-blocks
+])  # fmt: skip
+def test_state_whose_tp_split_is_not_mapped_moves_only_between_equal_widths(
+    fields: dict[str, object],
+) -> None:
+    (mamba,) = rank_kv_from_kv_args(kv_args(**_mamba(**fields)), tp_size=2, tp_rank=1,
+                                    is_mla=False).state  # fmt: skip
+    assert (mamba.total_heads, mamba.tokens) == ((), 1)  # whole items, as before
+    assert "not ['mamba']" in state_cross_tp_refusal(kv_args(**_mamba(**fields)), 2)
+
+
+def test_swa_and_dsa_state_are_refused_between_tp_widths() -> None:
+    state = dict(state_types=[SimpleNamespace(value=name) for name in ("swa", "dsa")],
+                 state_data_ptrs=[[0xC000], [0xE000]], state_data_lens=[[640], [320]],
+                 state_item_lens=[[64], [32]])  # fmt: skip
+    assert "not ['swa', 'dsa']" in state_cross_tp_refusal(kv_args(**state), 2)
+    assert state_cross_tp_refusal(kv_args(), 2) == ""  # no model state: nothing to refuse

@@ -55,6 +55,7 @@ from pdflow.sglang.identity import instance_identity
 from pdflow.sglang.layout import (
     UnsupportedByPdflow,
     rank_kv_from_kv_args,
+    state_cross_tp_refusal,
     state_indices_for_pdflow,
 )
 from pdflow.sglang.loop import LoopThread
@@ -112,6 +113,8 @@ class PdflowKVManager(BaseKVManager):
         tp_size, tp_rank = attention_tp(parallel)
         self.rank_kv = rank_kv_from_kv_args(args, tp_size=tp_size, tp_rank=tp_rank,
                                             is_mla=self.is_mla_backend)  # fmt: skip
+        # Why this rank's model state cannot go to another TP width ('' when it can).
+        self.state_cross_tp_refusal = state_cross_tp_refusal(args, tp_size)
         self.placement = prefill_placement(
             parallel, getattr(args, "system_dp_rank", None),
             force_query_dp_rank=bool(envs.SGLANG_DISAGGREGATION_FORCE_QUERY_PREFILL_DP_RANK.get()),
@@ -452,14 +455,10 @@ class PdflowKVReceiver(BaseKVReceiver):
             except UnsupportedByPdflow as exc:
                 problem = str(exc)
             info = self.kv_mgr.prefill_info_table.get(self.bootstrap_addr) if state else None
-            if info is not None and int(info.attn_tp_size) != self.kv_mgr.rank_kv.tp_size:
-                # The adapter describes SGLang's state buffers as whole items; SGLang reslices
-                # them per TP rank (state_dim_per_tensor), which is not mapped yet.
-                problem = (
-                    f"pdflow's SGLang backend does not move model state between TP widths yet "
-                    f"(prefill attention TP {info.attn_tp_size}, this decode "
-                    f"{self.kv_mgr.rank_kv.tp_size}); run both roles with the same attention TP"
-                )
+            if (info is not None and int(info.attn_tp_size) != self.kv_mgr.rank_kv.tp_size
+                    and self.kv_mgr.state_cross_tp_refusal):
+                problem = (f"{self.kv_mgr.state_cross_tp_refusal} (prefill attention TP "
+                           f"{info.attn_tp_size}, this decode {self.kv_mgr.rank_kv.tp_size})")
         if problem:
             self.kv_mgr.book.refuse(room, problem)
             return

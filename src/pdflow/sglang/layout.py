@@ -73,13 +73,14 @@ def rank_kv_from_kv_args(kv_args: Any, *, tp_size: int, tp_rank: int, is_mla: bo
     return RankKv(KvBuffers(page_size, buffers), tp_size=tp_size,
                   tp_rank=tp_rank, total_kv_heads=total,
                   aux=aux_buffer_from_kv_args(kv_args),
-                  state=state_buffers_from_kv_args(kv_args))  # fmt: skip
+                  state=state_buffers_from_kv_args(kv_args, tp_size))  # fmt: skip
 
 
-def state_buffers_from_kv_args(kv_args: Any) -> tuple[StateBuffers, ...]:
+def state_buffers_from_kv_args(kv_args: Any, tp_size: int) -> tuple[StateBuffers, ...]:
     """SGLang's model-state pools (``state_types`` with ``state_data_ptrs``, ``_lens``,
     ``_item_lens``, one list per type) as pdflow's state components, in SGLang's order, so
-    SGLang's ``state_indices`` (one entry per type) name them position for position."""
+    SGLang's ``state_indices`` (one entry per type) name them position for position; split
+    over attention TP as ``tp_split_of_state`` says, where it can."""
     components = []
     for position, state_type in enumerate(getattr(kv_args, "state_types", None) or []):
         name = getattr(state_type, "value", str(state_type))
@@ -93,9 +94,58 @@ def state_buffers_from_kv_args(kv_args: Any) -> tuple[StateBuffers, ...]:
                 f"(lengths {lens}, item lengths {items}); pdflow indexes every buffer of a "
                 "state component with the same item indices"
             )
+        split = tp_split_of_state(kv_args, position, tp_size)
+        total_heads, tokens = split if split is not None else ((), 1)
         components.append(StateBuffers(ITEM_STATE_KINDS[name], tuple(ptrs), tuple(items),
-                                       counts.pop()))  # fmt: skip
+                                       counts.pop(), total_heads, tokens))  # fmt: skip
     return tuple(components)
+
+
+def tp_split_of_state(kv_args: Any, position: int,
+                      tp_size: int) -> tuple[tuple[int, ...], int] | None:  # fmt: skip
+    """How SGLang splits state type ``position`` over attention TP, as pdflow's
+    ``StateBuffers.total_heads`` (per buffer) and ``tokens``; None where the adapter cannot
+    say, so the state moves only between equal TP widths (item for item).
+
+    SGLang gives a Mamba buffer's TP-sliced dimension per rank (``state_dim_per_tensor``: this
+    rank's channels or heads; 0 for a buffer every rank holds whole) and the rows outside it
+    (``state_slice_outer_counts``, 1 for ``[slice_dim, ...]``): an item is ``outer`` rows of
+    this rank's ``dim`` "heads", which is pdflow's ``tokens`` x heads, with ``dim x tp_size``
+    heads in all. Not mapped: other state types (SWA pages, DSA), buffers of one type with
+    different outer counts (pdflow's ``tokens`` is per component), and GDN's conv state, whose
+    ``[q | k | v]`` sub-blocks are each split over TP (``state_conv_shard_groups``)."""
+    if getattr(kv_args.state_types[position], "value", None) != "mamba":
+        return None
+    dims = _per_type(kv_args, "state_dim_per_tensor", position)
+    buffers = len(kv_args.state_data_ptrs[position])
+    if len(dims) != buffers or any(_per_type(kv_args, "state_conv_shard_groups", position)):
+        return None
+    outer = _per_type(kv_args, "state_slice_outer_counts", position) or [1] * buffers
+    sliced_outer = {int(count) for count, dim in zip(outer, dims, strict=False) if int(dim)}
+    if len(sliced_outer) > 1:
+        return None
+    return (tuple(int(dim) * tp_size if int(dim) else 1 for dim in dims),
+            sliced_outer.pop() if sliced_outer else 1)  # fmt: skip
+
+
+def _per_type(kv_args: Any, name: str, position: int) -> list[Any]:
+    """SGLang's per-state-type list ``name`` at ``position`` ([] where it gave none)."""
+    lists = getattr(kv_args, name, None) or []
+    return list(lists[position] or []) if position < len(lists) else []
+
+
+def state_cross_tp_refusal(kv_args: Any, tp_size: int) -> str:
+    """Why this rank's model state cannot move to or from a rank of another TP width ('' when
+    every state type's TP split is known: ``tp_split_of_state``)."""
+    names = [getattr(t, "value", str(t)) for t in getattr(kv_args, "state_types", None) or []]
+    unmapped = [name for position, name in enumerate(names)
+                if tp_split_of_state(kv_args, position, tp_size) is None]  # fmt: skip
+    if not unmapped:
+        return ""
+    return (f"pdflow's SGLang backend moves model state between different attention TP "
+            f"widths only for Mamba pools whose TP split SGLang describes "
+            f"(state_dim_per_tensor, one outer count, no conv shard groups); not {unmapped}: "
+            "run both roles with the same attention TP")
 
 
 def state_indices_for_pdflow(state_indices: Sequence[Any] | None,
