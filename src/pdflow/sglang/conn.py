@@ -28,7 +28,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import anyio
 import structlog
+import torch
 from sglang.srt.disaggregation.base.conn import (
     BaseKVBootstrapServer,
     BaseKVManager,
@@ -296,6 +298,14 @@ def _terminal_reason(mgr: PdflowKVManager, room: int, what: str) -> str:
 class PdflowKVSender(BaseKVSender):
     """One request on one prefill rank: chunks in, ``poll()`` out."""
 
+    @property
+    def supports_host_tensor_indices(self) -> bool:
+        """Whether SGLang may hand send() page ids still being copied from the GPU, with the
+        CUDA event that ends the copy (``indices_event``): pdflow reads them after it, off
+        the scheduler. Only with CUDA (SGLang's copy needs pinned memory and CUDA events;
+        its mooncake backend says yes unconditionally)."""
+        return bool(torch.cuda.is_available())
+
     def __init__(self, mgr: PdflowKVManager, bootstrap_addr: str, bootstrap_room: int,
                  req_has_disagg_prefill_dp_rank: bool = False) -> None:  # fmt: skip
         self.kv_mgr = mgr
@@ -327,19 +337,32 @@ class PdflowKVSender(BaseKVSender):
         self.kv_mgr.run(room, init_transfer)
 
     def send(self, kv_indices: Sequence[int], state_indices: list[Any] | None = None,
-             num_kv_tokens: int | None = None, **_: Any) -> None:  # fmt: skip
+             num_kv_tokens: int | None = None, indices_event: Any = None,
+             **_: Any) -> None:  # fmt: skip
+        """``indices_event`` (SGLang, as this sender ``supports_host_tensor_indices``): the
+        CUDA event after the asynchronous device-to-host copy of ``kv_indices`` (a pinned CPU
+        tensor), recorded after the forward pass that wrote the chunk. The page ids are read
+        only once it completed, on pdflow's loop (waited in a worker thread), so the
+        scheduler never waits for the copy; it is also the chunk's ``ready``."""
         rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
         try:  # SGLang names the request's state on the last chunk only
             state = state_indices_for_pdflow(state_indices, len(self.kv_mgr.rank_kv.state))
         except UnsupportedByPdflow as exc:
             self.kv_mgr.book.refuse(room, str(exc))
             return
-        pages = [int(page) for page in kv_indices]
-        self.pages_sent += len(pages)
+        self.pages_sent += len(kv_indices)  # a tensor's length needs no copy
         is_last = self.pages_sent >= self.num_pages
+        if indices_event is None:
+            pages = [int(page) for page in kv_indices]
 
-        async def send_chunk() -> None:
-            await rank.send_chunk(room, pages, is_last, state)
+            async def send_chunk() -> None:
+                await rank.send_chunk(room, pages, is_last, state)
+        else:
+
+            async def send_chunk() -> None:
+                await anyio.to_thread.run_sync(indices_event.synchronize)
+                await rank.send_chunk(room, [int(page) for page in kv_indices], is_last, state,
+                                      ready=indices_event)  # fmt: skip
 
         self.kv_mgr.run(room, send_chunk)
 
