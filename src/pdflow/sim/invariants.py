@@ -102,6 +102,12 @@ class Monitor:
         self.chunks: dict[tuple[str, int, int], tuple[int, int]] = {}
         """(prefill process, room, generation) -> (pages sent in chunks, chunks marked last)."""
         self.acked_unopened: set[tuple[str, int, int]] = set()
+        self.opened_generations: set[tuple[str, int, int]] = set()
+        """(prefill process, room, generation) the engine opened there, every one."""
+        self.acked_off_mark: set[tuple[str, int, int]] = set()
+        """ACKs of a generation not hosted and not the rank's opened mark (above it, below it, or
+        its mark forgotten): the rank cannot tell whether it opened that one, so it keeps a
+        cancel for it (bounded_room_state allows it)."""
         self.acks_owed: dict[tuple[str, int, int], set[PeerId]] = {}
         """(prefill process, room, generation) -> decode peers whose ABORT it took and has not
         ACKed yet (drain_before_ack: owed only while the room still has writes in flight)."""
@@ -150,6 +156,7 @@ class Monitor:
         if process.endpoint.role == "prefill":
             self._check_generations(process, inp, step)  # type: ignore[arg-type]
             self._check_sender(process, inp, step)  # type: ignore[arg-type]
+            self._check_bounded(process)  # type: ignore[arg-type]
         self.check_writes()
         if process.endpoint.role == "decode":
             self._check_admission(process)  # type: ignore[arg-type]
@@ -253,6 +260,7 @@ class Monitor:
         if isinstance(inp, OpenRoom) and inp.room in process.endpoint.rooms:
             key = (name, inp.room)
             self.opened[key] = max(self.opened.get(key, inp.generation), inp.generation)
+            self.opened_generations.add((name, inp.room, inp.generation))
             failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed
                          for o in step.outputs)  # fmt: skip
             if failed and self.cancelled.get(key, inp.generation - 1) < inp.generation:
@@ -261,23 +269,29 @@ class Monitor:
                     f"{name}: room {inp.room}/{inp.generation} failed as it opened, but no "
                     "ABORT for that generation (or a later one) ever reached this rank",
                 )
+            # An ACK promises its own generation never writes (the core's floor is stricter).
             promised = [g for (owner, room, g) in self.acked_unopened
-                        if (owner, room) == key and g >= inp.generation]  # fmt: skip
+                        if (owner, room) == key and g == inp.generation]  # fmt: skip
             if promised and not failed:
                 self.fail(
                     "abort_is_final",
                     f"{name}: room {inp.room}/{inp.generation} opened without failing, though "
                     f"this rank ACKed an ABORT for generation {max(promised)} before it opened",
                 )
+
+    def _check_bounded(self, process: PrefillProcess) -> None:
+        """bounded_room_state, after the step's ACKs are counted (one may keep a cancel)."""
+        name = process.name
         endpoint = process.endpoint
         for room, record in endpoint.pending.items():
             parked = record.parked_generation != NONE
             if parked or record.cancelled > endpoint.opened.get(room, NONE):
                 continue
             # A cancel at or below the opened mark is kept only for an ABORT this rank ACKed
-            # before it opened that generation (an older one may still open after a newer one).
+            # while it could not tell it had opened that generation (not the one at its mark):
+            # an older one may still open after a newer one.
             backed = any((owner, key) == (name, room) and g <= record.cancelled
-                         for (owner, key, g) in self.acked_unopened)  # fmt: skip
+                         for (owner, key, g) in self.acked_unopened | self.acked_off_mark)
             if not backed:
                 self.fail(
                     "bounded_room_state",
@@ -328,8 +342,11 @@ class Monitor:
                 hosted = endpoint.generation_of(ack.room) == ack.generation or (
                     endpoint.is_draining(ack.room, ack.generation)
                 )
-                if not hosted and (endpoint.opened.get(ack.room, NONE) < ack.generation):
-                    self.acked_unopened.add((name, ack.room, ack.generation))
+                key = (name, ack.room, ack.generation)
+                if not hosted and key not in self.opened_generations:
+                    self.acked_unopened.add(key)
+                if not hosted and ack.generation != endpoint.opened.get(ack.room, NONE):
+                    self.acked_off_mark.add(key)
 
     def _check_acks_owed(self, process: PrefillProcess, inp: AnyEndpointInput, step: Step) -> None:
         """drain_before_ack, its other half: an ABORT the prefill took is ACKed in the step its

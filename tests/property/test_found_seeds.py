@@ -1,0 +1,25 @@
+"""Seeds outside CI's range that the model checker once failed on: each must now pass."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdflow.sim.runner import run_seed
+
+
+@pytest.mark.invariant("abort_is_final", "bounded_room_state")
+@pytest.mark.parametrize(
+    "seed",
+    [
+        # A cancel ACKed before generation 1 opened was dropped when generation 2 opened; the
+        # forgotten mark then let generation 1 open (the core fix).
+        284,
+        # Generation 2's cancel ended when generation 2 opened; its mark was forgotten and
+        # generation 1, which no ABORT reached, opened: safe, but the checker took an ACK for
+        # generation 2 as a promise about generation 1 (the oracle fix).
+        464,
+    ],
+)
+def test_seed_found_outside_ci_passes(seed: int) -> None:
+    result, _ = run_seed(seed, 300, record=False)
+    assert result.ok, result.violations
