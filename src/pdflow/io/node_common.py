@@ -199,11 +199,13 @@ class EndpointHost:
         self.me = me
         self.metrics = metrics
         self.events = events
-        # Taking a free lock does not yield to the loop (fast_acquire): the shielded checkpoint
-        # anyio adds otherwise was a tenth of the decode loop's busy samples. The loops that
-        # feed steps in bursts yield on their own (ControlChannel.receive_forever, the SGLang
-        # LoopThread, the transfer queues' streams).
-        self._lock = anyio.Lock(fast_acquire=True)
+        # Every step yields to the loop once (anyio's checkpoint in Lock.acquire). A lock taken
+        # without it (fast_acquire) was a tenth of the decode loop's busy samples faster, but a
+        # burst of ABORTs then ran to the end before any transfer-queue worker, so a writer
+        # resumed from a pause never wrote late and the chaos check of a no-op fence
+        # (tests/integration/test_chaos.py) stopped seeing it. Kept until that check pauses a
+        # writer mid-write by design rather than by the loop's interleaving.
+        self._lock = anyio.Lock()
         self._timer_at: float | None = None
         self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
