@@ -109,3 +109,14 @@ class DriverProcess:
             self.proc.send_signal(signal.SIGKILL)
         self.proc.wait(timeout=30)
         self._log.close()
+
+
+def run_batch(prefills: list[DriverProcess], decode: DriverProcess, *, rooms: int, base: int,
+              bootstrap_port: int) -> dict[str, Any]:  # fmt: skip
+    """Once every prefill and the decode are ready, the decode runs one batch of ``rooms``
+    rooms from ``base``; returns its ``batch_done`` event."""
+    for process in [*prefills, decode]:
+        process.wait_for("prefill_ready" if process in prefills else "decode_ready",
+                         timeout=240)  # fmt: skip
+    decode.command(cmd="batch", count=rooms, base=base, bootstrap_port=bootstrap_port)
+    return decode.wait_for("batch_done", timeout=180, base=base)

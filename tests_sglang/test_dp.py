@@ -14,7 +14,7 @@ import time
 
 import pytest
 
-from tests_sglang.processes import DriverProcess, free_port
+from tests_sglang.processes import DriverProcess, free_port, run_batch
 from tests_sglang.test_faults import LOGS
 
 ROOMS = 16
@@ -38,11 +38,7 @@ def test_prefill_attention_dp2_each_room_lands_from_its_dp_group(load_balance_me
     ]  # fmt: skip
     decode = DriverProcess("decode", *common, "--http-port", str(free_port()), log_dir=LOGS)
     try:
-        for process in [*groups, decode]:
-            process.wait_for("prefill_ready" if process in groups else "decode_ready",
-                             timeout=240)  # fmt: skip
-        decode.command(cmd="batch", count=ROOMS, base=9000, bootstrap_port=port)
-        done = decode.wait_for("batch_done", timeout=180, base=9000)
+        done = run_batch(groups, decode, rooms=ROOMS, base=9000, bootstrap_port=port)
         assert done["success"] == ROOMS and done["wrong_pages"] == done["wrong_aux"] == 0, done
         topology = decode.wait_for("prefill_topology", timeout=1)
         assert topology["dp_size"] == 2

@@ -12,7 +12,7 @@ import secrets
 import time
 from typing import Any
 
-from tests_sglang.processes import DriverProcess, free_port
+from tests_sglang.processes import DriverProcess, free_port, run_batch
 from tests_sglang.test_faults import LOGS
 
 ROOMS = 16
@@ -38,11 +38,7 @@ def run_tp2_to_tp1(*flags: str) -> tuple[dict[str, Any], list[list[dict[str, Any
     ]
     decode = DriverProcess("decode", *common, "--http-port", str(free_port()), log_dir=LOGS)
     try:
-        for process in [*ranks, decode]:
-            process.wait_for("prefill_ready" if process in ranks else "decode_ready",
-                             timeout=240)  # fmt: skip
-        decode.command(cmd="batch", count=ROOMS, base=7000, bootstrap_port=port)
-        done = decode.wait_for("batch_done", timeout=180, base=7000)
+        done = run_batch(ranks, decode, rooms=ROOMS, base=7000, bootstrap_port=port)
         sent = []
         for process in ranks:
             process.wait_for("prefill_finished", timeout=60)
