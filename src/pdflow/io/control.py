@@ -195,9 +195,8 @@ class ControlChannel:
         while True:
             received += 1
             if received % YIELD_EVERY == 0:
-                # While frames are queued, receiving and handling them never yields (the
-                # endpoint lock is taken without a checkpoint): let the timers and the other
-                # channels run between bursts.
+                # A queued frame is received without yielding, and a deliver need not yield
+                # either: let the timers and the other channels run between bursts.
                 await anyio.lowlevel.checkpoint()
             frames = await self._pull.recv_multipart()
             try:

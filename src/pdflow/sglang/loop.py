@@ -121,8 +121,8 @@ class LoopThread:
                     on_error(exc)
                 ran += 1
                 if ran % YIELD_EVERY == 0:
-                    # A node call may finish without yielding (its endpoint lock is taken
-                    # without a checkpoint): let the channels and timers run between bursts.
+                    # A call need not yield (a refused or answered-at-once one does not): let
+                    # the channels and timers run between bursts.
                     await anyio.lowlevel.checkpoint()
             if self._stopping:
                 return
