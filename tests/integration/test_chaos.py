@@ -1,5 +1,6 @@
 """`pdflow chaos` end to end: a short seeded run passes the checker, and the decode's fence of
-old main put back (a transport whose fence stops nothing) is caught as writes after release."""
+old main put back (a transport whose fence stops nothing) is caught as writes after release
+when a prefill is stopped inside its writes."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from tests.integration.test_trace_html_chromium import _chromium
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
-PASSING_KINDS = "partition,oneway,kill,pause,slow,registry"
+PASSING_KINDS = "partition,oneway,kill,pause,slow,registry,pause_mid_write"
 """Every nemesis kind: main survives them all since honest liveness landed (docs/chaos.md)."""
 
 
@@ -52,9 +53,23 @@ def test_a_short_seeded_run_under_faults_passes_the_checker(tmp_path: Path) -> N
 
 
 def test_the_no_op_fence_of_old_main_is_caught_as_writes_after_release(tmp_path: Path) -> None:
-    code, result = chaos(tmp_path, "--seed", "1", "--duration", "45", "--nemesis", "pause",
-                         env={"PDFLOW_CHAOS_MUTANT": "noop_fence"})  # fmt: skip
+    """The prefill is stopped inside its writes to a decode (``pause_mid_write``), so writes
+    are still to land when the decode declares it dead and lets the pages go: with the no-op
+    fence they land in released pages whatever the resumed prefill's event loop runs first
+    (a plain ``pause`` left that to the loop, and an endpoint lock that does not yield made the
+    check find nothing)."""
+    code, result = chaos(tmp_path, "--seed", "1", "--duration", "45", "--nemesis",
+                         "pause_mid_write", env={"PDFLOW_CHAOS_MUTANT": "noop_fence"})  # fmt: skip
     kinds = {v["kind"] for v in result["violations"]}
     assert code == 1 and "write_after_release" in kinds, kinds
     caught = next(v for v in result["violations"] if v["kind"] == "write_after_release")
     assert caught["room"] is not None and caught["timeline"], caught
+    run = result["run"]
+    stopped = {e["process"]: e for e in run["events"] if e["event"] == "paused_mid_write"}
+    into_direct = [f for f in run["faults"] if f["fault"]["peer"] == "decode-0" and not f["error"]]
+    assert into_direct and all(stopped[f["fault"]["target"]]["writes"] for f in into_direct)
+    # The held writes themselves landed late: found within seconds of that prefill's SIGCONT.
+    late = [v for v in result["violations"] if v["kind"] == "write_after_release"
+            and v["process"] == "decode-0"
+            and any(f["healed"] <= v["t"] <= f["healed"] + 5 for f in into_direct)]  # fmt: skip
+    assert late, (into_direct, result["violations"])

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import signal
+import time
 from pathlib import Path
 
+import anyio
 import pytest
 
 from pdflow.chaos.kv_pattern import (
@@ -17,7 +20,14 @@ from pdflow.chaos.kv_pattern import (
     paint_canary,
     rank_caches,
 )
-from pdflow.chaos.nemesis import KINDS, plan_faults
+from pdflow.chaos.nemesis import (
+    KINDS,
+    MID_WRITE_WAIT_S,
+    PAUSE_MID_WRITE,
+    Fault,
+    Nemesis,
+    plan_faults,
+)
 from pdflow.chaos.session import summarize
 from pdflow.chaos.workload import plan_workload
 from pdflow.cli.chaos_cmd import parse_abort_sides, parse_kinds
@@ -48,6 +58,59 @@ def test_only_the_kinds_asked_for_are_planned() -> None:
     assert faults and {f.kind for f in faults} == {"kill"}
     assert all(f.target in PREFILLS for f in faults)  # decodes are never killed
     assert plan_faults(1, 120.0, (), PREFILLS, DECODES, 1.0) == []
+
+
+def test_a_mid_write_pause_stops_a_prefill_in_a_write_to_a_decode_past_the_heartbeat_window(
+) -> None:
+    faults = plan_faults(1, 120.0, (PAUSE_MID_WRITE,), PREFILLS, DECODES, 7.0)
+    assert faults and {f.kind for f in faults} == {PAUSE_MID_WRITE}
+    assert all(f.target in PREFILLS and f.peer in DECODES for f in faults)
+    assert {f.peer for f in faults} == set(DECODES)
+    assert all(f.duration > 7.0 for f in faults)
+    # The default kinds leave it out, so a seed run before it existed keeps its schedule.
+    assert PAUSE_MID_WRITE not in KINDS
+    assert plan_faults(1, 120.0, KINDS, PREFILLS, DECODES, 7.0) != plan_faults(
+        1, 120.0, (*KINDS, PAUSE_MID_WRITE), PREFILLS, DECODES, 7.0)
+
+
+class FakeProcesses:
+    """The harness's process callbacks, recording what the nemesis asked for."""
+
+    def __init__(self, write_begins: bool) -> None:
+        self.write_begins = write_begins
+        self.calls: list[tuple[str, ...]] = []
+
+    async def pause_at_write(self, prefill: str, decode: str, within_s: float) -> bool:
+        self.calls.append(("arm", prefill, decode, str(within_s)))
+        await anyio.sleep(0.05)  # the armed prefill takes this long to begin a write
+        return self.write_begins
+
+    def send_signal(self, name: str, signum: signal.Signals) -> None:
+        self.calls.append((signum.name, name))
+
+    async def unused(self, name: str) -> None:
+        raise AssertionError(f"a pause must not kill or restart {name}")
+
+
+@pytest.mark.parametrize("write_begins", [True, False])
+def test_a_mid_write_pause_runs_from_the_stop_and_says_so_when_no_write_came(
+    write_begins: bool,
+) -> None:
+    fault = Fault(at=0.0, duration=0.2, kind=PAUSE_MID_WRITE, target="prefill-1",
+                  peer="decode-0")  # fmt: skip
+    procs = FakeProcesses(write_begins)
+    nemesis = Nemesis([fault], None, procs.unused, procs.unused,  # type: ignore[arg-type]
+                      procs.send_signal, procs.pause_at_write, time.monotonic())  # fmt: skip
+    anyio.run(nemesis.run)
+    (applied,) = nemesis.applied
+    assert applied.started is not None and applied.healed is not None
+    arm = ("arm", "prefill-1", "decode-0", str(MID_WRITE_WAIT_S))
+    assert procs.calls == [arm, ("SIGCONT", "prefill-1")]  # the stop is the prefill's own
+    if write_begins:
+        assert applied.error == "" and applied.started >= 0.05
+        assert applied.healed - applied.started >= 0.2  # the whole pause, from the stop
+    else:
+        assert "began no write to decode-0" in applied.error and "not paused" in applied.error
 
 
 def test_the_workload_is_seeded_bounded_and_reuses_rooms_and_aborts_from_both_sides() -> None:
@@ -91,8 +154,10 @@ def test_the_byte_check_tells_generations_of_one_room_apart() -> None:
 
 def test_unknown_nemesis_kinds_are_refused_with_the_choices() -> None:
     assert parse_kinds("kill,pause") == ("kill", "pause")
+    assert parse_kinds("pause,pause_mid_write") == ("pause", PAUSE_MID_WRITE)
     assert parse_kinds("none") == ()
-    with pytest.raises(ValueError, match=r"unknown nemesis kind.*choose from partition"):
+    choices = r"unknown nemesis kind.*choose from partition.*pause_mid_write"
+    with pytest.raises(ValueError, match=choices):
         parse_kinds("kill,flood")
     assert parse_abort_sides("prefill") == ("prefill",) and parse_abort_sides("none") == ()
     with pytest.raises(ValueError, match="choose from decode, prefill"):

@@ -6,8 +6,10 @@ packets to another dropped, the reverse delivered), ``kill`` (kill -9 a prefill 
 it with a new incarnation on the same addresses), ``pause`` (SIGSTOP a prefill or decode past
 the heartbeat window, the time a stopped process takes to be declared dead, then SIGCONT),
 ``registry`` (kill -9 the standalone registry and restart it, empty) and ``slow`` (a
-rate-limited link). Faults do not overlap, so every one is healed before the next begins and
-the last is healed before the workload ends.
+rate-limited link); and, only when named, ``pause_mid_write`` (a prefill stopped at the moment
+it hands a write to a decode to the transport, so the write is still to land when the decode
+declares it dead and lets its pages go; then SIGCONT). Faults do not overlap, so every one is
+healed before the next begins and the last is healed before the workload ends.
 """
 
 from __future__ import annotations
@@ -26,6 +28,15 @@ from pdflow.chaos.netns import Network
 log = structlog.get_logger("pdflow.chaos.nemesis")
 
 KINDS = ("partition", "oneway", "kill", "pause", "registry", "slow")
+"""The default kinds, in the default order (the order is part of the seed)."""
+PAUSE_MID_WRITE = "pause_mid_write"
+ALL_KINDS = (*KINDS, PAUSE_MID_WRITE)
+"""What ``--nemesis`` accepts. ``pause_mid_write`` is left out of the default so that every
+seed run before it existed keeps its schedule."""
+MID_WRITE_WAIT_S = 3.0
+"""How long an armed prefill may take to start a write to the decode before the fault gives up
+(it is then not applied, and says so). Below the 4 s the schedule leaves after the last fault,
+so a late stop still ends before the workload does."""
 
 
 class Fault(msgspec.Struct, frozen=True):
@@ -75,6 +86,9 @@ def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Se
             # what a fence is for.
             target = rng.choice([*prefills, *prefills, *decodes])
             length = heartbeat_window_s * rng.uniform(1.3, 2.2)
+        elif kind == PAUSE_MID_WRITE:
+            target, peer = rng.choice(list(prefills)), rng.choice(list(decodes))
+            length = heartbeat_window_s * rng.uniform(1.3, 2.2)
         elif kind == "registry":
             target, length = "registry", rng.uniform(0.5, 3.0)
         else:
@@ -89,16 +103,25 @@ def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Se
 Restart = Callable[[str], Awaitable[None]]
 Kill = Callable[[str], Awaitable[None]]
 Signal = Callable[[str, signal.Signals], None]
+PauseAtWrite = Callable[[str, str, float], Awaitable[bool]]
+"""(prefill, decode, within_s): arm the prefill to stop itself inside its next write to the
+decode; True once it is stopped, False if no such write began within ``within_s``."""
+
+
+class NoWriteToPause(RuntimeError):
+    """A ``pause_mid_write`` fault found no write to stop inside."""
 
 
 class Nemesis:
     """Applies a schedule. Process faults go through callbacks so the harness owns processes."""
 
     def __init__(self, schedule: Sequence[Fault], network: Network, kill: Kill,
-                 restart: Restart, send_signal: Signal, t0: float) -> None:  # fmt: skip
+                 restart: Restart, send_signal: Signal, pause_at_write: PauseAtWrite,
+                 t0: float) -> None:  # fmt: skip
         self.applied = [Applied(fault) for fault in schedule]
         self.network = network
         self.kill, self.restart, self.send_signal = kill, restart, send_signal
+        self.pause_at_write = pause_at_write
         self.t0 = t0
 
     def now(self) -> float:
@@ -111,9 +134,11 @@ class Nemesis:
                 await anyio.sleep(fault.at - self.now())
             try:
                 applied.started = self.now()
-                await self._begin(fault)
+                end = await self._begin(fault)
+                if fault.kind == PAUSE_MID_WRITE:  # its time runs from the stop, not the arming
+                    applied.started = self.now()
                 log.info("fault_started", fault=fault.describe(), t=round(applied.started, 3))
-                await anyio.sleep(max(0.0, fault.end - self.now()))
+                await anyio.sleep(max(0.0, end - self.now()))
             except Exception as exc:
                 applied.error = f"{type(exc).__name__}: {exc}"
                 log.error("fault_failed", fault=fault.describe(), error=applied.error)
@@ -121,7 +146,14 @@ class Nemesis:
                 with anyio.CancelScope(shield=True):
                     await self._heal(fault, applied)
 
-    async def _begin(self, fault: Fault) -> None:
+    async def _begin(self, fault: Fault) -> float:
+        """Apply the fault; returns when (on the run's clock) it is to be healed."""
+        if fault.kind == PAUSE_MID_WRITE:
+            assert fault.peer is not None
+            if not await self.pause_at_write(fault.target, fault.peer, MID_WRITE_WAIT_S):
+                raise NoWriteToPause(f"{fault.target} began no write to {fault.peer} within "
+                                     f"{MID_WRITE_WAIT_S:.0f}s of being armed; not paused")
+            return self.now() + fault.duration
         if fault.kind == "partition":
             self.network.link_down(fault.target)
         elif fault.kind == "oneway":
@@ -133,6 +165,7 @@ class Nemesis:
             self.send_signal(fault.target, signal.SIGSTOP)
         elif fault.kind == "slow":
             self.network.slow(fault.target)
+        return fault.end
 
     async def _heal(self, fault: Fault, applied: Applied) -> None:
         try:
@@ -143,7 +176,7 @@ class Nemesis:
                 self.network.unblock_oneway(fault.target, fault.peer)
             elif fault.kind in ("kill", "registry"):
                 await self.restart(fault.target)
-            elif fault.kind == "pause":
+            elif fault.kind in ("pause", PAUSE_MID_WRITE):
                 self.send_signal(fault.target, signal.SIGCONT)
             elif fault.kind == "slow":
                 self.network.unslow(fault.target)

@@ -4,7 +4,9 @@
 
 Prints ``{"event": "ready", ...}`` once registered. Commands on stdin: ``room`` (run the prefill
 side of one room on every rank: fill its pages with the room's pattern, send them in chunks,
-optionally abort after a delay), ``state`` (rooms still open) and ``quit``.
+optionally abort after a delay), ``state`` (rooms still open), ``pause_at_write`` (the
+``pause_mid_write`` fault: stop this process inside its next write to a host; see
+:mod:`pdflow.chaos.mid_write_pause`) and ``quit``.
 """
 
 from __future__ import annotations
@@ -25,11 +27,12 @@ from pdflow.chaos.agent_io import (
     serve_commands,
 )
 from pdflow.chaos.kv_pattern import fill, pages_for, rank_caches
+from pdflow.chaos.mid_write_pause import WritePausingTransport
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import load_settings
-from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
+from pdflow.transport.mooncake import MooncakeConfig
 
 MAX_CHUNK_PAGES = 4
 
@@ -86,7 +89,7 @@ async def main(options: dict[str, Any]) -> None:
     caches = rank_caches(tp, num_pages)
     slot = MAX_CHUNK_PAGES * staging_page_bytes(caches[0][1].kv_buffers)
     transport = await anyio.to_thread.run_sync(
-        MooncakeTransport.open, MooncakeConfig(host=settings.host)
+        WritePausingTransport.open, MooncakeConfig(host=settings.host)
     )
     async with transport, PrefillNode(
         ranks=[kv for _, kv in caches], transport=transport, bootstrap=options["bootstrap"],
@@ -129,7 +132,10 @@ async def main(options: dict[str, Any]) -> None:
             open_rooms = [[s.room for s in rank.snapshot().rooms] for rank in node.ranks]
             emit(event="state", incarnation=node.incarnation, rooms_open=open_rooms)
 
-        await serve_commands({"room": room, "state": state})
+        async def pause_at_write(cmd: dict[str, Any]) -> None:
+            transport.arm(cmd["id"], cmd["host"])
+
+        await serve_commands({"room": room, "state": state, "pause_at_write": pause_at_write})
     emit(event="stopped")
 
 

@@ -75,6 +75,8 @@ class Agent:
         self.ready: dict[str, Any] = {}
         self.pending: dict[tuple[int, int], Pending] = {}
         self.state_reply: Pending | None = None
+        self.write_pause: tuple[int, Pending] | None = None  # (arming id, its outcome)
+        self.armings = 0
         self.lives: list[dict[str, Any]] = []
         self.paused = False
         self.quitting = False
@@ -164,6 +166,11 @@ class Agent:
                 waiter.set({**event, "results": ["Refused"], "reasons": [event["error"]]})
         elif kind == "state" and self.state_reply is not None:
             self.state_reply.set(event)
+        elif kind in ("paused_mid_write", "write_pause_disarmed"):
+            if kind == "paused_mid_write":
+                self.paused = True  # it stopped itself; the nemesis sends the SIGCONT
+            if self.write_pause is not None and self.write_pause[0] == event.get("id"):
+                self.write_pause[1].set(event)
         self.on_event(self, event)
 
     def _life_ended(self, returncode: int | None) -> None:
@@ -173,6 +180,8 @@ class Agent:
         self.pending.clear()
         if self.state_reply is not None:
             self.state_reply.set({"event": "state", "dead": True})
+        if self.write_pause is not None:
+            self.write_pause[1].set({"event": "write_pause_disarmed", "dead": True})
         if self.lives:
             self.lives[-1]["ended"] = time.time()
             self.lives[-1]["returncode"] = returncode
@@ -207,6 +216,24 @@ class Agent:
         with anyio.move_on_after(timeout_s):
             await self.state_reply.done.wait()
         return self.state_reply.value or {"event": "state", "timeout": True}
+
+    async def pause_at_write(self, peer_host: str, within_s: float) -> bool:
+        """Arm this prefill to stop itself (SIGSTOP) inside its next write to ``peer_host``: True
+        once it has, False if no such write began within ``within_s`` (it is then disarmed)."""
+        self.armings += 1
+        arming, outcome = self.armings, Pending()
+        self.write_pause = (arming, outcome)
+        if not await self.send({"op": "pause_at_write", "id": arming, "host": peer_host}):
+            return False
+        with anyio.move_on_after(within_s):
+            await outcome.done.wait()
+        if not outcome.done.is_set():
+            # Disarm; a write that began before the disarm was read still stops it, and its
+            # event comes first (one stdout, in order).
+            await self.send({"op": "pause_at_write", "id": arming, "host": None})
+            with anyio.move_on_after(10):
+                await outcome.done.wait()
+        return outcome.value.get("event") == "paused_mid_write"
 
     def signal(self, signum: signal.Signals) -> None:
         if self.running and self.process is not None:

@@ -21,7 +21,7 @@ _OUTCOME_COLOUR = {
 }  # fmt: skip
 _FAULT_COLOUR = {
     "partition": "#1565c0", "oneway": "#00838f", "kill": "#6a1b9a", "pause": "#5d4037",
-    "registry": "#ad1457", "slow": "#9e9d24",
+    "registry": "#ad1457", "slow": "#9e9d24", "pause_mid_write": "#bf360c",
 }  # fmt: skip
 
 

@@ -181,7 +181,7 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
         clock = RunClock()
 
         def on_event(agent: Agent, event: dict[str, Any]) -> None:
-            if event.get("event") in ("canary", "violation", "error"):
+            if event.get("event") in ("canary", "violation", "error", "paused_mid_write"):
                 # When the process saw it (its wall clock), not when this loop read it.
                 seen = event.get("found_at")
                 t = clock.since_wall(seen) if seen is not None else clock.now()
@@ -238,7 +238,11 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
         def send_signal(name: str, signum: signal.Signals) -> None:
             cluster.by_name(name).signal(signum)
 
-        nemesis = Nemesis(schedule, network, kill, restart, send_signal, t0)
+        async def pause_at_write(prefill: str, decode: str, within_s: float) -> bool:
+            return await cluster.by_name(prefill).pause_at_write(network.addresses[decode],
+                                                                 within_s)  # fmt: skip
+
+        nemesis = Nemesis(schedule, network, kill, restart, send_signal, pause_at_write, t0)
         say(f"running workload and nemesis for {options.duration_s:.0f}s")
         async with anyio.create_task_group() as running:
             running.start_soon(router.run, tasks)

@@ -7,7 +7,7 @@ import sys
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    from pdflow.chaos.nemesis import KINDS
+    from pdflow.chaos.nemesis import KINDS, PAUSE_MID_WRITE
 
     chaos = sub.add_parser(
         "chaos",
@@ -27,8 +27,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     chaos.add_argument("--duration", type=float, default=60.0,
                        help="seconds of workload and faults (default 60)")
     chaos.add_argument("--nemesis", default=",".join(KINDS),
-                       help=f"comma-separated fault kinds (default all: {','.join(KINDS)}); "
-                            "'none' for no faults")
+                       help=f"comma-separated fault kinds (default: {','.join(KINDS)}; "
+                            f"{PAUSE_MID_WRITE} only when named); the order is part of the "
+                            "seed; 'none' for no faults")
     chaos.add_argument("--rate", type=float, default=3.0, help="requests per second (default 3)")
     chaos.add_argument("--aborts", default="decode,prefill",
                        help="which sides abort about one request in ten each: decode,prefill "
@@ -42,15 +43,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def parse_kinds(text: str) -> tuple[str, ...]:
-    from pdflow.chaos.nemesis import KINDS
+    from pdflow.chaos.nemesis import ALL_KINDS
 
     if text.strip() in ("", "none"):
         return ()
     kinds = tuple(k.strip() for k in text.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in KINDS]
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown:
         raise ValueError(f"unknown nemesis kind(s) {', '.join(unknown)}; "
-                         f"choose from {', '.join(KINDS)} or 'none'")
+                         f"choose from {', '.join(ALL_KINDS)} or 'none'")
     return kinds
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Self
 
 import anyio
 import anyio.to_thread
@@ -178,7 +178,7 @@ class MooncakeTransport(GuardedTransport):
         self._retiring: dict[str, Any] = {}
 
     @classmethod
-    def open(cls, config: MooncakeConfig | None = None) -> MooncakeTransport:
+    def open(cls, config: MooncakeConfig | None = None) -> Self:
         """Start an engine listening on `config.host`; its session id is "host:rpc_port"."""
         config = config or MooncakeConfig()
         if config.protocol not in SUPPORTED_PROTOCOLS:
