@@ -283,6 +283,63 @@ async def test_one_process_batch_beyond_engine_queue_succeeds(
     assert dst.sha256(0, dst.size) == src.sha256(0, src.size)
 
 
+class PollRecorder:
+    """The real engine, recording which ops `transfer_check_status` is asked about: for each
+    check, whether an earlier op to the same peer was still unsettled."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+        self.unsettled: dict[str, list[int]] = {}  # per peer, in submission order
+        self.peer_of: dict[int, str] = {}
+        self.checks = 0
+        self.checks_behind_an_unsettled_op = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        handle: int = self._engine.transfer_submit_write(peer, src, dst, length)  # type: ignore[attr-defined]
+        self.unsettled.setdefault(peer, []).append(handle)
+        self.peer_of[handle] = peer
+        return handle
+
+    def transfer_check_status(self, handle: int) -> int:
+        queue = self.unsettled[self.peer_of[handle]]
+        self.checks += 1
+        self.checks_behind_an_unsettled_op += queue[0] != handle
+        status: int = self._engine.transfer_check_status(handle)  # type: ignore[attr-defined]
+        if status in (1, -1):  # settled: the engine frees the id, which a later op may reuse
+            queue.remove(handle)
+            del self.peer_of[handle]
+        return status
+
+
+async def test_one_process_polls_each_peer_in_submission_order(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    # A 64 MiB room as the decode's free list hands it out (1,024 ops of 64 KiB, pages
+    # descending): the worker checks only a peer's oldest unsettled op, never the ones queued
+    # behind it (each check is a GIL release), and still sees every op settled.
+    sender, receiver = engine_pair
+    count, page = 1024, 64 << 10
+    src, dst = registered_buffers(engine_pair, count * page, seed=3)
+    ops = [Op(src.addr + i * page, dst.addr + (count - 1 - i) * page, page) for i in range(count)]
+    recorder = PollRecorder(sender._engine)
+    sender._engine = recorder
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert outcome.ok, outcome.error
+    assert (outcome.nops, outcome.nbytes) == (count, count * page)
+    assert recorder.unsettled == {receiver.session_id: []}, "an op was never seen settled"
+    assert recorder.checks >= count
+    assert recorder.checks_behind_an_unsettled_op == 0, (
+        f"{recorder.checks_behind_an_unsettled_op} of {recorder.checks} checks asked about an "
+        "op queued behind one still on the wire"
+    )
+    for i in range(count):
+        assert dst.sha256((count - 1 - i) * page, page) == src.sha256(i * page, page)
+
+
 async def test_one_process_partial_failure_settles_before_returning(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:

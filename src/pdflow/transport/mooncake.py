@@ -2,14 +2,24 @@
 
 Each op is submitted as its own engine transfer (`transfer_submit_write`) and polled to a
 terminal state (`transfer_check_status`), with at most `max_outstanding_ops` submitted at once
-per call. Why not one `batch_transfer_sync_write` per batch:
+per worker job; a peer's ops are polled in submission order, only its oldest unsettled one
+each sweep. Why not one `batch_transfer_sync_write` per batch:
 
 - the engine reports a batch FAILED as soon as one op fails, while its sibling ops may still be
   on the wire; per-op tracking lets `batch_write` return only once every submitted op is
   settled, which is what makes `close_session` a real fence;
 - the TCP transport rejects ops beyond a per-peer queue (about 2048 ops measured here; a batch
   of 4096 x 4 KiB fails), and the window keeps us under it without splitting by guesswork;
-- measured on loopback it is as fast as the engine's batch call (see benchmarks/transport_raw).
+- measured on loopback it is as fast as the engine's batch call (see benchmarks/transport_raw),
+  and it sleeps between sweeps where the batch call spins a core in C++ until the batch ends.
+
+Over TCP the engine (mooncake-transfer-engine-non-cuda 0.3.13) sends a peer's ops on a few
+persistent connections (`MC_TCP_LANES_PER_PEER`, 4), one op per connection at a time, each
+acknowledged by the receiver once its bytes are in memory; ops beyond that wait in a per-peer
+queue (`MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER`, 1024, then as many pending admissions that
+fail after `MC_TCP_ADMISSION_TIMEOUT_MS`, 1 s). pdflow sets none of these; on a 2-core VM
+loopback runs at 1.1-1.3 GB/s for 64 KiB ops, CPU-bound in the two engines' io threads and
+the kernel's copies (benchmarks/README.md, fifth pass).
 
 Engine calls block, so they run in worker threads under a `CapacityLimiter`; concurrent small
 `batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections import deque
 from collections.abc import Sequence
 from typing import Any, Self
 
@@ -326,15 +337,23 @@ class MooncakeTransport(GuardedTransport):
         After a call's first failure none of its further ops is submitted, but those already
         submitted are still awaited: returning earlier would let them land after a
         `close_session`. The other calls carry on.
+
+        Ops are polled per peer in submission order, each sweep stopping at a peer's first op
+        still on the wire: the engine serves a peer's ops in that order on a few connections,
+        so the ops behind it are seldom done yet, and checking them all (every call a GIL
+        release) cost the worker several times the CPU of the submits (benchmarks/README,
+        fifth pass). Every submitted op is still polled until it is settled.
         """
         engine = self._engine
         window = self._config.max_outstanding_ops
         progress = [_CallProgress(peer, writes) for peer, writes in calls]
-        pending: list[tuple[int, _CallProgress, int]] = []  # (engine batch id, call, op index)
+        # Per peer, in submission order: (engine batch id, call, op index).
+        pending: dict[str, deque[tuple[int, _CallProgress, int]]] = {}
+        outstanding = 0
         started = time.perf_counter()
         unsubmitted = [p for p in progress if p.writes]
-        while pending or unsubmitted:
-            while unsubmitted and len(pending) < window:
+        while outstanding or unsubmitted:
+            while unsubmitted and outstanding < window:
                 call = unsubmitted[0]
                 if call.failed:  # an op of it failed while polling: submit no more of it
                     unsubmitted.pop(0)
@@ -344,30 +363,36 @@ class MooncakeTransport(GuardedTransport):
                     call.peer, write.src_addr, write.dst_addr, write.length
                 )
                 if _is_batch_id(handle):
-                    pending.append((handle, call, call.next_index))
+                    pending.setdefault(call.peer, deque()).append((handle, call, call.next_index))
                     call.outstanding += 1
+                    outstanding += 1
                 else:
                     call.failed.append(call.next_index)
                 call.next_index += 1
                 if call.next_index >= len(call.writes) or call.failed:
                     unsubmitted.pop(0)
-            still_pending: list[tuple[int, _CallProgress, int]] = []
-            for handle, call, index in pending:
-                status = engine.transfer_check_status(handle)
-                if status == _STATUS_COMPLETED:
-                    call.landed_ops += 1
-                    call.landed_bytes += call.writes[index].length
-                elif status == _STATUS_FAILED:
-                    call.failed.append(index)
-                else:  # waiting, or a timeout report while the op is still on the wire
-                    still_pending.append((handle, call, index))
-                    continue
-                call.outstanding -= 1
-                if call.outstanding == 0 and (call.failed or call.next_index >= len(call.writes)):
-                    call.seconds = time.perf_counter() - started
-            if len(still_pending) == len(pending) and still_pending:
+            settled_any = False
+            for queue in pending.values():
+                while queue:
+                    handle, call, index = queue[0]
+                    status = engine.transfer_check_status(handle)
+                    if status == _STATUS_COMPLETED:
+                        call.landed_ops += 1
+                        call.landed_bytes += call.writes[index].length
+                    elif status == _STATUS_FAILED:
+                        call.failed.append(index)
+                    else:  # waiting, or a timeout report while the op is still on the wire
+                        break
+                    queue.popleft()
+                    settled_any = True
+                    outstanding -= 1
+                    call.outstanding -= 1
+                    if call.outstanding == 0 and (
+                        call.failed or call.next_index >= len(call.writes)
+                    ):
+                        call.seconds = time.perf_counter() - started
+            if outstanding and not settled_any:
                 time.sleep(_POLL_PAUSE_S)
-            pending = still_pending
         return [call.outcome(time.perf_counter() - started) for call in progress]
 
     async def _engine_shutdown(self) -> None:
