@@ -21,7 +21,8 @@ fail after `MC_TCP_ADMISSION_TIMEOUT_MS`, 1 s). pdflow sets none of these; on a 
 loopback runs at 1.1-1.3 GB/s for 64 KiB ops, CPU-bound in the two engines' io threads and
 the kernel's copies (benchmarks/README.md, fifth pass).
 
-Engine calls block, so they run in worker threads under a `CapacityLimiter`; concurrent small
+Engine calls block, so writes run in `max_concurrent_calls` long-lived worker threads
+(`worker_threads.py`: one wake into a thread and one back per job); concurrent small
 `batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
 busy going into the next worker job (one thread hop, one submit/poll loop for many rooms'
 writes); a larger call gets a job of its own, so no small room waits behind its bytes. A worker
@@ -66,6 +67,7 @@ from pdflow.transport.base import (
     TransportError,
 )
 from pdflow.transport.guarded import CheckedWrite, GuardedTransport
+from pdflow.transport.worker_threads import WorkerThreads
 
 SUPPORTED_PROTOCOLS = ("tcp", "rdma")
 _STATUS_COMPLETED = 1
@@ -181,6 +183,7 @@ class MooncakeTransport(GuardedTransport):
         self._session_id = session_id
         self._config = config
         self._limiter = anyio.CapacityLimiter(config.max_concurrent_calls)
+        self._writers = WorkerThreads(config.max_concurrent_calls, "mooncake-write")
         # batch_write calls not yet taken by a worker-thread job (see _engine_write).
         self._queued: list[_WriteCall] = []
         self._worker_freed = anyio.Event()
@@ -296,8 +299,9 @@ class MooncakeTransport(GuardedTransport):
             if not job.taken:
                 self._queued.remove(job)
                 raise
-        with anyio.CancelScope(shield=True):
-            await job.settled.wait()
+        if not job.settled.is_set():  # the caller that ran the job has its outcome already
+            with anyio.CancelScope(shield=True):
+                await job.settled.wait()
         return job.result()
 
     async def _run_queued(self) -> None:
@@ -308,13 +312,12 @@ class MooncakeTransport(GuardedTransport):
         """One worker-thread job for these calls; each gets its outcome (or the job's error)."""
         for call in calls:
             call.taken = True
-        self._jobs_running += 1  # counted at once: the limiter is taken only inside run_sync
+        self._jobs_running += 1
         try:
-            with anyio.CancelScope(shield=True):  # taken writes are always seen through
-                outcomes = await anyio.to_thread.run_sync(
-                    self._write_settled, [(c.peer, c.writes) for c in calls],
-                    limiter=self._limiter, abandon_on_cancel=False,
-                )  # fmt: skip
+            # Taken writes are always seen through: a cancelled caller waits for the thread.
+            outcomes = await self._writers.run(
+                self._write_settled, [(c.peer, c.writes) for c in calls]
+            )
         except Exception as exc:
             for call in calls:
                 call.error = exc
@@ -401,4 +404,5 @@ class MooncakeTransport(GuardedTransport):
         holder = [self._engine, *self._retiring.values()]
         self._engine = None
         self._retiring.clear()
+        self._writers.close()  # no write is in flight: aclose waited for them
         await anyio.to_thread.run_sync(holder.clear, limiter=self._limiter)

@@ -1,0 +1,104 @@
+"""Long-lived threads that run a transport's blocking engine calls for its event loop.
+
+``anyio.to_thread.run_sync`` costs about 120 us per call on the 2-core machines here (80 us into
+the thread: its limiter's checkpoint, the idle-worker bookkeeping, a context copy; 40 us back);
+a room of 1 MiB spends about 0.6 ms on the wire, so that was a fifth of it again. Here a call
+is one ``SimpleQueue.put`` into a waiting thread and one ``call_soon_threadsafe`` back (about
+55 us both ways, benchmarks/README.md "Fifth pass").
+
+The threads also ask Linux for a fine timer slack: a thread's default 50 us slack makes the
+poll loop's 20 us pause last about 100 us, so a write's completion was seen up to 100 us late.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ctypes
+import sys
+import threading
+from collections.abc import Callable
+from queue import SimpleQueue
+from typing import Any, TypeVar
+
+import anyio
+
+T = TypeVar("T")
+
+_PR_SET_TIMERSLACK = 29
+# Timer slack of the worker threads, in ns (Linux's default is 50,000).
+_TIMER_SLACK_NS = 1_000
+
+_Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
+
+
+def _fine_timer_slack() -> None:
+    """Best effort: keep this thread's short sleeps short (Linux prctl; elsewhere nothing)."""
+    if sys.platform != "linux":
+        return
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
+
+
+def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
+    if future.done():  # never: the caller waits shielded; guard anyway
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
+class WorkerThreads:
+    """``size`` daemon threads, started on first use; each runs one call at a time, in the
+    order the calls were made. ``close`` lets them end once the calls queued so far are done."""
+
+    def __init__(self, size: int, name: str) -> None:
+        if size < 1:
+            raise ValueError(f"need at least one worker thread, got {size}")
+        self._size = size
+        self._name = name
+        self._calls: SimpleQueue[_Call | None] = SimpleQueue()
+        self._threads: list[threading.Thread] = []
+        self._closed = False
+
+    async def run(self, func: Callable[..., T], *args: Any) -> T:
+        """``func(*args)`` in a worker thread. Once queued it is always seen through: cancelling
+        the caller waits for it to return (what a fence needs of a write)."""
+        if self._closed:
+            raise RuntimeError(f"{self._name} worker threads are closed")
+        if not self._threads:
+            self._start()
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[T] = loop.create_future()
+        self._calls.put((loop, future, func, args))
+        with anyio.CancelScope(shield=True):
+            result = await future
+        return result
+
+    def _start(self) -> None:
+        for index in range(self._size):
+            thread = threading.Thread(target=self._serve, name=f"{self._name}-{index}",
+                                      daemon=True)  # fmt: skip
+            thread.start()
+            self._threads.append(thread)
+
+    def _serve(self) -> None:
+        _fine_timer_slack()
+        while (call := self._calls.get()) is not None:
+            loop, future, func, args = call
+            result, error = None, None
+            try:
+                result = func(*args)
+            except BaseException as exc:  # handed to the caller, which re-raises it
+                error = exc
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
+                loop.call_soon_threadsafe(_settle, future, result, error)
+
+    def close(self) -> None:
+        """No more calls; each thread ends after the calls already queued."""
+        if self._closed:
+            return
+        self._closed = True
+        for _ in self._threads:
+            self._calls.put(None)
