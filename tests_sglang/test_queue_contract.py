@@ -163,6 +163,28 @@ def test_the_prefill_reports_failed_only_after_its_writes_drained() -> None:
     assert raised.value.bootstrap_room == 400
 
 
+def test_a_poll_answers_each_change_of_the_rooms_facts_and_repeats_the_last_answer() -> None:
+    """poll() answers from the room's last facts snapshot without recomputing while it is the
+    same one; every new snapshot (a status, a forget, a refusal) gives its own answer."""
+    sender = _sender(410)
+    receiver = PdflowKVReceiver(_manager(), "10.0.0.1:8998", 411)
+    receiver.init(0)
+    assert [sender.poll(), sender.poll(), receiver.poll()] == [KVPoll.Bootstrapping] * 3
+    for poll in (PdflowPoll.WaitingForInput, PdflowPoll.Transferring):
+        sender.kv_mgr.book.apply(RoomStatus(rank=0, room=410, generation=0, poll=poll))
+        receiver.kv_mgr.book.apply(RoomStatus(rank=0, room=411, generation=0, poll=poll))
+        assert [sender.poll(), sender.poll(), receiver.poll(), receiver.poll()] == [poll] * 4
+    sender.kv_mgr.book.forget(410)  # nothing known: the last live status stays
+    assert sender.poll() == KVPoll.Transferring
+    receiver.kv_mgr.book.apply(RoomStatus(rank=0, room=411, generation=0,
+                                          poll=PdflowPoll.Success))  # fmt: skip
+    assert receiver.poll() == KVPoll.Success and receiver.conclude_state == KVPoll.Success
+    other = PdflowKVReceiver(receiver.kv_mgr, "10.0.0.1:8998", 412)
+    assert other.poll() == KVPoll.Bootstrapping
+    other.kv_mgr.book.refuse(412, "pdflow refused open_room: no such prefill")
+    assert other.poll() == KVPoll.Failed and other.conclude_state == KVPoll.Failed
+
+
 def test_a_refused_call_fails_the_receiver_with_the_reason() -> None:
     mgr = _manager()
     receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 500)

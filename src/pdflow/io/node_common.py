@@ -105,6 +105,7 @@ class EventHub:
 
     def __init__(self) -> None:
         self._subscribers: list[MemoryObjectSendStream[NodeEvent]] = []
+        self._watchers: list[Callable[[NodeEvent], None]] = []
         self._status: dict[tuple[int, int], RoomStatus] = {}
         self._changed: dict[tuple[int, int], anyio.Event] = {}
 
@@ -115,7 +116,20 @@ class EventHub:
         self._subscribers.append(send)
         return receive
 
+    def watch(self, watcher: Callable[[NodeEvent], None]) -> None:
+        """Call ``watcher(event)`` with every later event as it is published, on the node's
+        loop, inside the step that produced it: for a reader that only records (it must not
+        block or await). It saves a stream's hand-over to a reader task per event. A watcher
+        that raises is logged and kept; the step and the other readers carry on."""
+        self._watchers.append(watcher)
+
     def publish(self, event: NodeEvent) -> None:
+        for watcher in self._watchers:
+            try:
+                watcher(event)
+            except Exception as exc:
+                log.error("event_watcher_failed", node_event=type(event).__name__,
+                          error=f"{type(exc).__name__}: {exc}")  # fmt: skip
         if isinstance(event, RoomStatus):
             key = (event.rank, event.room)
             self._status[key] = event
@@ -153,6 +167,7 @@ class EventHub:
         for stream in self._subscribers:
             stream.close()
         self._subscribers.clear()
+        self._watchers.clear()
 
 
 # ---- per-room measurements -----------------------------------------------------------------------
@@ -397,6 +412,11 @@ class NodeLifecycle:
 
     def subscribe(self) -> ObjectReceiveStream[NodeEvent]:
         return self.runtime.events.subscribe()
+
+    def watch(self, watcher: Callable[[NodeEvent], None]) -> None:
+        """Call ``watcher`` with every later event as it is published (:meth:`EventHub.watch`);
+        call it on the node's loop."""
+        self.runtime.events.watch(watcher)
 
     async def _start(self) -> None:
         raise NotImplementedError

@@ -50,6 +50,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError
 from pdflow.io.bootstrap_server import serve
+from pdflow.io.node_common import NodeEvent, RoomStatus
 from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import Settings, load_settings
@@ -62,7 +63,7 @@ from pdflow.sglang.layout import (
 )
 from pdflow.sglang.loop import LoopThread
 from pdflow.sglang.parallel import attention_tp, prefill_placement, refuse_unmapped_parallelism
-from pdflow.sglang.rooms import RoomBook
+from pdflow.sglang.rooms import RoomBook, RoomFacts
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.sglang")
@@ -143,8 +144,7 @@ class PdflowKVManager(BaseKVManager):
         self.node: PrefillNode | DecodeNode = self._build_node()
         self._node_cm = self.loop.portal.wrap_async_context_manager(self.node)
         self._node_cm.__enter__()
-        events = self.loop.portal.call(self.node.subscribe)
-        self.loop.portal.start_task_soon(self._pump, events)
+        self.loop.portal.call(self._watch_events)
         log.info("pdflow_sglang_manager_ready", mode=disaggregation_mode.value,
                  rank=self.rank_kv.tp_rank, node=self.node.runtime.node_id)  # fmt: skip
 
@@ -161,14 +161,20 @@ class PdflowKVManager(BaseKVManager):
         return DecodeNode(ranks=[self.rank_kv], transport=self.transport, settings=self.settings,
                           is_mla=self.is_mla_backend)  # fmt: skip
 
-    async def _pump(self, events: Any) -> None:
+    async def _watch_events(self) -> None:
+        """Record every node event in the RoomBook as it is published (on the loop, inside
+        the step: no reader task, no stream hand-over per event)."""
         prefill = self.prefill_rank if isinstance(self.node, PrefillNode) else None
-        async with events:
-            async for event in events:
-                if (prefill is not None and getattr(event, "poll", None) is KVPoll.Success):
-                    nbytes, seconds = prefill.transfer_stats(event.room)
-                    self.book.record_transfer(event.room, nbytes, seconds)
-                self.book.apply(event)
+        book = self.book
+
+        def record(event: NodeEvent) -> None:
+            if (prefill is not None and isinstance(event, RoomStatus)
+                    and event.poll is KVPoll.Success):  # fmt: skip
+                nbytes, seconds = prefill.transfer_stats(event.room)
+                book.record_transfer(event.room, nbytes, seconds)
+            book.apply(event)
+
+        self.node.watch(record)
 
     @property
     def prefill_rank(self) -> PrefillRank:
@@ -316,6 +322,11 @@ class PdflowKVSender(BaseKVSender):
         self.aux_index: int | None = None
         self.init_time: float | None = None
         self._last_live = KVPoll.Bootstrapping
+        # The last facts poll() answered from while not failed, and that answer: facts are
+        # immutable snapshots, so the same object gives the same answer (the scheduler polls
+        # every room on every tick, far more often than its facts change).
+        self._answered_facts: RoomFacts | None = None
+        self._answer = int(KVPoll.Bootstrapping)
         self._cleared = False
         self._aborted = False
         self.conclude_state: int | None = None
@@ -390,11 +401,14 @@ class PdflowKVSender(BaseKVSender):
 
     def poll(self) -> int:
         facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        if facts is self._answered_facts:
+            return self._answer
         failed = bool(facts.local_error) or facts.poll is KVPoll.Failed
         if not failed:
             if facts.poll is not None:
                 self._last_live = facts.poll
-            return int(self._last_live)
+            self._answered_facts, self._answer = facts, int(self._last_live)
+            return self._answer
         # Failed, but writes may still be landing: clear now, report once pdflow forgot the room
         # (it does only when every started write completed).
         if facts.local_error and facts.poll is not KVPoll.Failed and not self._aborted:
@@ -447,6 +461,9 @@ class PdflowKVReceiver(BaseKVReceiver):
         self.init_time: float | None = None
         self._opened = False
         self._cleared = False
+        # As on the sender: the last facts poll() answered from, and that answer.
+        self._answered_facts: RoomFacts | None = None
+        self._answer = int(KVPoll.Bootstrapping)
         mgr.book.start(self.bootstrap_room)
 
     @property
@@ -500,14 +517,19 @@ class PdflowKVReceiver(BaseKVReceiver):
 
     def poll(self) -> int:
         facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        if facts is self._answered_facts:
+            return self._answer
         if facts.local_error:
             self.conclude_state = KVPoll.Failed
-            return int(KVPoll.Failed)
-        if facts.poll is None:
-            return int(KVPoll.Bootstrapping)
-        if facts.poll.is_terminal:
-            self.conclude_state = facts.poll
-        return int(facts.poll)
+            answer = int(KVPoll.Failed)
+        elif facts.poll is None:
+            answer = int(KVPoll.Bootstrapping)
+        else:
+            if facts.poll.is_terminal:
+                self.conclude_state = facts.poll
+            answer = int(facts.poll)
+        self._answered_facts, self._answer = facts, answer
+        return answer
 
     def failure_exception(self) -> None:
         raise KVTransferError(self.bootstrap_room,
