@@ -1,0 +1,48 @@
+"""benchmarks/room_timeline.py still finds every method it marks: a rename in the nodes or the
+transport would otherwise leave its timeline silently missing steps (or the script broken).
+Run in a subprocess, since the tool wraps the nodes' classes for its whole process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+EXPECTED = [
+    "send_chunk called",
+    "prefill step SendChunk>",
+    "core handle>",
+    "output StartTransfer>",
+    "transfer job>",
+    "plan>",
+    "transport write>",
+    "worker thread>",
+    "engine submit",
+    "engine op completed",
+    "prefill step TransferCompleted>",
+    "send StatusReport>",
+    "publish Success",
+    "received",
+    "decode step received StatusReport>",
+    "decode wait returned",
+]
+
+
+def test_the_timeline_marks_every_step_of_one_room(tmp_path: Path) -> None:
+    out = tmp_path / "timeline.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
+    subprocess.run(
+        [sys.executable, "-m", "benchmarks.room_timeline", "--size-mib", "1", "--rooms", "3",
+         "--json", str(out)],
+        cwd=ROOT, env=env, check=True, timeout=300, capture_output=True,
+    )  # fmt: skip
+    timeline = json.loads(out.read_text())
+    labels = [step["from"] for step in timeline["steps"]] + [timeline["steps"][-1]["to"]]
+    missing = [label for label in EXPECTED if label not in labels]
+    assert not missing, f"marks never stamped: {missing} (stamped: {labels})"
+    assert timeline["rooms"] + timeline["left_out"] == 3
+    assert timeline["total_median_ms"] > 0
