@@ -1,10 +1,8 @@
 """WorkerThreads, the transport's long-lived threads for blocking engine calls: results and
-errors come back, a cancelled caller still waits for its call, the threads keep a fine timer
-slack (what makes the write poll loop's short pause short) and end on close."""
+errors come back, a cancelled caller still waits for its call, and the threads end on close."""
 
 from __future__ import annotations
 
-import ctypes
 import threading
 
 import anyio
@@ -12,9 +10,7 @@ import anyio.lowlevel
 import anyio.to_thread
 import pytest
 
-from pdflow.transport.worker_threads import _TIMER_SLACK_NS, WorkerThreads
-
-_PR_GET_TIMERSLACK = 30
+from pdflow.transport.worker_threads import WorkerThreads
 
 
 def test_a_call_runs_in_a_worker_thread_and_returns_its_result() -> None:
@@ -80,23 +76,6 @@ def test_a_cancelled_caller_waits_for_its_call_to_return() -> None:
     finally:
         threads.close()
     assert seen_on_return == [[True]]
-
-
-def test_worker_threads_keep_a_fine_timer_slack() -> None:
-    # Linux (where pdflow runs): the calling thread's own slack, as the kernel reports it.
-    threads = WorkerThreads(1, "test-workers")
-
-    def own_slack() -> int:
-        return int(ctypes.CDLL(None).prctl(_PR_GET_TIMERSLACK, 0, 0, 0, 0))
-
-    async def main() -> int:
-        return await threads.run(own_slack)
-
-    try:
-        slack = anyio.run(main, backend="asyncio")
-    finally:
-        threads.close()
-    assert slack == _TIMER_SLACK_NS
 
 
 def test_close_ends_the_threads_and_refuses_new_calls() -> None:

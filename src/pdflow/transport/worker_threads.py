@@ -6,16 +6,16 @@ a room of 1 MiB spends about 0.6 ms on the wire, so that was a fifth of it again
 is one ``SimpleQueue.put`` into a waiting thread and one ``call_soon_threadsafe`` back (about
 55 us both ways, benchmarks/README.md "Fifth pass").
 
-The threads also ask Linux for a fine timer slack: a thread's default 50 us slack makes the
-poll loop's 20 us pause last about 100 us, so a write's completion was seen up to 100 us late.
+The threads keep Linux's default 50 us timer slack, which makes the poll loop's 20 us pause
+last about 100 us: a 1 us slack saw a write's completion sooner, but the more frequent polls
+took CPU from the engine's io threads (256 MiB in 4 ops: 187 -> 220 ms, process CPU 242 ->
+316 ms, same run).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import sys
 import threading
 from collections.abc import Callable
 from queue import SimpleQueue
@@ -25,19 +25,7 @@ import anyio
 
 T = TypeVar("T")
 
-_PR_SET_TIMERSLACK = 29
-# Timer slack of the worker threads, in ns (Linux's default is 50,000).
-_TIMER_SLACK_NS = 1_000
-
 _Call = tuple[asyncio.AbstractEventLoop, "asyncio.Future[Any]", Callable[..., Any], tuple[Any, ...]]
-
-
-def _fine_timer_slack() -> None:
-    """Best effort: keep this thread's short sleeps short (Linux prctl; elsewhere nothing)."""
-    if sys.platform != "linux":
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).prctl(_PR_SET_TIMERSLACK, _TIMER_SLACK_NS, 0, 0, 0)
 
 
 def _settle(future: asyncio.Future[Any], result: Any, error: BaseException | None) -> None:
@@ -84,7 +72,6 @@ class WorkerThreads:
             self._threads.append(thread)
 
     def _serve(self) -> None:
-        _fine_timer_slack()
         while (call := self._calls.get()) is not None:
             loop, future, func, args = call
             result, error = None, None
