@@ -9,9 +9,11 @@ import json
 import os
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import anyio
@@ -20,6 +22,7 @@ import pytest
 from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
+import pdflow.transport.mooncake as mooncake_module
 from pdflow.transport import (
     FenceUnavailableError,
     InvalidWriteError,
@@ -336,6 +339,42 @@ async def test_one_process_polls_each_peer_in_submission_order(
         f"{recorder.checks_behind_an_unsettled_op} of {recorder.checks} checks asked about an "
         "op queued behind one still on the wire"
     )
+    for i in range(count):
+        assert dst.sha256((count - 1 - i) * page, page) == src.sha256(i * page, page)
+
+
+async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queued(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # While many ops are on the wire the engine's connections have work queued, so the worker
+    # pauses the longer pause after each sweep instead of polling again at once for the op
+    # just behind the one that settled; near the end it goes back to the short pause.
+    sender, receiver = engine_pair
+    count, page = 1024, 64 << 10
+    src, dst = registered_buffers(engine_pair, count * page, seed=5)
+    ops = [Op(src.addr + i * page, dst.addr + (count - 1 - i) * page, page) for i in range(count)]
+    recorder = PollRecorder(sender._engine)
+    sender._engine = recorder
+    pauses: list[tuple[int, float]] = []  # (ops unsettled, pause asked for)
+
+    def recorded_sleep(seconds: float) -> None:
+        pauses.append((len(recorder.unsettled.get(receiver.session_id, [])), seconds))
+        time.sleep(seconds)
+
+    clock = SimpleNamespace(perf_counter=time.perf_counter, sleep=recorded_sleep)
+    monkeypatch.setattr(mooncake_module, "time", clock)
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert outcome.ok, outcome.error
+    busy = [seconds for unsettled, seconds in pauses if unsettled >= mooncake_module._BUSY_OPS]
+    assert busy, "no pause while the window was full"
+    assert set(busy) == {mooncake_module._BUSY_PAUSE_S}, sorted(set(busy))
+    assert {s for u, s in pauses if u < mooncake_module._BUSY_OPS} <= {
+        mooncake_module._POLL_PAUSE_S
+    }
+    # A check settles an op or ends a sweep; below the busy mark (only at the end) a sweep
+    # that settled something runs again at once, so at most that many sweeps are unpaused.
+    assert recorder.checks <= count + len(pauses) + mooncake_module._BUSY_OPS
     for i in range(count):
         assert dst.sha256((count - 1 - i) * page, page) == src.sha256(i * page, page)
 

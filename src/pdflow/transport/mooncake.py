@@ -3,7 +3,8 @@
 Each op is submitted as its own engine transfer (`transfer_submit_write`) and polled to a
 terminal state (`transfer_check_status`), with at most `max_outstanding_ops` submitted at once
 per worker job; a peer's ops are polled in submission order, only its oldest unsettled one
-each sweep. Why not one `batch_transfer_sync_write` per batch:
+each sweep, and while 64 or more are on the wire the worker pauses 200 us after every sweep.
+Why not one `batch_transfer_sync_write` per batch:
 
 - the engine reports a batch FAILED as soon as one op fails, while its sibling ops may still be
   on the wire; per-op tracking lets `batch_write` return only once every submitted op is
@@ -76,6 +77,12 @@ _STATUS_FAILED = -1
 _COALESCE_MAX_BYTES = 1 << 20
 # Idle pause between status sweeps that saw no progress; short next to one 4 KiB op (~60 us).
 _POLL_PAUSE_S = 20e-6
+# While this many ops are on the wire the engine has work queued for every connection to
+# the peer (even 4 KiB ops take ~40 us of engine CPU each here, so 64 are milliseconds of
+# it), and the worker pauses this long after every sweep, progress or not, instead of
+# spinning on the op that just settled: benchmarks/README.md, fifth pass.
+_BUSY_OPS = 64
+_BUSY_PAUSE_S = 200e-6
 
 
 class MooncakeConfig(msgspec.Struct, frozen=True):
@@ -394,7 +401,9 @@ class MooncakeTransport(GuardedTransport):
                         call.failed or call.next_index >= len(call.writes)
                     ):
                         call.seconds = time.perf_counter() - started
-            if outstanding and not settled_any:
+            if outstanding >= _BUSY_OPS:
+                time.sleep(_BUSY_PAUSE_S)
+            elif outstanding and not settled_any:
                 time.sleep(_POLL_PAUSE_S)
         return [call.outcome(time.perf_counter() - started) for call in progress]
 
