@@ -9,7 +9,9 @@ interface. Same geometry, same rooms, every byte checked by the decode. Each sha
 batch by batch so machine drift hits both alike; each figure is the median over the batches.
 Each pair first moves a warm-up batch of ``WARM_UP_ROOMS`` rooms (not measured), and the
 drivers run with structlog below WARNING off (``--quiet-logs``), as ``pdflow bench`` does in
-process.
+process. The requests of a batch reach the prefill driver when the decode's do, as a router
+sends them to both (``--requests-on-stdin``): each system's prefill holds and polls senders only
+for the batch in flight, as a scheduler would, never for every later batch of the run too.
 The 4 KiB shape also runs at 16 and 64 concurrent rooms, for the chart against concurrency.
 
 Shapes (SGLang's float32 pool, one buffer per layer for K and for V):
@@ -119,6 +121,7 @@ class _Pair:
         env = _child_env()
         self.prefill = DriverProcess(
             "prefill", *common, "--serve-bootstrap", "--rooms", str(total_rooms),
+            "--requests-on-stdin",
             "--room-base", "1000", "--http-port", str(free_port()), "--serve-s", "3600",
             log_dir=logs, python=python, env=env,
         )  # fmt: skip
@@ -134,6 +137,9 @@ class _Pair:
         """``rooms`` rooms opened at once by the decode; rooms/s and create->Success latency."""
         base, self.next_base = self.next_base, self.next_base + rooms
         started = time.monotonic()
+        # The router sends the batch's requests to both instances at once: the prefill holds
+        # senders only for the requests it was sent (not for every batch of the run).
+        self.prefill.command(cmd="requests", count=rooms)
         # Room ids run on from batch to batch, as the prefill numbers its KV patterns.
         self.decode.command(cmd="batch", count=rooms, base=base, bootstrap_port=self.port,
                             first_index=base - 1000)  # fmt: skip

@@ -320,10 +320,12 @@ def run_prefill(args: argparse.Namespace) -> None:
     last_progress = time.monotonic()
     share = sum(serving_dp_rank(args.room_base + i, args) == args.dp_rank
                 for i in range(args.rooms))  # this DP group's rooms
+    arrivals = _request_arrivals(args)
     while time.monotonic() < deadline and (args.rooms == 0 or served < share):
         # New requests arrive as the router sends them: one sender per room, as create_sender.
         # With DP, this group gets only the rooms the router sends it.
-        while next_index < (args.rooms or 10**9) and len(pending) < args.aux_slots:
+        arrived = arrivals()
+        while next_index < min(args.rooms or 10**9, arrived) and len(pending) < args.aux_slots:
             room, index = args.room_base + next_index, next_index
             next_index += 1
             if serving_dp_rank(room, args) != args.dp_rank:
@@ -410,6 +412,36 @@ def run_prefill(args: argparse.Namespace) -> None:
     # A scheduler keeps running: give the last status messages time to leave before exiting.
     time.sleep(3600 if args.linger else 2.0)
     del server
+
+
+def _request_arrivals(args: argparse.Namespace) -> Any:
+    """How many of the run's requests have reached this prefill so far, as a function.
+
+    By default all ``--rooms`` are there from the start. With ``--requests-on-stdin`` they come
+    as the router would send them, ``{"cmd": "requests", "count": n}`` per batch, at the moment
+    the decode gets the same batch: a scheduler then holds (and polls) senders only for the
+    requests it was sent, not for every later batch of the run as well.
+    """
+    if not args.requests_on_stdin:
+        return lambda: 10**9
+    commands: queue.Queue[int] = queue.Queue()
+
+    def read_requests() -> None:
+        for line in sys.stdin:
+            if line.strip():
+                command = json.loads(line)
+                if command.get("cmd") == "requests":
+                    commands.put(int(command["count"]))
+
+    threading.Thread(target=read_requests, daemon=True).start()
+    arrived = [0]
+
+    def arrivals() -> int:
+        while not commands.empty():
+            arrived[0] += commands.get_nowait()
+        return arrived[0]
+
+    return arrivals
 
 
 # ---- decode ------------------------------------------------------------------------------------
@@ -703,6 +735,9 @@ def main() -> None:
     parser.add_argument("--http-port", type=int, default=30000)
     parser.add_argument("--serve-bootstrap", action="store_true")
     parser.add_argument("--rooms", type=int, default=0)
+    parser.add_argument("--requests-on-stdin", action="store_true",
+                        help="prefill: requests arrive as stdin commands {cmd: requests, count}, "
+                             "not all at start")
     parser.add_argument("--room-base", type=int, default=1000)
     parser.add_argument("--pages-per-room", type=int, default=4)
     parser.add_argument("--chunk-pages", type=int, default=2)
