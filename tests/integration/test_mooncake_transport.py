@@ -317,6 +317,29 @@ class PollRecorder:
         return status
 
 
+class DescendingRoom:
+    """A 64 MiB room as the decode's free list hands it out (1,024 ops of 64 KiB, pages
+    descending), with the sender's engine wrapped in a PollRecorder."""
+
+    count, page = 1024, 64 << 10
+
+    def __init__(self, engine_pair: tuple[MooncakeTransport, MooncakeTransport], seed: int) -> None:
+        sender, _ = engine_pair
+        count, page = self.count, self.page
+        self.src, self.dst = registered_buffers(engine_pair, count * page, seed=seed)
+        self.ops = [
+            Op(self.src.addr + i * page, self.dst.addr + (count - 1 - i) * page, page)
+            for i in range(count)
+        ]
+        self.recorder = PollRecorder(sender._engine)
+        sender._engine = self.recorder
+
+    def assert_landed(self) -> None:
+        count, page = self.count, self.page
+        for i in range(count):
+            assert self.dst.sha256((count - 1 - i) * page, page) == self.src.sha256(i * page, page)
+
+
 async def test_one_process_polls_each_peer_in_submission_order(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:
@@ -324,23 +347,19 @@ async def test_one_process_polls_each_peer_in_submission_order(
     # descending): the worker checks only a peer's oldest unsettled op, never the ones queued
     # behind it (each check is a GIL release), and still sees every op settled.
     sender, receiver = engine_pair
-    count, page = 1024, 64 << 10
-    src, dst = registered_buffers(engine_pair, count * page, seed=3)
-    ops = [Op(src.addr + i * page, dst.addr + (count - 1 - i) * page, page) for i in range(count)]
-    recorder = PollRecorder(sender._engine)
-    sender._engine = recorder
+    room = DescendingRoom(engine_pair, seed=3)
+    count, ops, recorder = room.count, room.ops, room.recorder
     with anyio.fail_after(60):
         outcome = await sender.batch_write(receiver.session_id, ops)
     assert outcome.ok, outcome.error
-    assert (outcome.nops, outcome.nbytes) == (count, count * page)
+    assert (outcome.nops, outcome.nbytes) == (count, count * room.page)
     assert recorder.unsettled == {receiver.session_id: []}, "an op was never seen settled"
     assert recorder.checks >= count
     assert recorder.checks_behind_an_unsettled_op == 0, (
         f"{recorder.checks_behind_an_unsettled_op} of {recorder.checks} checks asked about an "
         "op queued behind one still on the wire"
     )
-    for i in range(count):
-        assert dst.sha256((count - 1 - i) * page, page) == src.sha256(i * page, page)
+    room.assert_landed()
 
 
 async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queued(
@@ -350,11 +369,8 @@ async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queu
     # pauses the longer pause after each sweep instead of polling again at once for the op
     # just behind the one that settled; near the end it goes back to the short pause.
     sender, receiver = engine_pair
-    count, page = 1024, 64 << 10
-    src, dst = registered_buffers(engine_pair, count * page, seed=5)
-    ops = [Op(src.addr + i * page, dst.addr + (count - 1 - i) * page, page) for i in range(count)]
-    recorder = PollRecorder(sender._engine)
-    sender._engine = recorder
+    room = DescendingRoom(engine_pair, seed=5)
+    count, ops, recorder = room.count, room.ops, room.recorder
     pauses: list[tuple[int, float]] = []  # (ops unsettled, pause asked for)
 
     def recorded_sleep(seconds: float) -> None:
@@ -375,8 +391,7 @@ async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queu
     # A check settles an op or ends a sweep; below the busy mark (only at the end) a sweep
     # that settled something runs again at once, so at most that many sweeps are unpaused.
     assert recorder.checks <= count + len(pauses) + mooncake_module._BUSY_OPS
-    for i in range(count):
-        assert dst.sha256((count - 1 - i) * page, page) == src.sha256(i * page, page)
+    room.assert_landed()
 
 
 async def test_one_process_partial_failure_settles_before_returning(
