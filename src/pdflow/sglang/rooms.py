@@ -13,15 +13,17 @@ No SGLang import here.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass, replace
+
+import msgspec
+from msgspec.structs import replace
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased, RoomClosed, RoomStatus
 
 
-@dataclass(frozen=True, slots=True)
-class RoomFacts:
-    """One room as pdflow reported it (the latest of each kind of event)."""
+class RoomFacts(msgspec.Struct, frozen=True):
+    """One room as pdflow reported it (the latest of each kind of event). A Struct rather than
+    a dataclass: its ``replace`` is several times cheaper, and the loop makes one per event."""
 
     poll: KVPoll | None = None
     reason: str = ""
