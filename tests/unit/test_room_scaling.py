@@ -193,3 +193,31 @@ def test_a_topology_is_resolved_once_per_dp_group_not_once_per_room(
     assert calls == 2, f"{calls} rank mappings resolved for 200 rooms in 2 DP groups"
     for room in range(200):
         assert endpoint.writers_of(room) == (ranks[room % 2].peer,)
+
+
+def test_opens_ask_about_a_bounded_number_of_held_room_ids_however_many_are_held() -> None:
+    # More room ids held (rooms in flight) than the marks' capacity: an open must not walk past
+    # every held one to find one it may forget (100,000 rooms in flight made opening quadratic).
+    # Each room id is asked about O(1) times per open on average (amortized), never O(held).
+    from pdflow.core.endpoints.opened_marks import OpenedMarks
+
+    held: set[int] = set()
+    asked = [0]
+
+    def holds(room: int) -> bool:
+        asked[0] += 1
+        return room in held
+
+    marks = OpenedMarks(capacity=16, holds=holds)
+    for room in range(BYSTANDERS):
+        held.add(room)
+        marks.opened(room, 1)
+    assert asked[0] <= 4 * BYSTANDERS, f"{BYSTANDERS} opens asked {asked[0]} times"
+    assert len(marks) == BYSTANDERS  # every held mark is kept
+    # Once they hold nothing, later opens forget them again, down to the capacity.
+    held.clear()
+    asked[0] = 0
+    for room in range(BYSTANDERS, 3 * BYSTANDERS):
+        marks.opened(room, 1)
+    assert asked[0] <= 4 * 2 * BYSTANDERS, f"{2 * BYSTANDERS} opens asked {asked[0]} times"
+    assert len(marks) == 16 and marks.forgotten == 3 * BYSTANDERS - 16

@@ -4,7 +4,11 @@ A mark is what makes a late message for a finished generation stale (REMOVED: me
 an ABORT ACKed and kept nowhere) instead of new. Under SGLang every request has its own random
 room id, so keeping one mark per room id ever opened grows with every request. The marks are
 kept in opening order, and past ``capacity`` the least recently opened room id whose endpoint
-holds nothing of it (no hosted or draining room, no pending record) is forgotten.
+holds nothing of it (no hosted or draining room, no pending record) is forgotten. A room id
+found held on the way is parked off that order (it cannot be forgotten yet) and rechecked a
+few at a time on later opens, going back to the front once it holds nothing: each open costs
+O(1) amortized however many room ids are held, where scanning past every held one cost
+O(held) per open once more than ``capacity`` were held (100,000 rooms in flight: quadratic).
 
 Forgetting is safe: a forgotten room id reads as never opened, so a late message for one of its
 finished generations is taken as one for a generation not opened yet. Its metadata is parked
@@ -25,6 +29,11 @@ NONE = -(2**63)
 """Below every generation (an int64 on the wire): "no generation yet"."""
 
 
+_RECHECKS_PER_OPEN = 2
+"""Parked room ids rechecked per open: more than the one a single open can park, so the parked
+set drains while it grows by at most one per open."""
+
+
 class OpenedMarks:
     def __init__(self, capacity: int, holds: Callable[[int], bool]) -> None:
         if capacity < 1:
@@ -32,7 +41,11 @@ class OpenedMarks:
         self.capacity = capacity
         self._holds = holds
         """Whether the endpoint still holds something of a room id (its mark is then kept)."""
-        self._marks: OrderedDict[int, int] = OrderedDict()
+        self._marks: dict[int, int] = {}
+        self._queue: OrderedDict[int, None] = OrderedDict()
+        """Room ids that may be forgotten, least recently opened first."""
+        self._parked: OrderedDict[int, None] = OrderedDict()
+        """Room ids found held when their turn came; back to the queue once they hold nothing."""
         self.forgotten = 0
 
     def get(self, room: int, default: int = NONE) -> int:
@@ -41,18 +54,28 @@ class OpenedMarks:
     def opened(self, room: int, generation: int) -> None:
         """The engine opened ``generation`` of ``room``: raise its mark, forget the oldest."""
         self._marks[room] = generation
-        self._marks.move_to_end(room)
-        # Each pass forgets or moves on; a held room id goes to the back (it was opened longer
-        # ago than the rest, but must stay), at most once per entry per call.
-        for _ in range(len(self._marks)):
-            if len(self._marks) <= self.capacity:
-                return
-            oldest = next(iter(self._marks))
+        self._parked.pop(room, None)
+        self._queue[room] = None
+        self._queue.move_to_end(room)
+        self._unpark(_RECHECKS_PER_OPEN)
+        while len(self._marks) > self.capacity and self._queue:
+            oldest = next(iter(self._queue))
+            del self._queue[oldest]
             if self._holds(oldest):
-                self._marks.move_to_end(oldest)
+                self._parked[oldest] = None
                 continue
             del self._marks[oldest]
             self.forgotten += 1
+
+    def _unpark(self, budget: int) -> None:
+        for _ in range(min(budget, len(self._parked))):
+            room = next(iter(self._parked))
+            if self._holds(room):
+                self._parked.move_to_end(room)
+                continue
+            del self._parked[room]
+            self._queue[room] = None
+            self._queue.move_to_end(room, last=False)  # opened long ago: forgotten first
 
     def __len__(self) -> int:
         return len(self._marks)
