@@ -189,7 +189,6 @@ class MooncakeTransport(GuardedTransport):
         self._engine = engine
         self._session_id = session_id
         self._config = config
-        self._limiter = anyio.CapacityLimiter(config.max_concurrent_calls)
         self._writers = WorkerThreads(config.max_concurrent_calls, "mooncake-write")
         # batch_write calls not yet taken by a worker-thread job (see _engine_write).
         self._queued: list[_WriteCall] = []
@@ -253,7 +252,7 @@ class MooncakeTransport(GuardedTransport):
         engine = self._retiring.pop(session_id)
         for addr, _length in self._regions.regions():
             engine.unregister_memory(addr)
-        await anyio.to_thread.run_sync([engine].clear, limiter=self._limiter)
+        await anyio.to_thread.run_sync([engine].clear)
 
     @property
     def session_id(self) -> str:
@@ -414,4 +413,4 @@ class MooncakeTransport(GuardedTransport):
         self._engine = None
         self._retiring.clear()
         self._writers.close()  # no write is in flight: aclose waited for them
-        await anyio.to_thread.run_sync(holder.clear, limiter=self._limiter)
+        await anyio.to_thread.run_sync(holder.clear)
