@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -394,6 +395,87 @@ async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queu
     room.assert_landed()
 
 
+class SubmitThreads:
+    """The real engine, recording the thread of each submit and which ops were seen settled."""
+
+    def __init__(self, engine: object) -> None:
+        self._engine = engine
+        self.submitted_on: list[str] = []
+        self.unsettled: set[int] = set()
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._engine, name)
+
+    def transfer_submit_write(self, peer: str, src: int, dst: int, length: int) -> int:
+        handle: int = self._engine.transfer_submit_write(peer, src, dst, length)  # type: ignore[attr-defined]
+        self.submitted_on.append(threading.current_thread().name)
+        self.unsettled.add(handle)
+        return handle
+
+    def transfer_check_status(self, handle: int) -> int:
+        status: int = self._engine.transfer_check_status(handle)  # type: ignore[attr-defined]
+        if status in (1, -1):
+            self.unsettled.discard(handle)
+        return status
+
+
+async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    # A 1 MiB room (4 ops) goes on the wire from the event loop's own thread; of a 64 MiB
+    # room of 1,024 ops the loop submits the first _LOOP_SUBMIT_OPS and the worker the rest.
+    sender, receiver = engine_pair
+    count, page = 1024, 64 << 10
+    src, dst = registered_buffers(engine_pair, count * page, seed=9)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    loop_thread = threading.current_thread().name
+    small = [Op(src.addr + i * (256 << 10), dst.addr + i * (256 << 10), 256 << 10)
+             for i in range(4)]  # fmt: skip
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, small)
+    assert outcome.ok, outcome.error
+    assert recorder.submitted_on == [loop_thread] * 4
+    assert dst.sha256(0, 1 << 20) == src.sha256(0, 1 << 20)
+    recorder.submitted_on.clear()
+    large = [Op(src.addr + i * page, dst.addr + i * page, page) for i in range(count)]
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, large)
+    assert outcome.ok, outcome.error
+    first = mooncake_module._LOOP_SUBMIT_OPS
+    assert recorder.submitted_on[:first] == [loop_thread] * first
+    assert loop_thread not in recorder.submitted_on[first:]
+    assert len(recorder.submitted_on) == count
+    assert not recorder.unsettled, "an op was never seen settled"
+    assert dst.sha256(0, dst.size) == src.sha256(0, src.size)
+
+
+async def test_one_process_a_cancelled_write_returns_once_its_loop_submitted_ops_settled(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+) -> None:
+    sender, receiver = engine_pair
+    size = 64 << 20
+    src, dst = registered_buffers(engine_pair, size, seed=10)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    unsettled_on_return: list[int] = []
+
+    async def write() -> None:
+        try:
+            await sender.batch_write(receiver.session_id, [Op(src.addr, dst.addr, size)])
+        finally:
+            unsettled_on_return.append(len(recorder.unsettled))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            await anyio.wait_all_tasks_blocked()  # the op is on the wire, the caller waiting
+            assert recorder.submitted_on == [threading.current_thread().name]
+            tg.cancel_scope.cancel()
+    assert unsettled_on_return == [0], "batch_write returned with its op still on the wire"
+    assert dst.sha256(0, size) == src.sha256(0, size)
+
+
 async def test_one_process_partial_failure_settles_before_returning(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:
@@ -469,9 +551,9 @@ async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
     jobs: list[int] = []
     real = MooncakeTransport._write_settled
 
-    def counted(self: MooncakeTransport, calls: list[tuple[str, list[Op]]]) -> object:
-        jobs.append(len(calls))
-        return real(self, calls)  # type: ignore[arg-type]
+    def counted(self: MooncakeTransport, job: mooncake_module._WriteJob) -> object:
+        jobs.append(len(job.calls))
+        return real(self, job)
 
     monkeypatch.setattr(MooncakeTransport, "_write_settled", counted)
     outcomes: dict[int, bool] = {}

@@ -22,8 +22,10 @@ fail after `MC_TCP_ADMISSION_TIMEOUT_MS`, 1 s). pdflow sets none of these; on a 
 loopback runs at 1.1-1.3 GB/s for 64 KiB ops, CPU-bound in the two engines' io threads and
 the kernel's copies (benchmarks/README.md, fifth pass).
 
-Engine calls block, so writes run in `max_concurrent_calls` long-lived worker threads
-(`worker_threads.py`: one wake into a thread and one back per job); concurrent small
+Engine calls block, so writes are polled in `max_concurrent_calls` long-lived worker threads
+(`worker_threads.py`: one wake into a thread and one back per job); a job's first
+`_LOOP_SUBMIT_OPS` ops are submitted from the event loop before that wake (a submit only
+queues the op in the engine), so they are on the wire while the thread wakes; concurrent small
 `batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
 busy going into the next worker job (one thread hop, one submit/poll loop for many rooms'
 writes); a larger call gets a job of its own, so no small room waits behind its bytes. A worker
@@ -83,6 +85,9 @@ _POLL_PAUSE_S = 20e-6
 # spinning on the op that just settled: benchmarks/README.md, fifth pass.
 _BUSY_OPS = 64
 _BUSY_PAUSE_S = 200e-6
+# A job's first ops are submitted from the event loop, before the hop into its worker thread
+# (each submit a few us; a 1 MiB room is 4 ops): the wire does not wait for the thread to wake.
+_LOOP_SUBMIT_OPS = 8
 
 
 class MooncakeConfig(msgspec.Struct, frozen=True):
@@ -179,6 +184,88 @@ class _CallProgress:
                 "the peer is unreachable or that range is not registered there"
             ),
         )
+
+
+class _WriteJob:
+    """Every call of one worker job through one bounded window of ops: submit, then poll until
+    each submitted op is settled; one outcome per call.
+
+    After a call's first failure none of its further ops is submitted, but those already
+    submitted are still awaited: returning earlier would let them land after a
+    `close_session`. The other calls carry on.
+
+    Ops are polled per peer in submission order, each sweep stopping at a peer's first op
+    still on the wire: the engine serves a peer's ops in that order on a few connections,
+    so the ops behind it are seldom done yet, and checking them all (every call a GIL
+    release) cost the worker several times the CPU of the submits (benchmarks/README,
+    fifth pass). Every submitted op is still polled until it is settled.
+    """
+
+    def __init__(self, engine: Any, window: int,
+                 calls: Sequence[tuple[str, Sequence[CheckedWrite]]]) -> None:  # fmt: skip
+        self._engine = engine
+        self._window = window
+        self.calls = [_CallProgress(peer, writes) for peer, writes in calls]
+        # Per peer, in submission order: (engine batch id, call, op index).
+        self._pending: dict[str, deque[tuple[int, _CallProgress, int]]] = {}
+        self._unsubmitted = [p for p in self.calls if p.writes]
+        self.outstanding = 0
+        self._started = time.perf_counter()
+
+    def submit(self, limit: int) -> None:
+        """Submit ops, in call order, while the window has room: at most ``limit`` of them."""
+        engine, pending, unsubmitted = self._engine, self._pending, self._unsubmitted
+        while unsubmitted and self.outstanding < self._window and limit > 0:
+            call = unsubmitted[0]
+            if call.failed:  # an op of it failed while polling: submit no more of it
+                unsubmitted.pop(0)
+                continue
+            limit -= 1
+            write = call.writes[call.next_index]
+            handle = engine.transfer_submit_write(
+                call.peer, write.src_addr, write.dst_addr, write.length
+            )
+            if _is_batch_id(handle):
+                pending.setdefault(call.peer, deque()).append((handle, call, call.next_index))
+                call.outstanding += 1
+                self.outstanding += 1
+            else:
+                call.failed.append(call.next_index)
+            call.next_index += 1
+            if call.next_index >= len(call.writes) or call.failed:
+                unsubmitted.pop(0)
+
+    def settle(self) -> list[TransferOutcome]:
+        """Submit the rest and poll until every submitted op is settled (blocks: run it in a
+        worker thread)."""
+        engine, started = self._engine, self._started
+        while self.outstanding or self._unsubmitted:
+            self.submit(self._window)
+            settled_any = False
+            for queue in self._pending.values():
+                while queue:
+                    handle, call, index = queue[0]
+                    status = engine.transfer_check_status(handle)
+                    if status == _STATUS_COMPLETED:
+                        call.landed_ops += 1
+                        call.landed_bytes += call.writes[index].length
+                    elif status == _STATUS_FAILED:
+                        call.failed.append(index)
+                    else:  # waiting, or a timeout report while the op is still on the wire
+                        break
+                    queue.popleft()
+                    settled_any = True
+                    self.outstanding -= 1
+                    call.outstanding -= 1
+                    if call.outstanding == 0 and (
+                        call.failed or call.next_index >= len(call.writes)
+                    ):
+                        call.seconds = time.perf_counter() - started
+            if self.outstanding >= _BUSY_OPS:
+                time.sleep(_BUSY_PAUSE_S)
+            elif self.outstanding and not settled_any:
+                time.sleep(_POLL_PAUSE_S)
+        return [call.outcome(time.perf_counter() - started) for call in self.calls]
 
 
 class MooncakeTransport(GuardedTransport):
@@ -315,15 +402,24 @@ class MooncakeTransport(GuardedTransport):
         await self._run_calls(calls)
 
     async def _run_calls(self, calls: list[_WriteCall]) -> None:
-        """One worker-thread job for these calls; each gets its outcome (or the job's error)."""
+        """One worker-thread job for these calls; each gets its outcome (or the job's error).
+
+        The job's first ops are submitted here, on the loop, so they are on the wire while the
+        worker thread wakes (0.05-0.08 ms here, most of a small room's hop into the thread);
+        the thread submits the rest and polls every submitted op until it is settled. Nothing
+        awaits between the submit and handing the job over, so a cancelled caller cannot leave
+        a submitted op unpolled: it waits for the thread (shielded).
+        """
         for call in calls:
             call.taken = True
         self._jobs_running += 1
         try:
+            job = _WriteJob(self._engine, self._config.max_outstanding_ops,
+                            [(c.peer, c.writes) for c in calls])  # fmt: skip
+            self._writers.check_open()  # before any op is on the wire
+            job.submit(_LOOP_SUBMIT_OPS)
             # Taken writes are always seen through: a cancelled caller waits for the thread.
-            outcomes = await self._writers.run(
-                self._write_settled, [(c.peer, c.writes) for c in calls]
-            )
+            outcomes = await self._writers.run(self._write_settled, job)
         except Exception as exc:
             for call in calls:
                 call.error = exc
@@ -337,74 +433,9 @@ class MooncakeTransport(GuardedTransport):
             freed, self._worker_freed = self._worker_freed, anyio.Event()
             freed.set()
 
-    def _write_settled(
-        self, calls: Sequence[tuple[str, Sequence[CheckedWrite]]]
-    ) -> list[TransferOutcome]:
-        """Submit every call's ops through one bounded window and poll until each submitted op
-        is settled; one outcome per call.
-
-        After a call's first failure none of its further ops is submitted, but those already
-        submitted are still awaited: returning earlier would let them land after a
-        `close_session`. The other calls carry on.
-
-        Ops are polled per peer in submission order, each sweep stopping at a peer's first op
-        still on the wire: the engine serves a peer's ops in that order on a few connections,
-        so the ops behind it are seldom done yet, and checking them all (every call a GIL
-        release) cost the worker several times the CPU of the submits (benchmarks/README,
-        fifth pass). Every submitted op is still polled until it is settled.
-        """
-        engine = self._engine
-        window = self._config.max_outstanding_ops
-        progress = [_CallProgress(peer, writes) for peer, writes in calls]
-        # Per peer, in submission order: (engine batch id, call, op index).
-        pending: dict[str, deque[tuple[int, _CallProgress, int]]] = {}
-        outstanding = 0
-        started = time.perf_counter()
-        unsubmitted = [p for p in progress if p.writes]
-        while outstanding or unsubmitted:
-            while unsubmitted and outstanding < window:
-                call = unsubmitted[0]
-                if call.failed:  # an op of it failed while polling: submit no more of it
-                    unsubmitted.pop(0)
-                    continue
-                write = call.writes[call.next_index]
-                handle = engine.transfer_submit_write(
-                    call.peer, write.src_addr, write.dst_addr, write.length
-                )
-                if _is_batch_id(handle):
-                    pending.setdefault(call.peer, deque()).append((handle, call, call.next_index))
-                    call.outstanding += 1
-                    outstanding += 1
-                else:
-                    call.failed.append(call.next_index)
-                call.next_index += 1
-                if call.next_index >= len(call.writes) or call.failed:
-                    unsubmitted.pop(0)
-            settled_any = False
-            for queue in pending.values():
-                while queue:
-                    handle, call, index = queue[0]
-                    status = engine.transfer_check_status(handle)
-                    if status == _STATUS_COMPLETED:
-                        call.landed_ops += 1
-                        call.landed_bytes += call.writes[index].length
-                    elif status == _STATUS_FAILED:
-                        call.failed.append(index)
-                    else:  # waiting, or a timeout report while the op is still on the wire
-                        break
-                    queue.popleft()
-                    settled_any = True
-                    outstanding -= 1
-                    call.outstanding -= 1
-                    if call.outstanding == 0 and (
-                        call.failed or call.next_index >= len(call.writes)
-                    ):
-                        call.seconds = time.perf_counter() - started
-            if outstanding >= _BUSY_OPS:
-                time.sleep(_BUSY_PAUSE_S)
-            elif outstanding and not settled_any:
-                time.sleep(_POLL_PAUSE_S)
-        return [call.outcome(time.perf_counter() - started) for call in progress]
+    def _write_settled(self, job: _WriteJob) -> list[TransferOutcome]:
+        """(In a worker thread) the rest of the job: see _WriteJob.settle."""
+        return job.settle()
 
     async def _engine_shutdown(self) -> None:
         # Dropping the last reference runs the engine's destructor, which joins its threads

@@ -53,8 +53,7 @@ class WorkerThreads:
     async def run(self, func: Callable[..., T], *args: Any) -> T:
         """``func(*args)`` in a worker thread. Once queued it is always seen through: cancelling
         the caller waits for it to return (what a fence needs of a write)."""
-        if self._closed:
-            raise RuntimeError(f"{self._name} worker threads are closed")
+        self.check_open()
         if not self._threads:
             self._start()
         loop = asyncio.get_running_loop()
@@ -63,6 +62,12 @@ class WorkerThreads:
         with anyio.CancelScope(shield=True):
             result = await future
         return result
+
+    def check_open(self) -> None:
+        """Raise as ``run`` would once closed: call it before starting work that ``run`` must
+        then see through (a write submitted on the loop, polled in the thread)."""
+        if self._closed:
+            raise RuntimeError(f"{self._name} worker threads are closed")
 
     def _start(self) -> None:
         for index in range(self._size):
