@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from pdflow.core.protocol.messages import PeerId
 from pdflow.spec import spec_sha256
 from pdflow.trace.format import StepRecord, TraceHeader, decode_line, read_trace
 from pdflow.trace.merge import load_traces
-from pdflow.trace.recorder import RecordingEndpoint, TraceRecorder
+from pdflow.trace.recorder import MAX_PENDING, RecordingEndpoint, TraceRecorder
 from pdflow.trace.replay import ReplayRefused, replay
 from pdflow.trace.synthetic import SyntheticWorld, choose_scripts
 from tests.unit.trace_fixtures import SCRIPTS, record_world
@@ -124,3 +125,58 @@ def test_recording_cost_per_step_is_small(tmp_path: Path) -> None:
         on = time.perf_counter() - started
     per_step_us = (on - off) / stats.steps * 1e6
     assert per_step_us < 1000, f"recording costs {per_step_us:.0f} us per step"
+
+
+def test_deferred_recording_writes_the_same_steps_in_the_same_order(tmp_path: Path) -> None:
+    # The deferral here never runs: the records are written only by the recorder's own
+    # triggers (a batch of MAX_PENDING, a refused input, a new endpoint's header, close).
+    deferrals: list[object] = []
+    now = record_world(tmp_path / "now.jsonl", SCRIPTS * 6)
+    later = record_world(tmp_path / "later.jsonl", SCRIPTS * 6, defer=deferrals.append)
+    assert deferrals, "the recorder never deferred a write"
+    steps_now = [line for line in now.read_bytes().splitlines() if b'"kind":"step"' in line]
+    steps_later = [line for line in later.read_bytes().splitlines() if b'"kind":"step"' in line]
+    assert len(steps_now) > 2 * MAX_PENDING
+    assert steps_later == steps_now
+    assert replay(load_traces([later])).ok
+
+
+def test_a_deferred_step_is_written_when_the_deferral_runs(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    deferrals: list[Callable[[], None]] = []
+    recorder = TraceRecorder(path, clock="virtual", defer=deferrals.append)
+    endpoint = recorder.wrap("p", PrefillEndpoint(CONFIG))
+    endpoint.handle(OpenRoom(5, 1), 1.0)
+    endpoint.handle(TimerFired(), 2.0)
+    assert deferrals == [recorder.write_pending]  # once per batch, not per step
+    deferrals[0]()
+    recorder._sink.flush()  # type: ignore[union-attr]
+    assert [r.seq for r in read_trace(path) if isinstance(r, StepRecord)] == [0, 1]
+    recorder.close()
+
+
+def test_a_refused_input_writes_the_deferred_steps_before_it_at_once(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    recorder = TraceRecorder(path, clock="virtual", defer=lambda write: None)
+    endpoint = recorder.wrap("p", PrefillEndpoint(CONFIG))
+    endpoint.handle(OpenRoom(5, 1), 1.0)
+    with pytest.raises(LocalProtocolError):
+        endpoint.handle(ClearRoom(5), 2.0)
+    records = [r for r in read_trace(path) if isinstance(r, StepRecord)]  # before close
+    assert [(r.seq, r.error is not None) for r in records] == [(0, False), (1, True)]
+    recorder.close()
+
+
+def test_deferred_records_are_written_at_a_bound_and_before_a_later_header(tmp_path: Path) -> None:
+    path = tmp_path / "t.jsonl"
+    recorder = TraceRecorder(path, clock="virtual", defer=lambda write: None)
+    first = recorder.wrap("p", PrefillEndpoint(CONFIG))
+    first.handle(OpenRoom(5, 1), 1.0)
+    second = recorder.wrap("q", PrefillEndpoint(CONFIG))  # its header follows p's step
+    for tick in range(MAX_PENDING):
+        second.handle(TimerFired(), 2.0 + tick)
+    recorder._sink.flush()  # type: ignore[union-attr]
+    kinds = [(type(line).__name__, line.endpoint) for line in read_trace(path)]
+    assert kinds[:3] == [("TraceHeader", "p"), ("StepRecord", "p"), ("TraceHeader", "q")]
+    assert len(kinds) == 3 + MAX_PENDING, "a full batch was kept instead of written"
+    recorder.close()

@@ -12,6 +12,7 @@ of the step, in order, before the lock is released, through the role's one dispa
 
 from __future__ import annotations
 
+import asyncio
 import math
 import secrets
 import zlib
@@ -49,6 +50,9 @@ log = structlog.get_logger("pdflow.node")
 _TIMER_RETRY_S = 0.1
 # Sockets a node needs besides its outgoing pool: one PULL per rank, with room to spare.
 _SPARE_SOCKETS = 64
+# Trace lines are encoded and written this long after the first step of a batch, not inside
+# each step (the recorder's `defer`): a room's steps on its critical path stay short.
+_TRACE_WRITE_DELAY_S = 0.005
 
 
 # ---- events: what the embedding engine receives --------------------------------------------------
@@ -469,7 +473,8 @@ class NodeRuntime:
         self.channels: list[ControlChannel] = []
         trace_path = Path(settings.trace_dir) / f"{self.node_id}.jsonl"
         self.recorder = TraceRecorder(trace_path, max_bytes=settings.trace_max_bytes,
-                                      enabled=settings.trace_enabled)  # fmt: skip
+                                      enabled=settings.trace_enabled,
+                                      defer=_write_on_the_loop_later)  # fmt: skip
 
     def open_channel(self) -> ControlChannel:
         metrics = self.metrics
@@ -493,6 +498,17 @@ class NodeRuntime:
         self.context.destroy(linger=0)
         self.recorder.close()
         self.events.close()
+
+
+def _write_on_the_loop_later(write: Callable[[], None]) -> None:
+    """The trace recorder's deferral: on the running event loop, _TRACE_WRITE_DELAY_S later
+    (at once where no loop runs, e.g. a step driven from a plain thread)."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        write()
+        return
+    loop.call_later(_TRACE_WRITE_DELAY_S, write)
 
 
 def draw_incarnation() -> str:
