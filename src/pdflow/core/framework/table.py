@@ -20,7 +20,7 @@ from pdflow.core.framework.errors import LocalProtocolError, ProtocolError, Remo
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.framework.step import Fired, Step
 from pdflow.core.protocol.inputs import Input
-from pdflow.core.protocol.outputs import Output, StatusChanged, emit_name
+from pdflow.core.protocol.outputs import Output, SendMessage, StatusChanged, emit_name
 
 __all__ = ["STATUS_CHANGED", "ConformanceError", "Fired", "Row", "Table", "TableMachine", "row"]
 
@@ -92,6 +92,11 @@ class _Compiled(Generic[S]):
     status_poll: KVPoll | None
     backwards: str | None
     """Why the row breaks KVPoll monotonicity (only a mutated row can; tables refuse such rows)."""
+    listed_outputs: set[type] = field(default_factory=set)
+    """Output types (other than SendMessage) already found named in the row's ``emits``..."""
+    listed_messages: set[type] = field(default_factory=set)
+    """... and message types a SendMessage of the row already carried: the name of an output
+    depends only on these types, so each is looked up against ``emits`` once per row."""
 
 
 def _compile(r: Row[S], polls: dict[str, KVPoll] | None) -> _Compiled[S]:
@@ -147,6 +152,9 @@ class Table(Generic[S]):
         self._check_status_rows(poll_of)
         self._compiled: dict[tuple[str, str], tuple[_Compiled[S], ...]] = {}
         self._compiled_from: object = None
+        self._by_input: dict[type, dict[str, tuple[_Compiled[S], ...]]] = {}
+        """The compiled cells by input type, then by source state name (what a step looks up:
+        no key tuple per step), filled per input type on first use from ``_compiled``."""
 
     def _check_status_rows(self, poll_of: Callable[[S], KVPoll] | None) -> None:
         if poll_of is None:
@@ -189,8 +197,19 @@ class Table(Generic[S]):
                 key: tuple(_compile(r, self.poll_by_name) for r in rows)
                 for key, rows in cells.items()
             }
+            self._by_input = {}
             self._compiled_from = cells
         return self._compiled
+
+    def cells_for_input(self, kind: type) -> dict[str, tuple[_Compiled[S], ...]]:
+        """The compiled cells an input of this type may fire, by source state name. A table
+        names its inputs by class name, so any class of that name gets the same cells."""
+        on = kind.__name__
+        by_source = {
+            source: cell for (source, name), cell in self.compiled_cells().items() if name == on
+        }
+        self._by_input[kind] = by_source
+        return by_source
 
     def transitions(self) -> set[tuple[str, str, str | None, str]]:
         return {(r.source.name, r.on, r.guard, r.target.name) for r in self.rows}
@@ -239,24 +258,26 @@ class TableMachine(Generic[S]):
         return ""
 
     def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
-        on = type(inp).__name__
         table = self.table
-        source = self.state._name_
         # compiled_cells() inlined (fire runs one to three times per step): the same
         # staleness check, so rows a mutant swapped in are compiled before they are used.
-        compiled = table._compiled
         if table._cells is not table._compiled_from:
-            compiled = table.compiled_cells()
-        cell = compiled.get((source, on), ())
+            table.compiled_cells()
+        kind = type(inp)
+        by_source = table._by_input.get(kind)
+        if by_source is None:
+            by_source = table.cells_for_input(kind)
+        source = self.state._name_
+        cell = by_source.get(source)
         if not cell:
-            raise table.refusal(self.state, on)
+            raise table.refusal(self.state, kind.__name__)
         self._validate(inp, now)
         for chosen in cell:
             check = chosen.guard_fn
             if check is None or check(self, inp, now):
                 break
         else:
-            raise table.refusal(self.state, on, self._why_refused(inp, now))
+            raise table.refusal(self.state, kind.__name__, self._why_refused(inp, now))
         action = chosen.action_fn
         outputs = [] if action is None else action(self, inp, now)
         self.state = chosen.target
@@ -267,12 +288,23 @@ class TableMachine(Generic[S]):
         if chosen.backwards is not None:
             raise ConformanceError(f"{table.machine}: {chosen.backwards}")
         row_ = chosen.row
-        emits = row_.emits
+        listed_outputs, listed_messages = chosen.listed_outputs, chosen.listed_messages
         for output in outputs:
-            if emit_name(output) not in emits:
+            emitted = type(output)
+            if emitted is SendMessage:
+                if type(output.message) in listed_messages:  # type: ignore[attr-defined]
+                    continue
+            elif emitted in listed_outputs:
+                continue
+            if emit_name(output) not in row_.emits:
                 raise self._emitted_outside_row(row_, output)
+            if emitted is SendMessage:
+                listed_messages.add(type(output.message))  # type: ignore[attr-defined]
+            elif not issubclass(emitted, SendMessage):
+                listed_outputs.add(emitted)
         key = self._fired_key(inp)
-        return outputs, Fired(table.machine, key, source, on, row_.guard, chosen.target_name)
+        fired = Fired(table.machine, key, source, kind.__name__, row_.guard, chosen.target_name)
+        return outputs, fired
 
     def _fired_key(self, inp: Input) -> int:
         """What a recorded transition is about: the machine's key (a room, for room machines);
