@@ -120,6 +120,13 @@ from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
 
 _UNFENCED = (RoomPagesState.RESERVED, RoomPagesState.VERIFYING)
 _VERIFYING = (RoomPagesState.VERIFYING, RoomPagesState.RELEASING)
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_RELEASING = RoomPagesState.RELEASING
+_RECEIVER_FAILED = ReceiverState.FAILED
+_AWAITING_PAGES = ReceiverState.AWAITING_PAGES
+_POLL_READY = KVPoll.WaitingForInput
+_POLL_SUCCESS = KVPoll.Success
+_POLL_FAILED = KVPoll.Failed
 
 
 class ReceiverSummary(msgspec.Struct, frozen=True):
@@ -272,11 +279,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     def deliver_status(self, room: ReceiverRoom, message: StatusReport, now: float) -> None:
         translated: Input
-        if message.status is KVPoll.WaitingForInput:
+        status = message.status
+        if status is _POLL_READY:
             translated = ReadyArrived(message.prefill)
-        elif message.status is KVPoll.Success:
+        elif status is _POLL_SUCCESS:
             translated = SuccessArrived(message.prefill, message.checksum, message.aux)
-        elif message.status is KVPoll.Failed:
+        elif status is _POLL_FAILED:
             translated = FailureArrived(message.prefill, message.reason)
         else:
             self._drop(
@@ -310,7 +318,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self.counters[counter] += 1
 
     def releasing_after_verify(self, room: int, generation: int) -> bool:
-        return self.ledger.state_of(room, generation) is RoomPagesState.RELEASING
+        return self.ledger.state_of(room, generation) is _RELEASING
 
     def verification_ended(self, room: int, generation: int, now: float) -> None:
         if self.ledger.state_of(room, generation) in _VERIFYING:
@@ -472,12 +480,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"non-negative multiple of page_size {page_size}; a cached prefix ends on a page "
                 "boundary (publish pages for the tokens after it)"
             )
-        if room.state is ReceiverState.FAILED:
+        if room.state is _RECEIVER_FAILED:
             # Failed before its pages were exposed: no writer knows them, hand them back now.
             self._room_input(room, inp, now, out, fired)
             out.append(PagesFreed(room.key, room.generation, inp.dst_pages))
             return
-        if room.state is not ReceiverState.AWAITING_PAGES or inp.room in self.waiting_for_staging:
+        if room.state is not _AWAITING_PAGES or inp.room in self.waiting_for_staging:
             raise LocalProtocolError(
                 f"room {inp.room} is {room.state.name}; pages are published once, "
                 "in AWAITING_PAGES (KVPoll.WaitingForInput)",
@@ -814,7 +822,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 # The shell's verification writes the pages too (the staged scatter).
                 self._ledger(VerifyStarted(output.room, output.generation), now, out, fired)
         self._arm(room)
-        if room.state is ReceiverState.FAILED and room.key in self.waiting_for_staging:
+        if room.state is _RECEIVER_FAILED and room.key in self.waiting_for_staging:
             del self.waiting_for_staging[room.key]
             self._release_unpublished(room, now, out, fired)
 

@@ -13,6 +13,7 @@ import enum
 from typing import Protocol
 
 from pdflow.core.endpoints.endpoint_io import ChecksumChecked, Dropped, RoomRemoved
+from pdflow.core.endpoints.room_host import REMOVED_ROOMS_COUNTER
 from pdflow.core.endpoints.slot_inputs import CLEAR_HINT, ClearSlot, OpenSlot
 from pdflow.core.framework.table import Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
@@ -24,6 +25,10 @@ from pdflow.core.rooms.receiver_room import ReceiverRoom
 class DecodeSlotState(enum.Enum):
     ABSENT = "ABSENT"
     OPEN = "OPEN"
+
+
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_ABSENT, _OPEN = DecodeSlotState.ABSENT, DecodeSlotState.OPEN
 
 
 class StatusArrived(Input, frozen=True, tag="StatusArrived"):
@@ -61,7 +66,7 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
         self.generation = generation
         hosted = host.rooms.get(room)
         opened = hosted is not None and hosted.generation == generation
-        self.state = DecodeSlotState.OPEN if opened else DecodeSlotState.ABSENT
+        self.state = _OPEN if opened else _ABSENT
 
     def _room(self) -> ReceiverRoom:
         return self.host.rooms[self.key]
@@ -94,7 +99,7 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
     def _act_remove(self, inp: ClearSlot, now: float) -> list[Output]:
         room = self.host.rooms.pop(self.key)
         self.host.forget_receiver(room, now)
-        self.host.count(f"rooms_{room.poll.name.lower()}")
+        self.host.count(REMOVED_ROOMS_COUNTER[room.poll])
         return [RoomRemoved(room.key, room.generation)]
 
     def _act_drop_status(self, inp: StatusArrived, now: float) -> list[Output]:

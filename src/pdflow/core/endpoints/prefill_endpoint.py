@@ -67,6 +67,10 @@ from pdflow.core.rooms.prefill_complete import (
 )
 from pdflow.core.rooms.sender_room import SenderRoom
 
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_POLL_SUCCESS = KVPoll.Success
+_POLL_FAILED = KVPoll.Failed
+
 
 class SenderSummary(msgspec.Struct, frozen=True):
     room: int
@@ -248,8 +252,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         fired.append(transition)
         self._arm(room)
         # Only a room that is Failed now can have reported Failed in this step.
-        failed = room.poll is KVPoll.Failed and any(
-            isinstance(o, StatusChanged) and o.poll is KVPoll.Failed for o in produced
+        failed = room.poll is _POLL_FAILED and any(
+            isinstance(o, StatusChanged) and o.poll is _POLL_FAILED for o in produced
         )
         if failed:
             fail = FailRoom(room.key, room.generation, room.reason)
@@ -281,7 +285,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def close_sender(self, room: SenderRoom, now: float) -> None:
         """The engine is done with the sender: its deadline goes, the ready table closes it."""
         self.deadlines.arm(room.key, None)
-        success = room.poll is KVPoll.Success
+        success = room.poll is _POLL_SUCCESS
         close = CloseRoom(room.key, room.generation, room.generation, success)
         self._ready_table(close, now, self._step_outputs, self._step_fired)
 

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from pdflow.core.endpoints.endpoint_io import Dropped, RoomRemoved
 from pdflow.core.endpoints.opened_marks import NONE, OpenedMarks
+from pdflow.core.endpoints.room_host import REMOVED_ROOMS_COUNTER
 from pdflow.core.endpoints.slot_inputs import CLEAR_HINT, ClearSlot, OpenSlot
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.step import Fired
@@ -52,6 +53,13 @@ class SlotState(enum.Enum):
     OPEN = "OPEN"
     DRAINING = "DRAINING"
     REMOVED = "REMOVED"
+
+
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_ABSENT, _PARKED, _CANCELLED = SlotState.ABSENT, SlotState.PARKED, SlotState.CANCELLED
+_OPEN, _DRAINING = SlotState.OPEN, SlotState.DRAINING
+_REMOVED_STATE = SlotState.REMOVED  # (_REMOVED, below, is the spec's name of RoomRemoved)
+_SENDER_DRAINING = SenderState.DRAINING
 
 
 @dataclass(slots=True)
@@ -112,16 +120,16 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         hosted = self.host.rooms.get(self.key)
         record = self.record
         if hosted is not None and hosted.generation == self.generation:
-            return SlotState.OPEN
+            return _OPEN
         if (self.key, self.generation) in self.host.draining:
-            return SlotState.DRAINING
+            return _DRAINING
         if self.generation <= self.host.opened.get(self.key, NONE):
-            return SlotState.REMOVED
+            return _REMOVED_STATE
         if self.generation <= record.cancelled:
-            return SlotState.CANCELLED
+            return _CANCELLED
         if self.generation == record.parked_generation:
-            return SlotState.PARKED
-        return SlotState.ABSENT
+            return _PARKED
+        return _ABSENT
 
     def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         """Fire the input, then keep the room id's record only while it holds something."""
@@ -159,7 +167,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _guard_writes_in_flight(self, inp: ClearSlot, now: float) -> bool:
         room = self._hosted()
-        return room.state is SenderState.DRAINING
+        return room.state is _SENDER_DRAINING
 
     def _guard_room_terminal(self, inp: ClearSlot, now: float) -> bool:
         return self._hosted().poll.is_terminal
@@ -292,7 +300,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         return Dropped(kind, f"room {self.key}/{self.generation}: {why}")
 
     def _removed(self, room: SenderRoom) -> RoomRemoved:
-        self.host.count(f"rooms_{room.poll.name.lower()}")
+        self.host.count(REMOVED_ROOMS_COUNTER[room.poll])
         return RoomRemoved(room.key, room.generation)
 
 

@@ -8,11 +8,15 @@ from typing import Any, Generic, TypeVar
 from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import TableMachine
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output
 
 R = TypeVar("R", bound=TableMachine[Any])
+
+REMOVED_ROOMS_COUNTER = {poll: f"rooms_{poll.name.lower()}" for poll in KVPoll}
+"""The counter a removed room adds one to, by its last KVPoll (each name built once)."""
 
 
 class RoomHost(Generic[R]):

@@ -211,6 +211,8 @@ class QuarantinedRoom(msgspec.Struct, frozen=True):
 
 
 _P = RoomPagesState
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_FREE, _FENCED = RoomPagesState.FREE, RoomPagesState.FENCED
 _FREED = "pages_freed"
 _QUARANTINED = "pages_quarantined"
 
@@ -299,7 +301,7 @@ class RoomPages(TableMachine[RoomPagesState]):
         self.session = ""
 
     def holds_pages(self) -> bool:
-        return self.state is not RoomPagesState.FREE
+        return self.state is not _FREE
 
     def pending_writers(self) -> tuple[PeerId, ...]:
         """Writers of a fenced room not yet cleared (none once its session is retired)."""
@@ -507,7 +509,7 @@ class PageLedger:
 
     def state_of(self, room: int, generation: int) -> RoomPagesState:
         held = self._rooms.get((room, generation))
-        return held.state if held is not None else RoomPagesState.FREE
+        return held.state if held is not None else _FREE
 
     def snapshot(self) -> LedgerSnapshot:
         rooms = tuple(self._rooms[key].snapshot() for key in sorted(self._rooms))
@@ -549,7 +551,7 @@ class PageLedger:
             self._health.acked(inp.writer, inp.room, inp.generation)
         key = (inp.room, inp.generation)
         machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
-        was_fenced, pages = machine.state is RoomPagesState.FENCED, len(machine.pages)
+        was_fenced, pages = machine.state is _FENCED, len(machine.pages)
         outputs, fired = machine.fire(inp, now)
         if not machine.holds_pages():
             self._rooms.pop(key, None)
@@ -561,7 +563,7 @@ class PageLedger:
     def _index_fence(self, key: tuple[int, int], machine: RoomPages, was_fenced: bool,
                      pages: int) -> None:  # fmt: skip
         """Keep the fenced index and its page count in step with one instance's transition."""
-        fenced = machine.state is RoomPagesState.FENCED
+        fenced = machine.state is _FENCED
         if fenced == was_fenced:
             return
         if was_fenced:

@@ -61,6 +61,15 @@ RECEIVER_POLL = {
     ReceiverState.FAILED: KVPoll.Failed,
 }
 _POLL_BY_NAME = {state.name: poll for state, poll in RECEIVER_POLL.items()}
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_WAITING_STATES = (
+    ReceiverState.BOOTSTRAPPING,
+    ReceiverState.AWAITING_READY,
+    ReceiverState.AWAITING_PAGES,
+)
+_AWAITING_PAGES = ReceiverState.AWAITING_PAGES
+_TRANSFERRING = ReceiverState.TRANSFERRING
+_PREFILL_COMPLETE = AllocationPolicy.PREFILL_COMPLETE
 
 _R = ReceiverState
 _CHANGED = STATUS_CHANGED
@@ -128,13 +137,9 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return tuple(t.peer for t in self.targets if not t.is_dummy)
 
     def timer_at(self) -> float | None:
-        if self.state in (
-            ReceiverState.BOOTSTRAPPING,
-            ReceiverState.AWAITING_READY,
-            ReceiverState.AWAITING_PAGES,
-        ):
+        if self.state in _WAITING_STATES:
             return self.wait_deadline
-        if self.state is ReceiverState.TRANSFERRING:
+        if self.state is _TRANSFERRING:
             return self.transfer_deadline
         return None
 
@@ -151,7 +156,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
                 )
         elif isinstance(inp, PublishPages) and inp.room != self.key:
             raise InvalidInput(f"room {self.key}: pages published for room {inp.room}")
-        elif isinstance(inp, PublishPages) and self.state is ReceiverState.AWAITING_PAGES:
+        elif isinstance(inp, PublishPages) and self.state is _AWAITING_PAGES:
             if len(set(inp.dst_pages)) != len(inp.dst_pages):
                 raise InvalidInput(f"room {self.key}: destination pages must be distinct")
         elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)) and (
@@ -165,7 +170,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_prefill_complete_policy(self, inp: Input, now: float) -> bool:
-        return self.policy is AllocationPolicy.PREFILL_COMPLETE
+        return self.policy is _PREFILL_COMPLETE
 
     def _guard_wait_expired(self, inp: Input, now: float) -> bool:
         return self.wait_deadline is not None and now >= self.wait_deadline
@@ -205,7 +210,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.targets = resolved.targets
         self.required_responses = resolved.required_responses
         self.required_dst_info_num = resolved.required_dst_info_num
-        if self.policy is AllocationPolicy.PREFILL_COMPLETE:
+        if self.policy is _PREFILL_COMPLETE:
             self.wait_deadline = now + self.timeouts.waiting_timeout
             return [
                 SendMessage(

@@ -49,6 +49,12 @@ SENDER_POLL = {
     SenderState.FAILED: KVPoll.Failed,
 }
 _POLL_BY_NAME = {state.name: poll for state, poll in SENDER_POLL.items()}
+# Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
+_BOOTSTRAPPING = SenderState.BOOTSTRAPPING
+_WAITING_FOR_INPUT = SenderState.WAITING_FOR_INPUT
+_TAKING_CHUNKS = (SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING)
+_EARLY = AllocationPolicy.EARLY
+_POLL_SUCCESS = KVPoll.Success
 
 _S = SenderState
 _STATUS = "send.status"
@@ -92,7 +98,7 @@ class SenderRoom(TableMachine[SenderState]):
         self.checksums: dict[PeerId, int | None] = {}
         self.reason = ""
         self.bootstrap_deadline: float | None = (
-            now + timeouts.bootstrap_timeout if policy is AllocationPolicy.EARLY else None
+            now + timeouts.bootstrap_timeout if policy is _EARLY else None
         )
 
     # ---- public API ----------------------------------------------------------------------------
@@ -113,7 +119,7 @@ class SenderRoom(TableMachine[SenderState]):
         return writers[0].decode_prefix_len if writers else 0
 
     def timer_at(self) -> float | None:
-        return self.bootstrap_deadline if self.state is SenderState.BOOTSTRAPPING else None
+        return self.bootstrap_deadline if self.state is _BOOTSTRAPPING else None
 
     # ---- validation: raise before anything changes -------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
@@ -143,7 +149,7 @@ class SenderRoom(TableMachine[SenderState]):
 
     def _validate_init(self, inp: InitTransfer) -> None:
         # A second InitTransfer is refused by the table (guard first_init), not here.
-        if self.state is not SenderState.WAITING_FOR_INPUT or self.num_pages is not None:
+        if self.state is not _WAITING_FOR_INPUT or self.num_pages is not None:
             return
         if inp.num_pages < 0:
             raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
@@ -165,7 +171,7 @@ class SenderRoom(TableMachine[SenderState]):
 
     def _chunk_expected(self) -> bool:
         """InitTransfer was called and the last chunk not sent yet (states that take chunks)."""
-        taking = self.state in (SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING)
+        taking = self.state in _TAKING_CHUNKS
         return taking and self.num_pages is not None and not self.last_submitted
 
     def _validate_chunk(self, inp: SendChunk) -> None:
@@ -350,7 +356,7 @@ class SenderRoom(TableMachine[SenderState]):
                 message=StatusReport(
                     room=self.key,
                     generation=self.generation,
-                    status=KVPoll.Success,
+                    status=_POLL_SUCCESS,
                     prefill=self.me,
                     decode=peer,
                     checksum=self.checksums.get(peer),
