@@ -91,6 +91,17 @@ def test_assign_wraps_to_offset_zero_of_the_next_round() -> None:
     assert _ready(ring, 2, 0)
 
 
+def test_each_transition_is_recorded_under_the_room_of_its_input() -> None:
+    # One ring serves every room of its rank: a trace or coverage record names the room.
+    ring = StagingRing(CAPACITY)
+    steps = [ring.handle(inp, 0.0) for inp in (Assign(7, 0, 10), Assign(9, 0, 10), FreeRoom(7))]
+    assert [(f.key, f.on) for step in steps for f in step.fired] == [
+        (7, "Assign"),
+        (9, "Assign"),
+        (7, "FreeRoom"),
+    ]
+
+
 def test_deferred_carries_the_watermark_that_blocked_it() -> None:
     ring = StagingRing(CAPACITY)
     _assigned(ring, 1, 0, 80)

@@ -302,14 +302,12 @@ class TableMachine(Generic[S]):
                 listed_messages.add(type(output.message))  # type: ignore[attr-defined]
             elif not issubclass(emitted, SendMessage):
                 listed_outputs.add(emitted)
-        key = self._fired_key(inp)
-        fired = Fired(table.machine, key, source, kind.__name__, row_.guard, chosen.target_name)
+        # Recorded under the machine's key (a room, for room machines); a machine serving
+        # many rooms overrides fire() to name the input's room instead.
+        fired = Fired(
+            table.machine, self.key, source, kind.__name__, row_.guard, chosen.target_name
+        )
         return outputs, fired
-
-    def _fired_key(self, inp: Input) -> int:
-        """What a recorded transition is about: the machine's key (a room, for room machines);
-        machines serving many rooms override it to name the input's room."""
-        return self.key
 
     def _emitted_outside_row(self, chosen: Row[S], output: Output) -> ConformanceError:
         return ConformanceError(

@@ -20,7 +20,7 @@ import enum
 import msgspec
 
 from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
-from pdflow.core.framework.table import Table, TableMachine, row
+from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
 from pdflow.core.protocol.outputs import Output
 
@@ -162,9 +162,12 @@ class StagingRing(TableMachine[RingState]):
         self.live: dict[tuple[int, int], Allocation] = {}
 
     # ---- public API ----------------------------------------------------------------------------
-    def _fired_key(self, inp: Input) -> int:
+    def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
+        """As every table machine fires, but one ring serves many rooms: the transition is
+        recorded under the input's room."""
+        outputs, fired = super().fire(inp, now)
         room: int = getattr(inp, "room", self.key)
-        return room
+        return outputs, msgspec.structs.replace(fired, key=room)
 
     def is_ready(self, offset: int, round: int, end: int) -> bool:
         """May ``[offset, end)`` of ``round`` be written, given the current watermark?"""
