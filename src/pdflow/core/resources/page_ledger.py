@@ -143,6 +143,19 @@ class SessionRetired(Input, frozen=True, tag="SessionRetired"):
     session: str
 
 
+_WRITER_NEWS = (WriterDead, SessionClosed, SessionRetired, WriterReadmitted)
+"""Inputs about a writer (or a session), not one room instance."""
+_ROOM_INPUTS = (
+    Reserve,
+    VerifyStarted,
+    VerifyDone,
+    ReleaseAfterSuccess,
+    ReleaseUnpublished,
+    Fence,
+    AckArrived,
+)
+"""Inputs for one room instance, keyed by (room, generation)."""
+
 LedgerInput = (
     Reserve
     | VerifyStarted
@@ -227,6 +240,13 @@ class PagePool:
         self.owner: dict[int, tuple[int, int]] = {}
 
     def check_free(self, pages: tuple[int, ...]) -> None:
+        size, owner = self.size, self.owner
+        for page in pages:
+            if not 0 <= page < size or page in owner:
+                break
+        else:
+            if len(set(pages)) == len(pages):
+                return  # every page is in the pool and free: the usual case, one pass
         if len(set(pages)) != len(pages):
             raise InvalidInput(f"pages must be distinct, got {pages}")
         outside = [p for p in pages if not 0 <= p < self.size]
@@ -324,13 +344,12 @@ class RoomPages(TableMachine[RoomPagesState]):
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired, WriterReadmitted)):
+        if isinstance(inp, _WRITER_NEWS):
             return
         keyed = inp
-        if not isinstance(keyed, (Reserve, VerifyStarted, VerifyDone, ReleaseAfterSuccess,
-                                  ReleaseUnpublished, Fence, AckArrived)):  # fmt: skip
+        if not isinstance(keyed, _ROOM_INPUTS):
             raise InvalidInput(f"the page ledger does not take {type(inp).__name__}")
-        if (keyed.room, keyed.generation) != (self.key, self.generation):
+        if keyed.room != self.key or keyed.generation != self.generation:
             raise InvalidInput(
                 f"input for room {keyed.room}/{keyed.generation} routed to "
                 f"{self.key}/{self.generation}"
@@ -543,7 +562,7 @@ class PageLedger:
 
     # ---- driving -------------------------------------------------------------------------------
     def handle(self, inp: LedgerInput, now: float) -> Step:
-        if isinstance(inp, (WriterDead, SessionClosed, SessionRetired, WriterReadmitted)):
+        if isinstance(inp, _WRITER_NEWS):
             return self._writer_news(inp, now)
         if isinstance(inp, Fence):
             self._health.owe(inp.writers, inp.room, inp.generation, inp.session)
