@@ -263,14 +263,16 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def host_sender(self, room: int, generation: int, now: float) -> SenderRoom:
         """Host a new sender; under prefill_complete it first claims the bootstrap room."""
         outputs, fired = self._step_outputs, self._step_fired
-        claim = self._ready_table(ClaimRoom(room, generation, generation), now, outputs, fired)
+        refused: list[OwnerRefused] = []
+        if self.ready_table is not None:  # (no claim built under the early policy)
+            claim = self._ready_table(ClaimRoom(room, generation, generation), now, outputs, fired)
+            refused = [o for o in claim if isinstance(o, OwnerRefused)]
         sender = SenderRoom(
             room, generation, self.me, now,
             policy=self.config.policy, timeouts=self.config.timeouts,
         )  # fmt: skip
         self.rooms[room] = sender
         self._arm(sender)
-        refused = [o for o in claim if isinstance(o, OwnerRefused)]
         if refused:
             self.room_input(sender, AbortRequested(refused[0].reason), now)
         return sender
@@ -285,9 +287,10 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def close_sender(self, room: SenderRoom, now: float) -> None:
         """The engine is done with the sender: its deadline goes, the ready table closes it."""
         self.deadlines.arm(room.key, None)
-        success = room.poll is _POLL_SUCCESS
-        close = CloseRoom(room.key, room.generation, room.generation, success)
-        self._ready_table(close, now, self._step_outputs, self._step_fired)
+        if self.ready_table is not None:  # (nothing to close under the early policy)
+            success = room.poll is _POLL_SUCCESS
+            close = CloseRoom(room.key, room.generation, room.generation, success)
+            self._ready_table(close, now, self._step_outputs, self._step_fired)
 
     def count(self, counter: str) -> None:
         self.counters[counter] += 1

@@ -77,6 +77,10 @@ class PendingRecord:
     parked_until: float | None = None
 
 
+_NO_RECORD = PendingRecord()
+"""What a room id without a record reads as (never written: a rule that writes makes its own)."""
+
+
 class SlotHost(Protocol):
     """What the slot needs from its prefill endpoint."""
 
@@ -113,12 +117,20 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         self.host = host
         self.key = room
         self.generation = generation
-        self.record = host.pending.get(room) or PendingRecord()
+        self._record = host.pending.get(room)
         self.state = self._classify()
+
+    @property
+    def record(self) -> PendingRecord:
+        """The room id's record: its pending one, else a fresh one, made only when a rule reads
+        it (most inputs are for open rooms, whose room ids hold none)."""
+        if self._record is None:
+            self._record = PendingRecord()
+        return self._record
 
     def _classify(self) -> SlotState:
         hosted = self.host.rooms.get(self.key)
-        record = self.record
+        record = self._record or _NO_RECORD
         if hosted is not None and hosted.generation == self.generation:
             return _OPEN
         if (self.key, self.generation) in self.host.draining:
@@ -134,7 +146,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
     def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         """Fire the input, then keep the room id's record only while it holds something."""
         outputs, fired = self.fire(inp, now)
-        record = self.record
+        record = self._record or _NO_RECORD
         if record.parked_generation != NONE or record.cancelled != NONE:
             self.host.pending[self.key] = record
         else:
