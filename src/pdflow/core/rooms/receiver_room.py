@@ -160,7 +160,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             if len(set(inp.dst_pages)) != len(inp.dst_pages):
                 raise InvalidInput(f"room {self.key}: destination pages must be distinct")
         elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)) and (
-            self.targets and inp.prefill not in {t.peer for t in self.targets}
+            self.targets and not self._is_target(inp.prefill)
         ):
             raise RemoteProtocolError(
                 f"room {self.key}: status from {inp.prefill.address}"
@@ -178,8 +178,23 @@ class ReceiverRoom(TableMachine[ReceiverState]):
     def _guard_transfer_expired(self, inp: Input, now: float) -> bool:
         return self.transfer_deadline is not None and now >= self.transfer_deadline
 
+    def _is_target(self, peer: PeerId) -> bool:
+        """``peer in {t.peer for t in self.targets}``, without building the set per status."""
+        # A loop, not any(<generator>): ~0.25 vs ~1.5 us for one target.
+        for target in self.targets:  # noqa: SIM110
+            if target.peer == peer:
+                return True
+        return False
+
+    def _is_writer(self, peer: PeerId) -> bool:
+        """``peer in self.writers``, without building the tuple (asked several times a step)."""
+        for target in self.targets:  # noqa: SIM110 (a loop, as in _is_target)
+            if not target.is_dummy and target.peer == peer:
+                return True
+        return False
+
     def _completes(self, success: SuccessArrived) -> bool:
-        if success.prefill in self.writers:
+        if self._is_writer(success.prefill):
             distinct = len(self.succeeded) + (0 if success.prefill in self.succeeded else 1)
         else:
             distinct = len(self.succeeded)
@@ -268,7 +283,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
 
     def _act_count_success(self, inp: SuccessArrived, now: float) -> list[Output]:
         success = inp
-        if success.prefill in self.writers:
+        if self._is_writer(success.prefill):
             self.succeeded.setdefault(success.prefill, success.checksum)
             if self.aux is None:
                 self.aux = success.aux
@@ -345,7 +360,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         if published is None or published.aux_index is None:
             return ""
         aux = self.aux
-        if aux is None and success.prefill in self.writers:
+        if aux is None and self._is_writer(success.prefill):
             aux = success.aux
         if aux is None:
             return (
@@ -363,7 +378,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
     def _unchecksummed(self, success: SuccessArrived) -> list[PeerId]:
         """Writers whose Success (counting this one) carried no checksum."""
         reported = dict(self.succeeded)
-        if success.prefill in self.writers:
+        if self._is_writer(success.prefill):
             reported.setdefault(success.prefill, success.checksum)
         return [peer for peer, checksum in reported.items() if checksum is None]
 

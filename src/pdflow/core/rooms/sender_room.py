@@ -410,7 +410,13 @@ class SenderRoom(TableMachine[SenderState]):
 
     # ---- helpers -----------------------------------------------------------------------------
     def _writable_peers(self) -> dict[PeerId, RoomMetadata]:
-        return {peer: md for peer, md in self.peers.items() if not md.is_dummy}
+        """The peers that are written to (dummies are not). Only read it: without dummies (the
+        usual room) it is ``self.peers`` itself, not a copy built per call."""
+        peers = self.peers
+        for md in peers.values():
+            if md.is_dummy:
+                return {peer: md for peer, md in peers.items() if not md.is_dummy}
+        return peers
 
     def _fold_checksum(self, peer: PeerId, checksum: int | None) -> None:
         current = self.checksums.get(peer, 0)
