@@ -221,3 +221,50 @@ async def test_a_burst_of_queued_frames_lets_other_tasks_run_between_its_frames(
     assert handled == list(range(burst))
     first, last = ticks_during_burst
     assert last - first >= burst // YIELD_EVERY - 2, f"the ticker ran {last - first} times"
+
+
+async def test_queued_frames_are_taken_without_an_awaited_receive_each() -> None:
+    """A frame already at the PULL is taken through its synchronous shadow: pyzmq's awaited
+    receive (a Future, a reader and its callback per frame) is used only to wait for one."""
+    burst = 4 * YIELD_EVERY
+    handled: list[int] = []
+    done = anyio.Event()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        handled.append(message.room)  # type: ignore[union-attr]
+        if len(handled) == burst + 1:
+            done.set()
+
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, MsgpackCodec())
+    awaited = 0
+    awaited_receive = receiver._pull.recv_multipart
+
+    def counting_receive(*args: object, **kwargs: object) -> object:
+        nonlocal awaited
+        awaited += 1
+        return awaited_receive(*args, **kwargs)
+
+    receiver._pull.recv_multipart = counting_receive  # type: ignore[method-assign]
+    raw = context.socket(zmq.PUSH)
+    raw.connect(f"tcp://{receiver.address}")
+    codec = MsgpackCodec()
+    try:
+        for room in range(burst):  # all queued at the receiver before it starts receiving
+            await raw.send_multipart(codec.encode(Abort(room, 0, DECODE, PREFILL), None))
+        await anyio.sleep(0.5)
+        with anyio.fail_after(10):
+            async with anyio.create_task_group() as tasks:
+                tasks.start_soon(receiver.receive_forever, deliver)
+                while len(handled) < burst:
+                    await anyio.sleep(0.01)
+                # The queue is empty now: the next frame is waited for, and still arrives.
+                await raw.send_multipart(codec.encode(Abort(burst, 0, DECODE, PREFILL), None))
+                await done.wait()
+                tasks.cancel_scope.cancel()
+    finally:
+        raw.close(linger=0)
+        receiver.close()
+        context.term()
+    assert handled == list(range(burst + 1))
+    assert awaited <= 2, f"{awaited} awaited receives for {burst + 1} frames"

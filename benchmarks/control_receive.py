@@ -1,0 +1,80 @@
+"""CPU per control frame of the receive loop (``ControlChannel.receive_forever``): a burst of
+queued frames, as the decode sees the prefill's statuses queue up behind its engine calls, and
+frames sent one at a time to a waiting receiver. Compare trees side by side:
+``PYTHONPATH=TREE/src python -m benchmarks.control_receive`` for each, alternating."""
+
+from __future__ import annotations
+
+import resource
+
+import anyio
+import zmq
+import zmq.asyncio
+
+import pdflow
+from pdflow.core.protocol.messages import Abort, PeerId
+from pdflow.io.codec import ControlMessage, MsgpackCodec
+from pdflow.io.control import ControlChannel
+
+FRAMES = 20_000
+PEER = PeerId("127.0.0.1:1", "x", 0)
+
+
+def cpu_s() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+async def receive(frames: int, queued_first: bool) -> float:
+    """CPU seconds the process spent receiving and delivering ``frames`` frames."""
+    context = zmq.asyncio.Context()
+    codec = MsgpackCodec()
+    receiver = ControlChannel.open(context, codec)
+    raw = context.socket(zmq.PUSH)
+    raw.setsockopt(zmq.LINGER, 0)
+    raw.setsockopt(zmq.SNDHWM, 0)
+    raw.connect(f"tcp://{receiver.address}")
+    message = codec.encode(Abort(1, 0, PEER, PEER), None)
+    handled = 0
+    done = anyio.Event()
+    got_one = anyio.Event()
+
+    async def deliver(_: ControlMessage, __: str | None) -> None:
+        nonlocal handled
+        handled += 1
+        got_one.set()
+        if handled == frames:
+            done.set()
+
+    try:
+        if queued_first:
+            for _ in range(frames):
+                await raw.send_multipart(message)
+            await anyio.sleep(0.5)  # all of them at the receiver
+        async with anyio.create_task_group() as tasks:
+            started = cpu_s()
+            tasks.start_soon(receiver.receive_forever, deliver)
+            if not queued_first:
+                for _ in range(frames):  # each sent once the last was handled
+                    got_one = anyio.Event()
+                    await raw.send_multipart(message)
+                    await got_one.wait()
+            await done.wait()
+            spent = cpu_s() - started
+            tasks.cancel_scope.cancel()
+    finally:
+        raw.close(linger=0)
+        receiver.close()
+        context.term()
+    return spent
+
+
+def main() -> None:
+    tree = pdflow.__file__.rsplit("/src/", 1)[0]
+    for name, queued_first in (("queued burst", True), ("one at a time", False)):
+        best = min(anyio.run(receive, FRAMES, queued_first) for _ in range(3))
+        print(f"{tree} {name}: {best / FRAMES * 1e6:.2f} us CPU per frame")
+
+
+if __name__ == "__main__":
+    main()
