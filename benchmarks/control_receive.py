@@ -1,6 +1,8 @@
-"""CPU per control frame of the receive loop (``ControlChannel.receive_forever``): a burst of
-queued frames, as the decode sees the prefill's statuses queue up behind its engine calls, and
-frames sent one at a time to a waiting receiver. Compare trees side by side:
+"""CPU per control message of the control channel: the receive loop
+(``ControlChannel.receive_forever``) over a burst of queued frames, as the decode sees the
+prefill's statuses queue up behind its engine calls, and over frames sent one at a time to a
+waiting receiver; and ``ControlChannel.send`` while the peer's queue has room. Compare trees
+side by side:
 ``PYTHONPATH=TREE/src python -m benchmarks.control_receive`` for each, alternating."""
 
 from __future__ import annotations
@@ -69,11 +71,31 @@ async def receive(frames: int, queued_first: bool) -> float:
     return spent
 
 
+async def send(messages: int) -> float:
+    """CPU seconds of ``messages`` sends to a peer whose queue always has room."""
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, MsgpackCodec())
+    sender = ControlChannel.open(context, MsgpackCodec(), send_hwm=messages + 1)
+    message = Abort(1, 0, PEER, PEER)
+    try:
+        await sender.send(receiver.address, message, None)  # the connection, not measured
+        started = cpu_s()
+        for _ in range(messages):
+            await sender.send(receiver.address, message, None)
+        return cpu_s() - started
+    finally:
+        sender.close()
+        receiver.close()
+        context.destroy(linger=0)
+
+
 def main() -> None:
     tree = pdflow.__file__.rsplit("/src/", 1)[0]
     for name, queued_first in (("queued burst", True), ("one at a time", False)):
         best = min(anyio.run(receive, FRAMES, queued_first) for _ in range(3))
         print(f"{tree} {name}: {best / FRAMES * 1e6:.2f} us CPU per frame")
+    best = min(anyio.run(send, FRAMES) for _ in range(3))
+    print(f"{tree} send: {best / FRAMES * 1e6:.2f} us CPU per message")
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -16,7 +16,7 @@ import zmq.asyncio
 
 from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
-from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver
+from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver, PushSocket
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -240,12 +240,12 @@ async def test_queued_frames_are_taken_without_an_awaited_receive_each() -> None
     awaited = 0
     awaited_receive = receiver._pull.recv_multipart
 
-    def counting_receive(*args: object, **kwargs: object) -> object:
+    def counting_receive() -> Awaitable[list[bytes]]:
         nonlocal awaited
         awaited += 1
-        return awaited_receive(*args, **kwargs)
+        return awaited_receive()
 
-    receiver._pull.recv_multipart = counting_receive  # type: ignore[method-assign]
+    receiver._pull.recv_multipart = counting_receive  # type: ignore[method-assign,assignment]
     raw = context.socket(zmq.PUSH)
     raw.connect(f"tcp://{receiver.address}")
     codec = MsgpackCodec()
@@ -268,3 +268,28 @@ async def test_queued_frames_are_taken_without_an_awaited_receive_each() -> None
         context.term()
     assert handled == list(range(burst + 1))
     assert awaited <= 2, f"{awaited} awaited receives for {burst + 1} frames"
+
+
+async def test_a_message_is_not_queued_at_once_while_an_earlier_one_waits_for_room() -> None:
+    """The synchronous shadow queues a message at once only while no earlier send to that peer
+    waits for room (SNDHWM): otherwise the later message would overtake it."""
+    context = zmq.asyncio.Context()
+    pull = context.socket(zmq.PULL)
+    port = pull.bind_to_random_port("tcp://127.0.0.1")
+    sock = context.socket(zmq.PUSH)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(f"tcp://127.0.0.1:{port}")
+    push = PushSocket(sock)
+    frames = MsgpackCodec().encode(Abort(1, 0, DECODE, PREFILL), None)
+    try:
+        push.waiting = 1  # an earlier message of this peer waits for room
+        assert not push.queue_now(frames)
+        push.waiting = 0
+        assert push.queue_now(frames)
+        with anyio.fail_after(5):
+            assert await pull.recv_multipart() == frames
+        assert not await pull.poll(200)  # the refused one was never queued
+    finally:
+        push.close(linger=0)
+        pull.close(linger=0)
+        context.term()

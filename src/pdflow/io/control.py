@@ -61,6 +61,33 @@ def zmq_url(address: str) -> str:
     raise SendRefused("bad_address", f"{address!r} is not host:port or tcp://host:port")
 
 
+class PushSocket:
+    """One peer's PUSH: the asyncio socket, for the bounded wait while the peer's queue is
+    full, and its synchronous shadow, which queues a message at once without pyzmq's Future."""
+
+    __slots__ = ("_now", "sock", "waiting")
+
+    def __init__(self, sock: zmq.asyncio.Socket) -> None:
+        self.sock = sock
+        self._now: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # sock owns it
+        self.waiting = 0
+        """Sends waiting for room: while one is, later messages wait behind it, in order."""
+
+    def queue_now(self, frames: list[bytes]) -> bool:
+        """Queue the message now if nothing waits before it and the queue has room (SNDHWM);
+        False when it was not queued. A ZMQError other than Again is raised."""
+        if self.waiting:
+            return False
+        try:
+            self._now.send_multipart(frames, zmq.NOBLOCK)
+        except zmq.Again:
+            return False
+        return True
+
+    def close(self, linger: int | None = None) -> None:
+        self.sock.close(linger=linger)
+
+
 def _holds_a_message(pull: zmq.Socket[bytes]) -> bool:
     """Whether a whole message waits at this PULL (ZMQ's POLLIN on a PULL)."""
     events = pull.get(zmq.EVENTS)
@@ -76,7 +103,7 @@ class ControlChannel:
         codec: WireCodec,
         pull: zmq.asyncio.Socket,
         address: str,
-        pool: SocketPool,
+        pool: SocketPool[PushSocket],
         *,
         send_timeout_s: float,
         send_hwm: int,
@@ -109,7 +136,7 @@ class ControlChannel:
         on_drop: Callable[[str], None] = lambda reason: None,
         on_send_failed: Callable[[str], None] = lambda address: None,
         on_refused: Callable[[str], None] = lambda reason: None,
-        pool: SocketPool | None = None,
+        pool: SocketPool[PushSocket] | None = None,
     ) -> ControlChannel:
         """Bind a PULL on ``host:port`` (0: any free port; read :attr:`address`). Without a
         shared ``pool`` the channel gets its own, of DEFAULT_MAX_SOCKETS."""
@@ -124,15 +151,15 @@ class ControlChannel:
         except zmq.ZMQError as exc:
             pull.close(linger=0)
             raise OSError(f"cannot bind the control socket on {host}:{port}: {exc}") from exc
-        pool = pool if pool is not None else SocketPool(DEFAULT_MAX_SOCKETS)
+        pool = pool if pool is not None else SocketPool[PushSocket](DEFAULT_MAX_SOCKETS)
         return cls(context, codec, pull, f"{host}:{port}", pool, send_timeout_s=send_timeout_s,
                    send_hwm=send_hwm, on_drop=on_drop, on_send_failed=on_send_failed,
                    on_refused=on_refused)  # fmt: skip
 
     # ---- sending ---------------------------------------------------------------------------------
-    def _socket_to(self, address: str) -> zmq.asyncio.Socket:
-        sock = self._pool.get(id(self), address)
-        if sock is None:
+    def _socket_to(self, address: str) -> PushSocket:
+        push = self._pool.get(id(self), address)
+        if push is None:
             url = zmq_url(address)
             sock = self._context.socket(zmq.PUSH)
             try:
@@ -146,8 +173,9 @@ class ControlChannel:
                 # An unclosed socket would also make context.term() wait forever.
                 sock.close(linger=0)
                 raise SendRefused("connect_failed", f"{address!r}: {exc}") from None
-            self._pool.put(id(self), address, sock)
-        return sock
+            push = PushSocket(sock)
+            self._pool.put(id(self), address, push)
+        return push
 
     async def send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
         """Queue one message to ``address``; False (and counted) if it could not be queued."""
@@ -164,24 +192,27 @@ class ControlChannel:
             frames = self.codec.encode(message, msg_id)
         except FrameError as exc:
             raise SendRefused(exc.reason, exc.detail) from None
-        sock = self._socket_to(address)
+        push = self._socket_to(address)
         try:
-            # Almost always the peer's queue has room: queue it now, with no timer to arm
-            # (the timeout scope was most of a small message's send cost).
-            await sock.send_multipart(frames, flags=zmq.NOBLOCK)
-            return True
-        except zmq.Again:
-            pass  # the queue is full (SNDHWM): nothing was queued; wait for room, bounded
+            # Almost always the peer's queue has room: queue it now, with no timer to arm (the
+            # timeout scope was most of a small message's send cost) and no Future.
+            if push.queue_now(frames):
+                return True
         except zmq.ZMQError as exc:
             self.forget(address)
             raise SendRefused("send_error", f"{address!r}: {exc}") from None
-        with anyio.move_on_after(self._send_timeout_s):
-            try:
-                await sock.send_multipart(frames)
-            except zmq.ZMQError as exc:
-                self.forget(address)
-                raise SendRefused("send_error", f"{address!r}: {exc}") from None
-            return True
+        # The queue is full (SNDHWM), or a send waits for room already: wait behind it, bounded.
+        push.waiting += 1
+        try:
+            with anyio.move_on_after(self._send_timeout_s):
+                try:
+                    await push.sock.send_multipart(frames)
+                except zmq.ZMQError as exc:
+                    self.forget(address)
+                    raise SendRefused("send_error", f"{address!r}: {exc}") from None
+                return True
+        finally:
+            push.waiting -= 1
         self._on_send_failed(address)
         log.warning("control_send_timeout", to=address, message=type(message).__name__,
                     timeout_s=self._send_timeout_s)  # fmt: skip
@@ -190,9 +221,9 @@ class ControlChannel:
     def forget(self, address: str) -> None:
         """Close the cached PUSH to a dead peer: queued messages go with it, and a new process
         at the same address gets a fresh connection."""
-        sock = self._pool.pop(id(self), address)
-        if sock is not None:
-            sock.close(linger=0)
+        push = self._pool.pop(id(self), address)
+        if push is not None:
+            push.close(linger=0)
 
     # ---- receiving -------------------------------------------------------------------------------
     async def receive_forever(self, deliver: Deliver) -> None:

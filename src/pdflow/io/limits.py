@@ -16,9 +16,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
-from typing import Generic, TypeVar
-
-import zmq.asyncio
+from typing import Generic, Protocol, TypeVar
 
 from pdflow.core.protocol.messages import Abort, BootstrapRequest, KvArgs, PeerId, RoomMetadata
 
@@ -59,29 +57,36 @@ class _Lru(Generic[K, V]):
         return len(self._entries)
 
 
-class SocketPool:
+class Closable(Protocol):
+    def close(self, linger: int | None = None) -> None: ...
+
+
+S = TypeVar("S", bound=Closable)
+
+
+class SocketPool(Generic[S]):
     """Outgoing sockets keyed by (owner, address); closing the least recently used past
     ``limit`` loses what was queued on it (the core's timers cover lost messages)."""
 
     def __init__(self, limit: int, on_evict: Callable[[], None] = lambda: None) -> None:
         self._on_evict = on_evict
-        self._sockets: _Lru[tuple[int, str], zmq.asyncio.Socket] = _Lru(limit, self._close)
+        self._sockets: _Lru[tuple[int, str], S] = _Lru(limit, self._close)
 
     @property
     def limit(self) -> int:
         return self._sockets.limit
 
-    def _close(self, key: tuple[int, str], sock: zmq.asyncio.Socket) -> None:
+    def _close(self, key: tuple[int, str], sock: S) -> None:
         sock.close(linger=0)
         self._on_evict()
 
-    def get(self, owner: int, address: str) -> zmq.asyncio.Socket | None:
+    def get(self, owner: int, address: str) -> S | None:
         return self._sockets.get((owner, address))
 
-    def put(self, owner: int, address: str, sock: zmq.asyncio.Socket) -> None:
+    def put(self, owner: int, address: str, sock: S) -> None:
         self._sockets.put((owner, address), sock)
 
-    def pop(self, owner: int, address: str) -> zmq.asyncio.Socket | None:
+    def pop(self, owner: int, address: str) -> S | None:
         return self._sockets.pop((owner, address))
 
     def addresses(self, owner: int) -> tuple[str, ...]:

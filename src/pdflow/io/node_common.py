@@ -35,7 +35,7 @@ from pdflow.core.framework.step import Step
 from pdflow.core.protocol.messages import PeerId
 from pdflow.core.protocol.outputs import Output, StatusChanged
 from pdflow.io.codec import WireCodec
-from pdflow.io.control import ControlChannel
+from pdflow.io.control import ControlChannel, PushSocket
 from pdflow.io.frame_auth import authenticated
 from pdflow.io.limits import SocketPool
 from pdflow.io.metrics import NodeMetrics, RoomReport
@@ -466,7 +466,7 @@ class NodeRuntime:
         self.context = zmq.asyncio.Context()
         # ZMQ's own cap (1023 by default) must sit above the pool's, or the pool never acts.
         self.context.set(zmq.MAX_SOCKETS, settings.control_max_sockets + _SPARE_SOCKETS)
-        self.sockets = SocketPool(
+        self.sockets = SocketPool[PushSocket](
             settings.control_max_sockets,
             on_evict=lambda: self.metrics.evictions.labels("socket").inc(),
         )
