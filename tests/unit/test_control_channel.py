@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable
@@ -292,4 +293,28 @@ async def test_a_message_is_not_queued_at_once_while_an_earlier_one_waits_for_ro
     finally:
         push.close(linger=0)
         pull.close(linger=0)
+        context.term()
+
+
+async def test_a_cancelled_receive_loop_leaves_no_reader_behind() -> None:
+    """The loop waits on the PULL's ZMQ_FD through its own reader; once it stops, the event loop
+    must not keep that descriptor (closed with the socket, its number is reused)."""
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, MsgpackCodec())
+    fd = int(receiver._pull.getsockopt(zmq.FD))
+    loop = asyncio.get_running_loop()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        pass
+
+    try:
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(receiver.receive_forever, deliver)
+            await anyio.sleep(0.1)
+            assert loop.remove_reader(fd) is True  # it was waiting there; taken away here
+            loop.add_reader(fd, lambda: None)  # (put one back for the loop to remove)
+            tasks.cancel_scope.cancel()
+        assert loop.remove_reader(fd) is False
+    finally:
+        receiver.close()
         context.term()
