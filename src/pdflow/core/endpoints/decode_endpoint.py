@@ -17,6 +17,7 @@ SessionRetired, which frees every fenced room published under it.
 from __future__ import annotations
 
 from collections import Counter
+from typing import Any
 
 import msgspec
 
@@ -53,6 +54,7 @@ from pdflow.core.endpoints.endpoint_io import (
 from pdflow.core.endpoints.liveness import LostInstance, ProbeTarget, instances_of, replaced_in
 from pdflow.core.endpoints.room_host import RoomHost
 from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
+from pdflow.core.framework.dispatch import listed_kind
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -127,6 +129,12 @@ _AWAITING_PAGES = ReceiverState.AWAITING_PAGES
 _POLL_READY = KVPoll.WaitingForInput
 _POLL_SUCCESS = KVPoll.Success
 _POLL_FAILED = KVPoll.Failed
+_DECODE_INPUTS: frozenset[type] = frozenset(
+    {
+        Received, PublishPages, OpenReceiver, ClearRoom, TopologyKnown, TopologyFailed, RoomCall,
+        HeartbeatResult, SessionClosed, SessionRotated, SessionRetired, ChecksumChecked, TimerFired,
+    }
+)  # fmt: skip
 
 
 class ReceiverSummary(msgspec.Struct, frozen=True):
@@ -190,37 +198,47 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
         out: list[Output] = []
         fired: list[Fired] = []
-        # The input types are unrelated: the order only puts the per-room ones first.
-        if isinstance(inp, Received):
-            self._receive(inp, now, out, fired)
-        elif isinstance(inp, PublishPages):
-            self._publish(inp, now, out, fired)
-        elif isinstance(inp, OpenReceiver):
-            self._open(inp, now, out, fired)
-        elif isinstance(inp, ClearRoom):
-            self._clear(inp.room, now, out, fired)
-        elif isinstance(inp, TopologyKnown):
-            self._topology_known(inp.info, now, out, fired)
-        elif isinstance(inp, TopologyFailed):
-            self._fail_waiting(inp.bootstrap, inp.reason, now, out, fired)
-        elif isinstance(inp, RoomCall):
-            if not isinstance(inp.call, AbortRequested):
+        # The input types are unrelated: the order only puts the per-room ones first. Compared
+        # by type with ``is`` (framework/dispatch.py).
+        kind = type(inp)
+        if kind not in _DECODE_INPUTS:
+            kind = listed_kind(inp, _DECODE_INPUTS)
+        given: Any = inp  # typed again in each branch: ``kind is X`` does not narrow ``inp``
+        if kind is Received:
+            self._receive(given, now, out, fired)
+        elif kind is PublishPages:
+            self._publish(given, now, out, fired)
+        elif kind is OpenReceiver:
+            self._open(given, now, out, fired)
+        elif kind is ClearRoom:
+            clear: ClearRoom = given
+            self._clear(clear.room, now, out, fired)
+        elif kind is TopologyKnown:
+            known: TopologyKnown = given
+            self._topology_known(known.info, now, out, fired)
+        elif kind is TopologyFailed:
+            failed: TopologyFailed = given
+            self._fail_waiting(failed.bootstrap, failed.reason, now, out, fired)
+        elif kind is RoomCall:
+            call: RoomCall = given
+            if not isinstance(call.call, AbortRequested):
                 raise LocalProtocolError(
-                    f"a decode room takes AbortRequested calls, not {type(inp.call).__name__}",
+                    f"a decode room takes AbortRequested calls, not {type(call.call).__name__}",
                     hint="publish pages with PublishPages",
                 )
-            self._room_input(self._known_room(inp.room), inp.call, now, out, fired)
-        elif isinstance(inp, HeartbeatResult):
-            self._heartbeat(inp, now, out, fired)
-        elif isinstance(inp, SessionClosed):
-            self._ledger(inp, now, out, fired)
-        elif isinstance(inp, SessionRotated):
-            self._rotate(inp, now, fired)
-        elif isinstance(inp, SessionRetired):
-            self._retire(inp, now, out, fired)
-        elif isinstance(inp, ChecksumChecked):
-            self._slot(inp.room, inp.generation, inp, now, out, fired)
-        elif isinstance(inp, TimerFired):
+            self._room_input(self._known_room(call.room), call.call, now, out, fired)
+        elif kind is HeartbeatResult:
+            self._heartbeat(given, now, out, fired)
+        elif kind is SessionClosed:
+            self._ledger(given, now, out, fired)
+        elif kind is SessionRotated:
+            self._rotate(given, now, fired)
+        elif kind is SessionRetired:
+            self._retire(given, now, out, fired)
+        elif kind is ChecksumChecked:
+            checked: ChecksumChecked = given
+            self._slot(checked.room, checked.generation, checked, now, out, fired)
+        elif kind is TimerFired:
             for room_id in self.deadlines.pop_due(now):
                 if room_id in self.rooms:
                     self._room_input(self.rooms[room_id], Tick(), now, out, fired)
@@ -418,8 +436,10 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._room_input(room, resolved, now, out, fired)
 
     def _targets(self, room_id: int, info: PrefillInfo) -> PeersResolved:
-        if info.dp_size > 1 and not info.follow_bootstrap_room and (
-            self.room_dp_rank.get(room_id) is None
+        if (
+            info.dp_size > 1
+            and not info.follow_bootstrap_room
+            and (self.room_dp_rank.get(room_id) is None)
         ):
             # room % dp would pick a DP group that may not hold the room: never guess.
             raise InvalidInput(

@@ -8,6 +8,8 @@ first, and removes a cleared room only once its last write has drained.
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 
 from pdflow.core.endpoints.endpoint_io import (
@@ -28,6 +30,7 @@ from pdflow.core.endpoints.prefill_slots import (
 from pdflow.core.endpoints.room_host import RoomHost
 from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
 from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.framework.dispatch import listed_kind
 from pdflow.core.framework.errors import LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -70,6 +73,9 @@ from pdflow.core.rooms.sender_room import SenderRoom
 # Members read on every step, bound once (a member read off its class is slow: kvpoll.py).
 _POLL_SUCCESS = KVPoll.Success
 _POLL_FAILED = KVPoll.Failed
+_PREFILL_INPUTS: frozenset[type] = frozenset(
+    {RoomCall, TransferCompleted, Received, OpenRoom, ClearRoom, TimerFired}
+)
 
 
 class SenderSummary(msgspec.Struct, frozen=True):
@@ -128,21 +134,29 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self._step_outputs, self._step_fired = outputs, fired
         # The input types are unrelated: the order only puts the most frequent first (a room
         # takes three or more calls and a write completion per chunk, one of everything else).
-        if isinstance(inp, RoomCall):
-            room = self._known_room(inp.room)
-            self._room_input(room, inp.call, now, outputs, fired)
-            if isinstance(inp.call, PrefillCompleted):
+        # Compared by type with ``is`` (framework/dispatch.py).
+        kind = type(inp)
+        if kind not in _PREFILL_INPUTS:
+            kind = listed_kind(inp, _PREFILL_INPUTS)
+        given: Any = inp  # typed again in each branch: ``kind is X`` does not narrow ``inp``
+        if kind is RoomCall:
+            call: RoomCall = given
+            room = self._known_room(call.room)
+            self._room_input(room, call.call, now, outputs, fired)
+            if isinstance(call.call, PrefillCompleted):
                 done = MarkComplete(room.key, room.generation, room.generation)
                 self._ready_table(done, now, outputs, fired)
-        elif isinstance(inp, TransferCompleted):
-            self._slot(inp.room, inp.generation, inp, now)
-        elif isinstance(inp, Received):
-            self._receive(inp.message, now, outputs, fired)
-        elif isinstance(inp, OpenRoom):
-            self._open(inp, now, outputs, fired)
-        elif isinstance(inp, ClearRoom):
-            self._clear(inp, now, outputs, fired)
-        elif isinstance(inp, TimerFired):
+        elif kind is TransferCompleted:
+            completed: TransferCompleted = given
+            self._slot(completed.room, completed.generation, completed, now)
+        elif kind is Received:
+            received: Received = given
+            self._receive(received.message, now, outputs, fired)
+        elif kind is OpenRoom:
+            self._open(given, now, outputs, fired)
+        elif kind is ClearRoom:
+            self._clear(given, now, outputs, fired)
+        elif kind is TimerFired:
             self._timers(now, outputs, fired)
         else:
             raise LocalProtocolError(

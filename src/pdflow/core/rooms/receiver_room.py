@@ -11,7 +11,9 @@ See spec/protocol.toml ``[machines.ReceiverRoom]``.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
+from pdflow.core.framework.dispatch import remembered_kind
 from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import STATUS_CHANGED, Table, TableMachine, row
@@ -70,6 +72,11 @@ _WAITING_STATES = (
 _AWAITING_PAGES = ReceiverState.AWAITING_PAGES
 _TRANSFERRING = ReceiverState.TRANSFERRING
 _PREFILL_COMPLETE = AllocationPolicy.PREFILL_COMPLETE
+_VALIDATED: frozenset[type] = frozenset(
+    {PeersResolved, PublishPages, ReadyArrived, SuccessArrived, FailureArrived}
+)
+_VALIDATED_KIND: dict[type, type] = {}
+"""Each input class seen by ``_validate``, mapped to the listed type it is an instance of."""
 
 _R = ReceiverState
 _CHANGED = STATUS_CHANGED
@@ -145,28 +152,37 @@ class ReceiverRoom(TableMachine[ReceiverState]):
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, PeersResolved):
-            if not inp.targets:
+        # Compared by type with ``is`` (framework/dispatch.py): most inputs match none.
+        kind = _VALIDATED_KIND.get(type(inp))
+        if kind is None:
+            kind = remembered_kind(inp, _VALIDATED, _VALIDATED_KIND)
+        given: Any = inp  # typed again in each branch: ``kind is X`` does not narrow ``inp``
+        if kind is PeersResolved:
+            resolved: PeersResolved = given
+            if not resolved.targets:
                 raise InvalidInput(f"room {self.key}: PeersResolved needs at least one target")
-            writers = sum(1 for t in inp.targets if not t.is_dummy)
-            if not 1 <= inp.required_responses <= max(writers, 1):
+            writers = sum(1 for t in resolved.targets if not t.is_dummy)
+            if not 1 <= resolved.required_responses <= max(writers, 1):
                 raise InvalidInput(
-                    f"room {self.key}: required_responses={inp.required_responses} but "
+                    f"room {self.key}: required_responses={resolved.required_responses} but "
                     f"{writers} non-dummy targets"
                 )
-        elif isinstance(inp, PublishPages) and inp.room != self.key:
-            raise InvalidInput(f"room {self.key}: pages published for room {inp.room}")
-        elif isinstance(inp, PublishPages) and self.state is _AWAITING_PAGES:
-            if len(set(inp.dst_pages)) != len(inp.dst_pages):
+        elif kind is PublishPages:
+            published: PublishPages = given
+            if published.room != self.key:
+                raise InvalidInput(f"room {self.key}: pages published for room {published.room}")
+            if self.state is _AWAITING_PAGES and (
+                len(set(published.dst_pages)) != len(published.dst_pages)
+            ):
                 raise InvalidInput(f"room {self.key}: destination pages must be distinct")
-        elif isinstance(inp, (ReadyArrived, SuccessArrived, FailureArrived)) and (
-            self.targets and not self._is_target(inp.prefill)
-        ):
-            raise RemoteProtocolError(
-                f"room {self.key}: status from {inp.prefill.address}"
-                f"/{inp.prefill.incarnation}, which is not a prefill rank of this room",
-                hint="a stale incarnation or a misrouted message; drop it",
-            )
+        elif kind is ReadyArrived or kind is SuccessArrived or kind is FailureArrived:
+            status: ReadyArrived | SuccessArrived | FailureArrived = given
+            if self.targets and not self._is_target(status.prefill):
+                raise RemoteProtocolError(
+                    f"room {self.key}: status from {status.prefill.address}"
+                    f"/{status.prefill.incarnation}, which is not a prefill rank of this room",
+                    hint="a stale incarnation or a misrouted message; drop it",
+                )
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_prefill_complete_policy(self, inp: Input, now: float) -> bool:
@@ -201,11 +217,7 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return distinct >= self.required_responses
 
     def _guard_completes_without_checksum(self, inp: SuccessArrived, now: float) -> bool:
-        return (
-            self.require_checksums
-            and self._completes(inp)
-            and bool(self._unchecksummed(inp))
-        )
+        return self.require_checksums and self._completes(inp) and bool(self._unchecksummed(inp))
 
     def _guard_completes_without_aux(self, inp: SuccessArrived, now: float) -> bool:
         return self._completes(inp) and bool(self._aux_problem(inp))

@@ -10,8 +10,10 @@ reuse the pages. See spec/protocol.toml ``[machines.SenderRoom]``.
 from __future__ import annotations
 
 import enum
+from typing import Any
 
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
+from pdflow.core.framework.dispatch import remembered_kind
 from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import STATUS_CHANGED, Table, TableMachine, row
@@ -54,6 +56,9 @@ _BOOTSTRAPPING = SenderState.BOOTSTRAPPING
 _WAITING_FOR_INPUT = SenderState.WAITING_FOR_INPUT
 _TAKING_CHUNKS = (SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING)
 _EARLY = AllocationPolicy.EARLY
+_VALIDATED: frozenset[type] = frozenset({MetadataArrived, InitTransfer, SendChunk, AbortArrived})
+_VALIDATED_KIND: dict[type, type] = {}
+"""Each input class seen by ``_validate``, mapped to the listed type it is an instance of."""
 _POLL_SUCCESS = KVPoll.Success
 
 _S = SenderState
@@ -123,16 +128,23 @@ class SenderRoom(TableMachine[SenderState]):
 
     # ---- validation: raise before anything changes -------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, MetadataArrived):
-            self._validate_metadata(inp.metadata)
-        elif isinstance(inp, InitTransfer):
-            self._validate_init(inp)
-        elif isinstance(inp, SendChunk) and self._chunk_expected():
-            self._validate_chunk(inp)
-        elif isinstance(inp, AbortArrived) and (
-            inp.abort.room != self.key or inp.abort.generation != self.generation
-        ):
-            raise RemoteProtocolError(f"abort for room {inp.abort.room} routed to {self.key}")
+        # Compared by type with ``is`` (framework/dispatch.py): most inputs match none.
+        kind = _VALIDATED_KIND.get(type(inp))
+        if kind is None:
+            kind = remembered_kind(inp, _VALIDATED, _VALIDATED_KIND)
+        given: Any = inp  # typed again in each branch: ``kind is X`` does not narrow ``inp``
+        if kind is MetadataArrived:
+            metadata: MetadataArrived = given
+            self._validate_metadata(metadata.metadata)
+        elif kind is InitTransfer:
+            self._validate_init(given)
+        elif kind is SendChunk:
+            if self._chunk_expected():
+                self._validate_chunk(given)
+        elif kind is AbortArrived:
+            abort: AbortArrived = given
+            if abort.abort.room != self.key or abort.abort.generation != self.generation:
+                raise RemoteProtocolError(f"abort for room {abort.abort.room} routed to {self.key}")
 
     def _validate_metadata(self, md: RoomMetadata) -> None:
         if md.room != self.key or md.generation != self.generation:
