@@ -54,7 +54,7 @@ from pdflow.core.endpoints.endpoint_io import (
 from pdflow.core.endpoints.liveness import LostInstance, ProbeTarget, instances_of, replaced_in
 from pdflow.core.endpoints.room_host import RoomHost
 from pdflow.core.endpoints.slot_inputs import ClearSlot, OpenSlot
-from pdflow.core.framework.dispatch import listed_kind
+from pdflow.core.framework.dispatch import listed_kind, remembered_kind
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, RemoteProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -135,6 +135,9 @@ _DECODE_INPUTS: frozenset[type] = frozenset(
         HeartbeatResult, SessionClosed, SessionRotated, SessionRetired, ChecksumChecked, TimerFired,
     }
 )  # fmt: skip
+_LEDGER_NEWS: frozenset[type] = frozenset({ArmFence, VerifyChecksums})
+_LEDGER_NEWS_KIND: dict[type, type] = {}
+"""Each output class a room produced, mapped to the one of ``_LEDGER_NEWS`` it is, if any."""
 
 
 class ReceiverSummary(msgspec.Struct, frozen=True):
@@ -834,13 +837,19 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         fired.append(transition)
         for output in produced:
             out.append(output)
-            if isinstance(output, ArmFence):
+            # Compared by type with ``is`` (framework/dispatch.py): most outputs are neither.
+            kind = _LEDGER_NEWS_KIND.get(type(output))
+            if kind is None:
+                kind = remembered_kind(output, _LEDGER_NEWS, _LEDGER_NEWS_KIND)
+            if kind is ArmFence:
                 # The ledger learns of the fence in the same step, before any ABORT is sent.
-                fence = Fence(output.room, output.generation, output.writers, room.session_id)
+                arm: ArmFence = output  # type: ignore[assignment]
+                fence = Fence(arm.room, arm.generation, arm.writers, room.session_id)
                 self._ledger(fence, now, out, fired)
-            elif isinstance(output, VerifyChecksums):
+            elif kind is VerifyChecksums:
                 # The shell's verification writes the pages too (the staged scatter).
-                self._ledger(VerifyStarted(output.room, output.generation), now, out, fired)
+                verify: VerifyChecksums = output  # type: ignore[assignment]
+                self._ledger(VerifyStarted(verify.room, verify.generation), now, out, fired)
         self._arm(room)
         if room.state is _RECEIVER_FAILED and room.key in self.waiting_for_staging:
             del self.waiting_for_staging[room.key]

@@ -92,6 +92,10 @@ class _Compiled(Generic[S]):
     status_poll: KVPoll | None
     backwards: str | None
     """Why the row breaks KVPoll monotonicity (only a mutated row can; tables refuse such rows)."""
+    machine: str
+    on: str
+    guard: str | None
+    """What a step's Fired record names besides the room and the source state, read once."""
     listed_outputs: set[type] = field(default_factory=set)
     """Output types (other than SendMessage) already found named in the row's ``emits``..."""
     listed_messages: set[type] = field(default_factory=set)
@@ -99,7 +103,7 @@ class _Compiled(Generic[S]):
     depends only on these types, so each is looked up against ``emits`` once per row."""
 
 
-def _compile(r: Row[S], polls: dict[str, KVPoll] | None) -> _Compiled[S]:
+def _compile(r: Row[S], polls: dict[str, KVPoll] | None, machine: str) -> _Compiled[S]:
     status_poll: KVPoll | None = None
     backwards: str | None = None
     if polls is not None:
@@ -107,7 +111,10 @@ def _compile(r: Row[S], polls: dict[str, KVPoll] | None) -> _Compiled[S]:
         status_poll = None if after is before else after
         if not poll_may_follow(before, after):
             backwards = f"KVPoll went {before.name} -> {after.name}"
-    return _Compiled(r, r.guard_fn, r.action_fn, r.target, r.target.name, status_poll, backwards)
+    return _Compiled(
+        r, r.guard_fn, r.action_fn, r.target, r.target.name, status_poll, backwards, machine, r.on,
+        r.guard,
+    )  # fmt: skip
 
 
 class Table(Generic[S]):
@@ -194,7 +201,7 @@ class Table(Generic[S]):
         cells = self._cells
         if cells is not self._compiled_from:
             self._compiled = {
-                key: tuple(_compile(r, self.poll_by_name) for r in rows)
+                key: tuple(_compile(r, self.poll_by_name, self.machine) for r in rows)
                 for key, rows in cells.items()
             }
             self._by_input = {}
@@ -287,7 +294,6 @@ class TableMachine(Generic[S]):
             outputs.append(change)
         if chosen.backwards is not None:
             raise ConformanceError(f"{table.machine}: {chosen.backwards}")
-        row_ = chosen.row
         listed_outputs, listed_messages = chosen.listed_outputs, chosen.listed_messages
         for output in outputs:
             emitted = type(output)
@@ -296,17 +302,15 @@ class TableMachine(Generic[S]):
                     continue
             elif emitted in listed_outputs:
                 continue
-            if emit_name(output) not in row_.emits:
-                raise self._emitted_outside_row(row_, output)
+            if emit_name(output) not in chosen.row.emits:
+                raise self._emitted_outside_row(chosen.row, output)
             if emitted is SendMessage:
                 listed_messages.add(type(output.message))  # type: ignore[attr-defined]
             elif not issubclass(emitted, SendMessage):
                 listed_outputs.add(emitted)
         # Recorded under the machine's key (a room, for room machines); a machine serving
         # many rooms overrides fire() to name the input's room instead.
-        fired = Fired(
-            table.machine, self.key, source, kind.__name__, row_.guard, chosen.target_name
-        )
+        fired = Fired(chosen.machine, self.key, source, chosen.on, chosen.guard, chosen.target_name)
         return outputs, fired
 
     def _emitted_outside_row(self, chosen: Row[S], output: Output) -> ConformanceError:
