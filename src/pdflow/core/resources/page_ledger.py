@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import enum
 import heapq
-from typing import cast
+from typing import Any, cast
 
 import msgspec
 
+from pdflow.core.framework.dispatch import remembered_kind
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
@@ -155,6 +156,10 @@ _ROOM_INPUTS = (
     AckArrived,
 )
 """Inputs for one room instance, keyed by (room, generation)."""
+_LEDGER_INPUTS: frozenset[type] = frozenset(_WRITER_NEWS + _ROOM_INPUTS)
+_LEDGER_INPUT_KIND: dict[type, type] = {}
+"""Each input class the ledger was given, mapped to the ledger input it is an instance of
+(compared by type with ``is`` on every step: framework/dispatch.py)."""
 
 LedgerInput = (
     Reserve
@@ -344,20 +349,23 @@ class RoomPages(TableMachine[RoomPagesState]):
 
     # ---- validation ----------------------------------------------------------------------------
     def _validate(self, inp: Input, now: float) -> None:
-        if isinstance(inp, _WRITER_NEWS):
+        kind = _LEDGER_INPUT_KIND.get(type(inp))
+        if kind is None:
+            kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
+        if kind in _WRITER_NEWS:
             return
-        keyed = inp
-        if not isinstance(keyed, _ROOM_INPUTS):
+        if kind not in _ROOM_INPUTS:
             raise InvalidInput(f"the page ledger does not take {type(inp).__name__}")
+        keyed: Any = inp  # one of _ROOM_INPUTS: keyed by (room, generation)
         if keyed.room != self.key or keyed.generation != self.generation:
             raise InvalidInput(
                 f"input for room {keyed.room}/{keyed.generation} routed to "
                 f"{self.key}/{self.generation}"
             )
-        if isinstance(inp, Reserve):
-            self._pool.check_free(inp.pages)
-        elif isinstance(inp, Fence) and len(set(inp.writers)) != len(inp.writers):
-            raise InvalidInput(f"room {self.key}: fence writers must be distinct: {inp.writers}")
+        if kind is Reserve:
+            self._pool.check_free(keyed.pages)
+        elif kind is Fence and len(set(keyed.writers)) != len(keyed.writers):
+            raise InvalidInput(f"room {self.key}: fence writers must be distinct: {keyed.writers}")
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_no_writer_can_land(self, inp: Fence, now: float) -> bool:
@@ -562,13 +570,19 @@ class PageLedger:
 
     # ---- driving -------------------------------------------------------------------------------
     def handle(self, inp: LedgerInput, now: float) -> Step:
-        if isinstance(inp, _WRITER_NEWS):
-            return self._writer_news(inp, now)
-        if isinstance(inp, Fence):
-            self._health.owe(inp.writers, inp.room, inp.generation, inp.session)
-        elif isinstance(inp, AckArrived):
-            self._health.acked(inp.writer, inp.room, inp.generation)
-        key = (inp.room, inp.generation)
+        kind = _LEDGER_INPUT_KIND.get(type(inp))
+        if kind is None:
+            kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
+        given: Any = inp  # typed again where needed: ``kind is X`` does not narrow ``inp``
+        if kind in _WRITER_NEWS:
+            return self._writer_news(given, now)
+        if kind is Fence:
+            fence: Fence = given
+            self._health.owe(fence.writers, fence.room, fence.generation, fence.session)
+        elif kind is AckArrived:
+            ack: AckArrived = given
+            self._health.acked(ack.writer, ack.room, ack.generation)
+        key: tuple[int, int] = (given.room, given.generation)
         machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
         was_fenced, pages = machine.state is _FENCED, len(machine.pages)
         outputs, fired = machine.fire(inp, now)
