@@ -56,7 +56,7 @@ _TRACE_WRITE_DELAY_S = 0.005
 
 
 # ---- events: what the embedding engine receives --------------------------------------------------
-class RoomStatus(msgspec.Struct, frozen=True, tag=True):
+class RoomStatus(msgspec.Struct, frozen=True, gc=False, tag=True):
     """A room's KVPoll changed on one rank."""
 
     rank: int
@@ -66,7 +66,7 @@ class RoomStatus(msgspec.Struct, frozen=True, tag=True):
     reason: str = ""
 
 
-class PagesReleased(msgspec.Struct, frozen=True, tag=True):
+class PagesReleased(msgspec.Struct, frozen=True, gc=False, tag=True):
     """Decode: these pages can no longer be written by anyone; the engine may reuse them."""
 
     rank: int
@@ -75,7 +75,7 @@ class PagesReleased(msgspec.Struct, frozen=True, tag=True):
     pages: tuple[int, ...]
 
 
-class PagesHeld(msgspec.Struct, frozen=True, tag=True):
+class PagesHeld(msgspec.Struct, frozen=True, gc=False, tag=True):
     """Decode: a failed room's pages are quarantined until the writers listed are cleared."""
 
     rank: int
@@ -85,7 +85,7 @@ class PagesHeld(msgspec.Struct, frozen=True, tag=True):
     waiting_on: tuple[PeerId, ...]
 
 
-class WriterFenced(msgspec.Struct, frozen=True, tag=True):
+class WriterFenced(msgspec.Struct, frozen=True, gc=False, tag=True):
     """Decode: the transport fenced a dead writer on this side; none of its writes can land now.
     Never published where the transport's fence is not real (its pages wait for the drain ACK)."""
 
@@ -93,7 +93,7 @@ class WriterFenced(msgspec.Struct, frozen=True, tag=True):
     peer: PeerId
 
 
-class RoomClosed(msgspec.Struct, frozen=True, tag=True):
+class RoomClosed(msgspec.Struct, frozen=True, gc=False, tag=True):
     """The endpoint forgot the room (after ``clear``, or once a failed room drained)."""
 
     rank: int

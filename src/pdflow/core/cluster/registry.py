@@ -45,7 +45,7 @@ class RegistryState(enum.Enum):
 
 
 # ---- inputs -------------------------------------------------------------------------------------
-class RegisterRank(Input, frozen=True, tag="RegisterRank"):
+class RegisterRank(Input, frozen=True, gc=True, tag="RegisterRank"):  # holds a dict: tracked
     """``PUT /route``: one prefill rank announces itself (SGLang's fields, plus pdflow's)."""
 
     attn_tp_size: int
@@ -174,7 +174,7 @@ _GUARDED_REQUESTS: dict[type[Input], str] = {
 
 
 # ---- answers --------------------------------------------------------------------------------
-class Reply(Output, frozen=True, tag="reply"):
+class Reply(Output, frozen=True, gc=True, tag="reply"):  # holds a dict: tracked
     """The answer to one request: a text body (text/plain) or a JSON object."""
 
     status: int

@@ -57,7 +57,7 @@ class PageOrder(enum.Enum):
     """Head-major: a page is ``[head, token, dim]``; one head's tokens are contiguous."""
 
 
-class TpPlace(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class TpPlace(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """A rank's place in its side's attention TP group."""
 
     size: int
@@ -72,7 +72,7 @@ BufferKey = tuple[bool, str, int]
 """``(draft, role, layer)``: what names the same tensor on both sides."""
 
 
-class KvBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KvBuffer(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One KV tensor of one rank: ``length`` bytes from ``addr``, pages of ``item_len`` bytes."""
 
     addr: int
@@ -116,7 +116,7 @@ class KvBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.addr + page * self.item_len
 
 
-class KvBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KvBuffers(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One rank's KV tensors: every buffer is indexed by the same page ids."""
 
     page_size: int

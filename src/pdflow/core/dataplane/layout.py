@@ -47,7 +47,7 @@ def _require_positive(**values: int) -> None:
             raise InvalidInput(f"{name} must be a positive integer, got {value}")
 
 
-class HeadRange(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class HeadRange(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """The global KV heads ``[start, start + count)`` that one TP rank holds."""
 
     start: int
@@ -88,7 +88,7 @@ def rank_head_range(total_kv_heads: int, tp_size: int, tp_rank: int) -> HeadRang
     return HeadRange(tp_rank * total_kv_heads // tp_size, 1)
 
 
-class KvLayout(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class KvLayout(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One rank's paged KV cache: geometry plus the base address of every K and V buffer."""
 
     page_size: int
@@ -220,7 +220,7 @@ def kv_to_page_indices(kv_indices: Sequence[int], page_size: int) -> tuple[int, 
     return tuple(pages)
 
 
-class MambaSlot(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+class MambaSlot(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True, tag=True):
     """A recurrent-state model's single per-request state slot."""
 
     slot: int
@@ -242,7 +242,7 @@ def swa_window_start(prefix_len: int, seq_len: int, window: int, page_size: int)
     return start - start % page_size
 
 
-class SwaWindow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+class SwaWindow(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True, tag=True):
     """The SWA-pool pages covering a sequence's live window, from ``start_token`` on."""
 
     start_token: int
@@ -265,7 +265,7 @@ class SwaWindow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=Tru
         return self.pages
 
 
-class AuxRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+class AuxRow(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True, tag=True):
     """One metadata-buffer row (first token, logprobs, ...) of ``row_bytes`` bytes."""
 
     row: int
@@ -280,7 +280,7 @@ class AuxRow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
         return (self.row,)
 
 
-class AuxBuffer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class AuxBuffer(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """An engine's aux (metadata) buffers, indexed alike: buffer ``b`` holds ``num_rows`` items
     of ``item_lens[b]`` bytes from ``addrs[b]`` (SGLang's ``aux_data_ptrs`` / ``aux_item_lens``:
     output ids, logprobs, the bootstrap room, ...).
@@ -342,7 +342,7 @@ class StateKind(enum.Enum):
     """One opaque per-request item the model needs (``MambaSlot`` indexing, any bytes)."""
 
 
-class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class StateBuffers(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One model-state component's memory, SGLang's ``state_data_ptrs`` of one state type:
     buffer ``b`` holds ``num_items`` items of ``item_lens[b]`` bytes from ``addrs[b]``, all
     indexed alike (a Mamba slot is an item in the conv buffer and one in the SSM buffer).
@@ -399,7 +399,9 @@ class StateBuffers(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.addrs[buffer] + index * self.item_lens[buffer]
 
 
-class FullSequencePages(msgspec.Struct, frozen=True, forbid_unknown_fields=True, tag=True):
+class FullSequencePages(
+    msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True, tag=True
+):
     """Per-page state covering the whole sequence (DSA indexer keys, block scales, ...)."""
 
     pages: tuple[int, ...]

@@ -26,7 +26,7 @@ from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 from pdflow.core.resources.page_ledger import SessionClosed, SessionRetired
 
 
-class EndpointInput(msgspec.Struct, frozen=True, tag_field="type"):
+class EndpointInput(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
     """Base of every endpoint input."""
 
 
@@ -66,7 +66,7 @@ class TimerFired(EndpointInput, frozen=True, tag="TimerFired"):
 
 
 # ---- decode-only ------------------------------------------------------------------------------
-class RegisteredPrefillRank(msgspec.Struct, frozen=True):
+class RegisteredPrefillRank(msgspec.Struct, frozen=True, gc=False):
     """One prefill rank as the bootstrap registry describes it."""
 
     dp: int
@@ -79,7 +79,7 @@ class RegisteredPrefillRank(msgspec.Struct, frozen=True):
     None (SGLang): only the registry's ``/health`` is known."""
 
 
-class PrefillInfo(msgspec.Struct, frozen=True):
+class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     """A prefill instance's topology, as fetched from its bootstrap registry."""
 
     bootstrap: str

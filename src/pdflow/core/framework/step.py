@@ -7,7 +7,7 @@ import msgspec
 from pdflow.core.protocol.outputs import Output
 
 
-class Fired(msgspec.Struct, frozen=True):
+class Fired(msgspec.Struct, frozen=True, gc=False):
     """One transition taken, as recorded in steps, traces and coverage."""
 
     machine: str
@@ -18,7 +18,7 @@ class Fired(msgspec.Struct, frozen=True):
     target: str
 
 
-class Step(msgspec.Struct, frozen=True):
+class Step(msgspec.Struct, frozen=True, gc=False):
     outputs: tuple[Output, ...] = ()
     timer_at: float | None = None
     fired: tuple[Fired, ...] = ()

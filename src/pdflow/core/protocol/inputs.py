@@ -7,8 +7,10 @@ import msgspec
 from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
 
 
-class Input(msgspec.Struct, frozen=True, tag_field="type"):
+class Input(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
     """Base of every input. The spec names an input by its class name."""
+    # gc=False (inherited): instances hold only scalars, tuples and other untracked Structs, so
+    # they can never be in a cycle; tests/unit/test_gc_untracked.py enforces it per class.
 
 
 # ---- shared by both sides -------------------------------------------------------------------
@@ -76,7 +78,7 @@ class PrefillCompleted(Input, frozen=True, tag="PrefillCompleted"):
 
 
 # ---- receiver (decode) --------------------------------------------------------------------------
-class PrefillTarget(msgspec.Struct, frozen=True):
+class PrefillTarget(msgspec.Struct, frozen=True, gc=False):
     """One prefill rank this decode rank exchanges with for a room."""
 
     peer: PeerId

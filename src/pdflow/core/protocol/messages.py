@@ -17,7 +17,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 PROTOCOL_VERSION = 1
 
 
-class PeerId(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PeerId(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One rank of one process life: its control address and the incarnation drawn at start-up."""
 
     address: str
@@ -30,8 +30,10 @@ def peer_order(peer: PeerId) -> tuple[str, str, int]:
     return (peer.address, peer.incarnation, peer.rank)
 
 
-class Message(msgspec.Struct, frozen=True, tag_field="type", forbid_unknown_fields=True):
+class Message(msgspec.Struct, frozen=True, gc=False, tag_field="type", forbid_unknown_fields=True):
     """Base of every control message."""
+    # gc=False (inherited): instances hold only scalars, tuples and other untracked Structs, so
+    # they can never be in a cycle; tests/unit/test_gc_untracked.py enforces it per class.
 
 
 class RoomMetadata(Message, frozen=True, tag="room_metadata"):

@@ -8,8 +8,10 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 
 
-class Output(msgspec.Struct, frozen=True, tag_field="type"):
+class Output(msgspec.Struct, frozen=True, gc=False, tag_field="type"):
     """Base of every output."""
+    # gc=False (inherited): instances hold only scalars, tuples and other untracked Structs, so
+    # they can never be in a cycle; tests/unit/test_gc_untracked.py enforces it per class.
 
 
 class SendMessage(Output, frozen=True, tag="send"):

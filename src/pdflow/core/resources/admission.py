@@ -109,7 +109,7 @@ class PoolView(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Pages held by running requests, which the engine may retract to make room."""
 
 
-class AdmissionDecision(msgspec.Struct, frozen=True):
+class AdmissionDecision(msgspec.Struct, frozen=True, gc=False):
     """The verdict with every number it rests on, for logs and for the caller."""
 
     admit: bool
