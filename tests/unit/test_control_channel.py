@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import anyio
@@ -69,6 +69,29 @@ async def receiving(codec: MsgpackCodec, deliver: Deliver,
     finally:
         raw.close(linger=0)
         sender.close()
+        receiver.close()
+        context.term()
+
+
+@asynccontextmanager
+async def queued_burst(
+    burst: int, receiver_setup: Callable[[ControlChannel], None] = lambda _: None
+) -> AsyncIterator[tuple[ControlChannel, zmq.asyncio.Socket, MsgpackCodec]]:
+    """A receiving channel (not yet served) with ``burst`` frames already queued at its PULL,
+    the raw PUSH that sent them and its codec; everything released on exit."""
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, MsgpackCodec())
+    receiver_setup(receiver)
+    raw = context.socket(zmq.PUSH)
+    raw.connect(f"tcp://{receiver.address}")
+    codec = MsgpackCodec()
+    try:
+        for room in range(burst):  # all queued at the receiver before it starts receiving
+            await raw.send_multipart(codec.encode(Abort(room, 0, DECODE, PREFILL), None))
+        await anyio.sleep(0.5)
+        yield receiver, raw, codec
+    finally:
+        raw.close(linger=0)
         receiver.close()
         context.term()
 
@@ -200,25 +223,13 @@ async def test_a_burst_of_queued_frames_lets_other_tasks_run_between_its_frames(
             ticks += 1
             await anyio.lowlevel.checkpoint()
 
-    context = zmq.asyncio.Context()
-    receiver = ControlChannel.open(context, MsgpackCodec())
-    raw = context.socket(zmq.PUSH)
-    raw.connect(f"tcp://{receiver.address}")
-    codec = MsgpackCodec()
-    try:
-        for room in range(burst):  # all queued at the receiver before it starts receiving
-            await raw.send_multipart(codec.encode(Abort(room, 0, DECODE, PREFILL), None))
-        await anyio.sleep(0.5)
+    async with queued_burst(burst) as (receiver, _raw, _codec):
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(receiver.receive_forever, deliver)
                 tasks.start_soon(ticker)
                 await done.wait()
                 tasks.cancel_scope.cancel()
-    finally:
-        raw.close(linger=0)
-        receiver.close()
-        context.term()
     assert handled == list(range(burst))
     first, last = ticks_during_burst
     assert last - first >= burst // YIELD_EVERY - 2, f"the ticker ran {last - first} times"
@@ -236,24 +247,19 @@ async def test_queued_frames_are_taken_without_an_awaited_receive_each() -> None
         if len(handled) == burst + 1:
             done.set()
 
-    context = zmq.asyncio.Context()
-    receiver = ControlChannel.open(context, MsgpackCodec())
     awaited = 0
-    awaited_receive = receiver._pull.recv_multipart
 
-    def counting_receive() -> Awaitable[list[bytes]]:
-        nonlocal awaited
-        awaited += 1
-        return awaited_receive()
+    def count_awaited_receives(receiver: ControlChannel) -> None:
+        awaited_receive = receiver._pull.recv_multipart
 
-    receiver._pull.recv_multipart = counting_receive  # type: ignore[method-assign,assignment]
-    raw = context.socket(zmq.PUSH)
-    raw.connect(f"tcp://{receiver.address}")
-    codec = MsgpackCodec()
-    try:
-        for room in range(burst):  # all queued at the receiver before it starts receiving
-            await raw.send_multipart(codec.encode(Abort(room, 0, DECODE, PREFILL), None))
-        await anyio.sleep(0.5)
+        def counting_receive() -> Awaitable[list[bytes]]:
+            nonlocal awaited
+            awaited += 1
+            return awaited_receive()
+
+        receiver._pull.recv_multipart = counting_receive  # type: ignore[method-assign,assignment]
+
+    async with queued_burst(burst, count_awaited_receives) as (receiver, raw, codec):
         with anyio.fail_after(10):
             async with anyio.create_task_group() as tasks:
                 tasks.start_soon(receiver.receive_forever, deliver)
@@ -263,10 +269,6 @@ async def test_queued_frames_are_taken_without_an_awaited_receive_each() -> None
                 await raw.send_multipart(codec.encode(Abort(burst, 0, DECODE, PREFILL), None))
                 await done.wait()
                 tasks.cancel_scope.cancel()
-    finally:
-        raw.close(linger=0)
-        receiver.close()
-        context.term()
     assert handled == list(range(burst + 1))
     assert awaited <= 2, f"{awaited} awaited receives for {burst + 1} frames"
 

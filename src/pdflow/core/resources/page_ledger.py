@@ -424,19 +424,7 @@ PAGE_LEDGER_TABLE: Table[RoomPagesState] = Table(
     machine="PageLedger",
     states=RoomPagesState,
     initial=RoomPagesState.FREE,
-    inputs=(
-        Reserve,
-        VerifyStarted,
-        VerifyDone,
-        ReleaseAfterSuccess,
-        ReleaseUnpublished,
-        Fence,
-        AckArrived,
-        WriterDead,
-        SessionClosed,
-        SessionRetired,
-        WriterReadmitted,
-    ),
+    inputs=(*_ROOM_INPUTS, *_WRITER_NEWS),
     remote_inputs=(AckArrived,),
     rows=[
         # -- FREE: the instance holds nothing (unknown, or already released) ---------------------
