@@ -255,7 +255,7 @@ def test_cancel_before_open_outlives_a_newer_generation_and_forgotten_marks() ->
     fail_and_clear(p, 1, 2, 1.0)
     for room in range(100, 105):
         fail_and_clear(p, room, 1, 2.0)
-    assert p.opened.forgotten >= 5
+    assert p.opened.forgotten >= 4  # 100 to 103 (104, the last opened, is remembered)
     assert "OpenSlot" in refused_open(p, 1, 1, 3.0)
     assert p.opened.get(1) == 2 and p.pending[1].cancelled == 1
     assert dropped(p.handle(Received(metadata(1, 1)), 4.0)) == ["stale_generation"]

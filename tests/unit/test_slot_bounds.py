@@ -176,3 +176,18 @@ def test_a_room_id_that_still_holds_something_keeps_its_mark() -> None:
                         dst_pages=(7,), aux_index=None, required_dst_info_num=1)  # fmt: skip
     step = p.handle(Received(meta), 1.0)
     assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_generation"]
+
+
+def test_the_room_id_being_opened_keeps_its_mark_when_every_other_one_is_held() -> None:
+    """With max_finished_room_ids room ids held, the next one to open was the only one left
+    to forget, and its mark went as it opened (it is hosted only after the mark is raised):
+    a stale message for its older generation then read as new, and was parked."""
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=2))
+    for room in (1, 2, 3):  # all stay open
+        p.handle(OpenRoom(room, 5), 0.0)
+    assert all(p.opened.get(room) == 5 for room in (1, 2, 3))
+    meta = RoomMetadata(room=3, generation=4, decode=DECODE, prefill=PREFILL, session_id="s",
+                        dst_pages=(7,), aux_index=None, required_dst_info_num=1)  # fmt: skip
+    step = p.handle(Received(meta), 1.0)
+    assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_generation"]
+    assert p.snapshot().pending == 0

@@ -55,8 +55,7 @@ class OpenedMarks:
         """The engine opened ``generation`` of ``room``: raise its mark, forget the oldest."""
         self._marks[room] = generation
         self._parked.pop(room, None)
-        self._queue[room] = None
-        self._queue.move_to_end(room)
+        self._queue.pop(room, None)
         self._unpark(_RECHECKS_PER_OPEN)
         while len(self._marks) > self.capacity and self._queue:
             oldest = next(iter(self._queue))
@@ -66,6 +65,9 @@ class OpenedMarks:
                 continue
             del self._marks[oldest]
             self.forgotten += 1
+        # Queued only now: the room id being opened is not hosted yet, but holds its room from
+        # this step on, so it is never the one forgotten (every other one may be held).
+        self._queue[room] = None
 
     def _unpark(self, budget: int) -> None:
         for _ in range(min(budget, len(self._parked))):
