@@ -18,6 +18,11 @@ from pdflow.sim.runner import run_seed
         # generation 1, which no ABORT reached, opened: safe, but the checker took an ACK for
         # generation 2 as a promise about generation 1 (the oracle fix).
         464,
+        # The stop-20 hole (max_finished_room_ids 1): room 1's generation 2 was open when the
+        # ABORT for generation 1, never opened, arrived: below the mark, it was ACKed and kept
+        # nowhere; generation 2 was cleared, another room id pushed the mark out, and the
+        # engine's late open of generation 1 opened as a new room id's (the core fix).
+        2367,
     ],
 )
 def test_seed_found_outside_ci_passes(seed: int) -> None:

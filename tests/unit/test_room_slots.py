@@ -280,3 +280,24 @@ def test_opening_the_highest_cancelled_generation_keeps_a_lower_one() -> None:
     assert polls(p.handle(OpenRoom(7, 0), 5.0)) == [KVPoll.Failed]
     p.handle(ClearRoom(7), 5.0)
     assert 7 not in p.pending
+
+
+@pytest.mark.invariant("abort_is_final", "bounded_room_state")
+def test_late_abort_below_the_mark_outlives_forgotten_marks() -> None:
+    """The stop-20 hole: the engine opened generation 2 of room 1 first (generation 1 still
+    queued in its scheduler); the decode's ABORT for generation 1 arrived, below the opened
+    mark, and was ACKed and kept nowhere: the decode freed its pages. Generation 2 finished and
+    was cleared; other room ids then pushed room 1's mark out (max_finished_room_ids 1), so the
+    engine's late open of generation 1 read as a new room id and opened, and a duplicated
+    metadata frame of generation 1 made it write into the freed pages. The ACK must hold: the
+    late open is refused, and no write of generation 1 ever starts."""
+    p = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, max_finished_room_ids=1))
+    p.handle(OpenRoom(1, 2), 0.0)  # the engine's scheduler took generation 2 first
+    assert messages(p.handle(Received(abort(1, 1)), 1.0), AbortAck)
+    p.handle(RoomCall(1, AbortRequested("done")), 2.0)
+    p.handle(ClearRoom(1), 2.0)
+    for room in range(100, 105):  # churn: other room ids open, fail and clear
+        fail_and_clear(p, room, 1, 3.0)
+    assert p.opened.forgotten >= 4  # 100 to 103 (104, the last opened, is remembered)
+    assert "OpenSlot" in refused_open(p, 1, 1, 4.0)  # on main it opened, as a new room id
+    assert dropped(p.handle(Received(metadata(1, 1)), 5.0)) == ["stale_generation"]

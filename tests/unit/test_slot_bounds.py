@@ -5,7 +5,9 @@ Invariant: bounded_room_state.
 Measured as a size bound, not a timing: the retained size of the endpoint (every object it
 reaches) after 100,000 failed-and-cleared generations, again after 100,000 stray ABORTs, and
 after 100,000 distinct room ids that each succeeded once (SGLang's random room ids, one per
-request), equals its size after a short warm-up to within a few KiB.
+request), equals its size after a short warm-up to within a few KiB. A stray ABORT below a
+room id's opened mark keeps one cancel floor per room id (its ACK's promise), whatever the
+count, and none past max_pending_room_ids (those are not ACKed).
 """
 
 from __future__ import annotations
@@ -93,10 +95,14 @@ def test_failures_and_stray_aborts_leave_memory_flat(policy: AllocationPolicy) -
     after_stray = retained_bytes(p)
     print(f"{policy.value}: warm {warm} B, +{FAILURES} failures {after_failures} B, "
           f"+{STRAY} stray ABORTs {after_stray} B")  # fmt: skip
-    assert acked == STRAY  # every one is answered; none is kept
+    assert acked == STRAY  # every one is answered
     assert after_failures - warm <= SLACK_BYTES
     assert after_stray - warm <= SLACK_BYTES
-    assert p.snapshot().pending == 0 and not p.rooms and not p.draining
+    assert not p.rooms and not p.draining
+    # Below the mark, an ABORT's generation may never have opened (the engine may open it
+    # late): each room id keeps one cancel floor backing its ACKs, and with it its mark.
+    assert p.snapshot().pending == ROOM_IDS
+    assert all(p.pending[room].cancelled < p.opened.get(room) for room in range(ROOM_IDS))
     assert len(p.opened) == ROOM_IDS
     if p.ready_table is not None:
         assert p.ready_table.held() <= ROOM_IDS
@@ -116,6 +122,29 @@ def test_forged_aborts_for_fresh_room_ids_stop_at_the_cap() -> None:
     # A kept cancel still wins when its room opens, and the room id then holds nothing pending.
     p.handle(OpenRoom(10_000, 1), 1.0)
     assert p.rooms[10_000].poll.name == "Failed" and p.snapshot().pending == 499
+
+
+@pytest.mark.invariant("bounded_room_state", "abort_is_final")
+def test_aborts_below_the_mark_stop_at_the_cap() -> None:
+    """Each room id opened generation 2 (generation 1 may still open late) and the ABORT for
+    generation 1 arrives: kept as a cancel floor, which keeps the mark through forgetting, up
+    to max_pending_room_ids room ids; past it the ABORT is dropped unanswered (no ACK, no
+    promise), and an ABORT for a room id's mark generation is still ACKed, keeping nothing."""
+    config = PrefillEndpointConfig(me=PREFILL, max_pending_room_ids=50, max_finished_room_ids=10)
+    p = PrefillEndpoint(config)
+    acked = 0
+    for room in range(500):
+        p.handle(OpenRoom(room, 2), 0.0)
+        p.handle(RoomCall(room, AbortRequested("prefill failed")), 0.0)
+        p.handle(ClearRoom(room), 0.0)
+        step = p.handle(abort(room, 1), 0.0)
+        acked += sum(isinstance(o, SendMessage) for o in step.outputs)
+        step = p.handle(abort(room, 2), 0.0)
+        assert [type(o.message) for o in step.outputs if isinstance(o, SendMessage)] == [AbortAck]
+    assert acked == 50 and p.snapshot().pending == 50
+    assert p.counters["dropped_unopened_full"] == 450
+    assert all(p.opened.get(room) == 2 for room in range(50))  # kept past max_finished
+    assert len(p.opened) <= 50 + 10
 
 
 DISTINCT_ROOMS = 100_000

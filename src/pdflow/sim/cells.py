@@ -313,7 +313,13 @@ def slot_cell_coverage() -> Counter[Transition]:
     feed(OpenRoom(1, 1))  # CANCELLED -> OPEN, failed at once
     feed(ClearRoom(1))
     feed(meta(1, 1))  # REMOVED
-    feed(stray_abort(1, 1))
+    feed(stray_abort(1, 1))  # the opened mark's own generation: kept nowhere
+    # ABORTs below the mark (generation 1 may still open late): a cancel kept, then the cap.
+    for room in (5, 6):
+        feed(OpenRoom(room, 2))
+        feed(RoomCall(room, AbortRequested("engine gave up")))
+        feed(ClearRoom(room))
+        feed(stray_abort(room, 1))
     # A room cleared with two writes in flight drains; late metadata and ABORT reach it there.
     endpoint = PrefillEndpoint(PrefillEndpointConfig(me=PREFILL, timeouts=TIMEOUTS))
     feed(OpenRoom(3, 1))

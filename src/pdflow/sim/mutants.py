@@ -312,6 +312,15 @@ def _cancel_ends_when_a_later_opens(original: Any) -> Any:
     return step
 
 
+def _abort_below_mark_kept_nowhere(original: Any) -> Any:
+    def ack(self: PrefillRoomSlot, inp: Any, now: float) -> list[Output]:
+        # ACKed and kept nowhere, as at the mark: only the mark then refuses a late open of
+        # this (perhaps never opened) generation, and forgetting the mark lets it open.
+        return [self.host.ack(inp.abort)]
+
+    return ack
+
+
 def _noop_fence(original: Any) -> Any:
     def fence(self: FakeTransport, decode_rank: int, writer: Any) -> int:
         return 0  # reported fenced, but the writer's writes still land (issue 12, finding 1)
@@ -412,6 +421,11 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cancel_ends_when_a_later_generation_opens", "model checker seed 284 (forgotten mark)",
            "a cancel is dropped once a later generation opens, so an older one opens after it",
            ((PrefillRoomSlot, "step", _cancel_ends_when_a_later_opens),), first_seed=284),
+    Mutant("abort_below_mark_kept_nowhere", "the stop-20 hole (model checker seed 2367)",
+           "an ABORT below the opened mark is ACKed and kept nowhere: once the mark is "
+           "forgotten, the engine's late open of that generation succeeds",
+           (_rows_swapped(PREFILL_SLOT_TABLE, "action", "ack_below_mark",
+                          _abort_below_mark_kept_nowhere),), first_seed=1537),
 )  # fmt: skip
 
 

@@ -1,23 +1,26 @@
 """The prefill's opened high-water marks: per room id, the highest generation the engine opened.
 
 A mark is what makes a late message for a finished generation stale (REMOVED: metadata dropped,
-an ABORT ACKed and kept nowhere) instead of new. Under SGLang every request has its own random
-room id, so keeping one mark per room id ever opened grows with every request. The marks are
-kept in opening order, and past ``capacity`` the least recently opened room id whose endpoint
-holds nothing of it (no hosted or draining room, no pending record) is forgotten. A room id
-found held on the way is parked off that order (it cannot be forgotten yet) and rechecked a
-few at a time on later opens, going back to the front once it holds nothing: each open costs
-O(1) amortized however many room ids are held, where scanning past every held one cost
-O(held) per open once more than ``capacity`` were held (100,000 rooms in flight: quadratic).
+an ABORT ACKed) instead of new, and what refuses the engine's late open of a generation below
+it. Under SGLang every request has its own random room id, so keeping one mark per room id ever
+opened grows with every request. The marks are kept in opening order, and past ``capacity`` the
+least recently opened room id whose endpoint holds nothing of it (no hosted or draining room, no
+pending record) is forgotten. A room id found held on the way is parked off that order (it
+cannot be forgotten yet) and rechecked a few at a time on later opens, going back to the front
+once it holds nothing: each open costs O(1) amortized however many room ids are held, where
+scanning past every held one cost O(held) per open once more than ``capacity`` were held
+(100,000 rooms in flight: quadratic).
 
 Forgetting is safe: a forgotten room id reads as never opened, so a late message for one of its
 finished generations is taken as one for a generation not opened yet. Its metadata is parked
-and expires; its ABORT is ACKed (true: nothing of it can write any more) and its cancel floor is
-kept under ``max_pending_room_ids``. Neither can write: the engine opens each generation of a
-room id once, and a later open of the room id drops what was parked for an earlier generation.
-A room id with a pending record (a cancel ACKed before its generation opened) is never
-forgotten: the engine may open that older generation after a newer one, and only the mark
-tells that open apart from a new room id's (it is refused).
+and expires; its ABORT is ACKed and its cancel floor is kept under ``max_pending_room_ids``, so
+that generation fails at once if it ever opens. Neither can write: the engine opens each
+generation of a room id once, and a later open of the room id drops what was parked for an
+earlier generation. What forgetting loses is the refusal of a late open below the mark: the
+engine may open an older generation after a newer one, and only the mark tells that open apart
+from a new room id's. So a room id with a pending record is never forgotten, and every ABORT
+ACKed for a generation below the mark (one that may never have opened; the mark's own
+generation did) is kept as such a record (prefill_slots.py), else not ACKed.
 """
 
 from __future__ import annotations

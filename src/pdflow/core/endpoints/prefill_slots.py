@@ -15,9 +15,14 @@ generations fail or how many stray messages arrive. Every rule is a row of
 - OPEN: the engine's room (a SenderRoom).
 - DRAINING: the engine cleared it while writes were in flight; removed when they drain.
 - REMOVED: at or below the opened high-water mark and not hosted: finished (or skipped); its
-  messages are stale and it can never open again, so a late ABORT is ACKed and kept nowhere.
-  The marks of room ids holding nothing else are forgotten past ``max_finished_room_ids``
-  (opened_marks.py): a forgotten room id's late messages then read as ABSENT, which is safe.
+  metadata is stale, and an open of it is refused, by the mark alone. The marks of room ids
+  holding nothing else are forgotten past ``max_finished_room_ids`` (opened_marks.py), after
+  which a late open of a skipped generation would read as a new room id's and succeed. So a
+  late ABORT is kept nowhere only for the mark's own generation (opened, and the engine opens
+  a generation once); one below the mark, which may never have opened, is ACKed as a cancel
+  promise in the room id's record, which keeps the mark, or, for a room id holding no record
+  past ``max_pending_room_ids``, not ACKed at all: an AbortAck for (room, generation) goes out
+  only when no open of it can succeed afterwards.
 """
 
 from __future__ import annotations
@@ -67,11 +72,13 @@ class PendingRecord:
     """What a room id holds for generations the engine has not opened yet: O(1) per room id."""
 
     cancelled: int = NONE
-    """Highest generation ACK-cancelled before the engine opened it."""
+    """Highest generation ACK-cancelled that the endpoint cannot tell opened: before the engine
+    opened it, or (an ABORT below the opened mark) perhaps never."""
     cancelled_lowest: int = NONE
     """Lowest one. The record is kept until the engine opens the only cancelled generation
     (lowest == highest): an engine may open an older generation after a newer one, so a later
-    open does not end a cancel, and the record also keeps the room id's opened mark."""
+    open does not end a cancel, and the record also keeps the room id's opened mark, which
+    refuses the late open of one below it (for good: that open never succeeds)."""
     parked_generation: int = NONE
     parked: dict[PeerId, RoomMetadata] = field(default_factory=dict)
     parked_until: float | None = None
@@ -177,6 +184,9 @@ class PrefillRoomSlot(TableMachine[SlotState]):
         until = self.record.parked_until
         return until is not None and now >= until
 
+    def _guard_opened_mark(self, inp: AbortArrived, now: float) -> bool:
+        return self.generation == self.host.opened.get(self.key, NONE)
+
     def _guard_writes_in_flight(self, inp: ClearSlot, now: float) -> bool:
         room = self._hosted()
         return room.state is _SENDER_DRAINING
@@ -238,6 +248,12 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _act_ack_cancelled(self, inp: AbortArrived, now: float) -> list[Output]:
         self._promise(self.generation)  # it may lie below the lowest cancelled generation
+        return [self.host.ack(inp.abort)]
+
+    def _act_ack_below_mark(self, inp: AbortArrived, now: float) -> list[Output]:
+        # Only the mark refuses a late open of this generation, which may never have opened:
+        # the promise keeps the record, and the record keeps the mark (never forgotten).
+        self._promise(self.generation)
         return [self.host.ack(inp.abort)]
 
     def _act_forget_parked(self, inp: Tick, now: float) -> list[Output]:
@@ -374,9 +390,13 @@ PREFILL_SLOT_TABLE: Table[SlotState] = Table(
         row(_P.DRAINING, TransferCompleted, _P.REMOVED,
             guard=_S._guard_drains_last_write, emits=[_REMOVED], action=_S._act_drain_and_remove),
         row(_P.DRAINING, TransferCompleted, _P.DRAINING, action=_S._act_deliver_write),
-        # -- REMOVED: finished or skipped; never opens again, so nothing is kept for it ----------
+        # -- REMOVED: finished or skipped; its open is refused while the mark is kept -----------
         row(_P.REMOVED, MetadataArrived, _P.REMOVED, emits=[_DROPPED], action=_S._act_drop_stale),
-        row(_P.REMOVED, AbortArrived, _P.REMOVED, emits=[_ACK], action=_S._act_ack),
+        row(_P.REMOVED, AbortArrived, _P.REMOVED,
+            guard=_S._guard_opened_mark, emits=[_ACK], action=_S._act_ack),
+        row(_P.REMOVED, AbortArrived, _P.REMOVED,
+            guard=_S._guard_unopened_full, emits=[_DROPPED], action=_S._act_drop_unopened_full),
+        row(_P.REMOVED, AbortArrived, _P.REMOVED, emits=[_ACK], action=_S._act_ack_below_mark),
     ],
 )  # fmt: skip
 PrefillRoomSlot.table = PREFILL_SLOT_TABLE
