@@ -199,6 +199,27 @@ async def test_a_send_that_cannot_be_attempted_is_refused_counted_and_leaks_no_s
     assert refused == Counter(connect_failed=1, bad_address=1, oversized=1)
 
 
+async def test_a_send_that_finds_zmqs_socket_cap_reached_is_refused_and_counted() -> None:
+    """ZMQ frees a closed socket's slot only later, in its reaper thread, so a burst of new
+    peers can reach the context's cap although the pool closed a socket for each; the send is
+    refused (the step that sent it carries out its other outputs), not raised."""
+    context = zmq.asyncio.Context()
+    context.set(zmq.MAX_SOCKETS, 2)  # the channel's PULL and one PUSH
+    refused: Counter[str] = Counter()
+    sender = ControlChannel.open(context, MsgpackCodec(),
+                                 on_refused=lambda reason: refused.update([reason]))  # fmt: skip
+    first, second = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    try:
+        assert await sender.send(first, Abort(1, 0, DECODE, PREFILL), None)
+        assert not await sender.send(second, Abort(2, 0, DECODE, PREFILL), None)
+        assert sender.peers == (first,)
+    finally:
+        sender.close()
+    with anyio.fail_after(5):
+        await anyio.to_thread.run_sync(context.term)
+    assert refused == Counter(connect_failed=1)
+
+
 async def test_a_burst_of_queued_frames_lets_other_tasks_run_between_its_frames() -> None:
     """Frames already queued are received and handled without yielding (the endpoint lock is
     taken without a checkpoint), so the loop itself must yield every YIELD_EVERY frames: a

@@ -163,7 +163,14 @@ class ControlChannel:
         push = self._pool.get(id(self), address)
         if push is None:
             url = zmq_url(address)
-            sock = self._context.socket(zmq.PUSH)
+            try:
+                # ZMQ frees a closed socket's slot later, in its reaper thread: a burst of
+                # new peers can find the context's cap (MAX_SOCKETS) reached although the
+                # pool closed one for each (EMFILE). The message is then refused, not raised
+                # into the step that sent it.
+                sock = self._context.socket(zmq.PUSH)
+            except zmq.ZMQError as exc:
+                raise SendRefused("connect_failed", f"{address!r}: {exc}") from None
             try:
                 sock.setsockopt(zmq.LINGER, 0)
                 sock.setsockopt(zmq.SNDHWM, self._send_hwm)
