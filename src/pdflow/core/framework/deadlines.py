@@ -4,6 +4,10 @@ Stale entries (a key disarmed or re-armed) stay in the heap until they reach its
 outnumber the live ones the heap is rebuilt from the live deadlines, so its size stays within
 a constant factor of the armed keys and each operation costs O(log n) amortized, however many
 rooms come and go before their deadlines.
+
+The earliest live deadline is remembered between calls: endpoints ask for it on every step
+(the step's ``timer_at``), and most steps arm nothing or only disarm a key that was not armed,
+which leaves it as it was.
 """
 
 from __future__ import annotations
@@ -20,17 +24,30 @@ class DeadlineQueue(Generic[K]):
         self._heap: list[tuple[float, int, K]] = []
         self._current: dict[K, float] = {}
         self._pushes = 0  # tie-breaker: equal deadlines pop in arming order, deterministically
+        self._next: float | None = None
+        self._next_known = True
+        """``_next`` is the earliest live deadline (None: nothing armed) while this holds."""
 
     def arm(self, key: K, deadline: float | None) -> None:
+        current = self._current
         if deadline is None:
-            self._current.pop(key, None)
+            old = current.pop(key, None)
+            if old is not None and old == self._next:
+                self._next_known = False  # it was (one of) the earliest: found again on demand
             return
-        if self._current.get(key) == deadline:
+        old = current.get(key)
+        if old == deadline:
             return
-        self._current[key] = deadline
+        current[key] = deadline
         self._pushes += 1
         heapq.heappush(self._heap, (deadline, self._pushes, key))
-        if len(self._heap) > 2 * len(self._current) + 64:
+        if self._next_known:
+            earliest = self._next
+            if old is not None and old == earliest:
+                self._next_known = False
+            elif earliest is None or deadline < earliest:
+                self._next = deadline
+        if len(self._heap) > 2 * len(current) + 64:
             self._compact()
 
     def _compact(self) -> None:
@@ -50,16 +67,23 @@ class DeadlineQueue(Generic[K]):
             if self._current.get(key) == deadline:
                 del self._current[key]
                 due.append(key)
+        if due:
+            self._next_known = False
         return due
 
     def next_deadline(self) -> float | None:
+        if self._next_known:
+            return self._next
         heap, current = self._heap, self._current
+        earliest: float | None = None
         while heap:
             deadline, _, key = heap[0]
             if current.get(key) == deadline:
-                return deadline
+                earliest = deadline
+                break
             heapq.heappop(heap)  # stale: its key was disarmed or re-armed
-        return None
+        self._next, self._next_known = earliest, True
+        return earliest
 
     @property
     def heap_size(self) -> int:
