@@ -294,20 +294,21 @@ class TableMachine(Generic[S]):
             outputs.append(change)
         if chosen.backwards is not None:
             raise ConformanceError(f"{table.machine}: {chosen.backwards}")
-        listed_outputs, listed_messages = chosen.listed_outputs, chosen.listed_messages
-        for output in outputs:
-            emitted = type(output)
-            if emitted is SendMessage:
-                if type(output.message) in listed_messages:  # type: ignore[attr-defined]
+        if outputs:
+            listed_outputs, listed_messages = chosen.listed_outputs, chosen.listed_messages
+            for output in outputs:
+                emitted = type(output)
+                if emitted is SendMessage:
+                    if type(output.message) in listed_messages:  # type: ignore[attr-defined]
+                        continue
+                elif emitted in listed_outputs:
                     continue
-            elif emitted in listed_outputs:
-                continue
-            if emit_name(output) not in chosen.row.emits:
-                raise self._emitted_outside_row(chosen.row, output)
-            if emitted is SendMessage:
-                listed_messages.add(type(output.message))  # type: ignore[attr-defined]
-            elif not issubclass(emitted, SendMessage):
-                listed_outputs.add(emitted)
+                if emit_name(output) not in chosen.row.emits:
+                    raise self._emitted_outside_row(chosen.row, output)
+                if emitted is SendMessage:
+                    listed_messages.add(type(output.message))  # type: ignore[attr-defined]
+                elif not issubclass(emitted, SendMessage):
+                    listed_outputs.add(emitted)
         # Recorded under the machine's key (a room, for room machines); a machine serving
         # many rooms overrides fire() to name the input's room instead.
         fired = Fired(chosen.machine, self.key, source, chosen.on, chosen.guard, chosen.target_name)
