@@ -529,9 +529,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         """Staged when the ring is on and several prefill TP ranks write slices of one page.
         A prefill with pipeline stages writes its layers directly (its writer regions would
         depend on each stage's layers)."""
+        if self.staging is None:
+            return False
         info = self.topologies.get(self.room_bootstrap.get(room.key, ""))
         single_stage = info is None or info.pp_size == 1
-        return self.staging is not None and len(room.writers) > 1 and single_stage
+        return len(room.writers) > 1 and single_stage
 
     def _place_staging(
         self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
@@ -850,18 +852,21 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 # The shell's verification writes the pages too (the staged scatter).
                 verify: VerifyChecksums = output  # type: ignore[assignment]
                 self._ledger(VerifyStarted(verify.room, verify.generation), now, out, fired)
-        self._arm(room)
+        # RoomHost._arm, inlined (once or twice per step): only the open room has a deadline.
+        key = room.key
+        if self.rooms.get(key) is room:
+            self.deadlines.arm(key, room.timer_at())
         if room.state is _RECEIVER_FAILED and room.key in self.waiting_for_staging:
             del self.waiting_for_staging[room.key]
             self._release_unpublished(room, now, out, fired)
 
     def _ledger(self, inp: LedgerInput, now: float, out: list[Output], fired: list[Fired]) -> None:
-        step = self.ledger.handle(inp, now)
-        out.extend(step.outputs)
-        fired.extend(step.fired)
+        produced, transitions = self.ledger.apply(inp, now)
+        out.extend(produced)
+        fired.extend(transitions)
         if self.staging is not None:
             # A fenced room's staging region is released with its pages, never before.
-            for output in step.outputs:
+            for output in produced:
                 if isinstance(output, PagesQuarantined):
                     held = self.staging.live.get((output.room, output.generation))
                     if held is not None:

@@ -59,7 +59,8 @@ class OpenedMarks:
         self._marks[room] = generation
         self._parked.pop(room, None)
         self._queue.pop(room, None)
-        self._unpark(_RECHECKS_PER_OPEN)
+        if self._parked:
+            self._unpark(_RECHECKS_PER_OPEN)
         while len(self._marks) > self.capacity and self._queue:
             oldest = next(iter(self._queue))
             del self._queue[oldest]

@@ -141,8 +141,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         given: Any = inp  # typed again in each branch: ``kind is X`` does not narrow ``inp``
         if kind is RoomCall:
             call: RoomCall = given
-            room = self._known_room(call.room)
-            self._room_input(room, call.call, now, outputs, fired)
+            room = self.rooms.get(call.room) or self._known_room(call.room)  # (raises if not)
+            self.room_input(room, call.call, now)
             if isinstance(call.call, PrefillCompleted):
                 done = MarkComplete(room.key, room.generation, room.generation)
                 self._ready_table(done, now, outputs, fired)
@@ -255,23 +255,29 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         for room_id in self.deadlines.pop_due(now):
             room = self.rooms.get(room_id)
             if room is not None:
-                self._room_input(room, Tick(), now, outputs, fired)
+                self.room_input(room, Tick(), now)
 
     # ---- helpers ---------------------------------------------------------------------------------
-    def _room_input(
-        self, room: SenderRoom, inp: Input, now: float, outputs: list[Output], fired: list[Fired]
-    ) -> None:
+    def room_input(self, room: SenderRoom, inp: Input, now: float) -> None:
+        """Fire one input into a hosted room; its effects go to this step's lists."""
         produced, transition = room.fire(inp, now)
+        outputs = self._step_outputs
         outputs.extend(produced)
-        fired.append(transition)
-        self._arm(room)
-        # Only a room that is Failed now can have reported Failed in this step.
-        failed = room.poll is _POLL_FAILED and any(
-            isinstance(o, StatusChanged) and o.poll is _POLL_FAILED for o in produced
+        self._step_fired.append(transition)
+        # RoomHost._arm, inlined (once or twice per step): only the open room has a deadline.
+        key = room.key
+        if self.rooms.get(key) is room:
+            self.deadlines.arm(key, room.timer_at())
+        # Only a room that is Failed now can have reported Failed in this step (and only a
+        # step with outputs can have reported anything).
+        failed = (
+            bool(produced)
+            and room.poll is _POLL_FAILED
+            and any(isinstance(o, StatusChanged) and o.poll is _POLL_FAILED for o in produced)
         )
         if failed:
             fail = FailRoom(room.key, room.generation, room.reason)
-            self._ready_table(fail, now, outputs, fired)
+            self._ready_table(fail, now, outputs, self._step_fired)
 
     # ---- what the room slots ask of their endpoint (SlotHost) ----------------------------------
     def host_sender(self, room: int, generation: int, now: float) -> SenderRoom:
@@ -290,9 +296,6 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         if refused:
             self.room_input(sender, AbortRequested(refused[0].reason), now)
         return sender
-
-    def room_input(self, room: SenderRoom, inp: Input, now: float) -> None:
-        self._room_input(room, inp, now, self._step_outputs, self._step_fired)
 
     def fail_unopened(self, room: int, generation: int, reason: str, now: float) -> None:
         fail = FailRoom(room, generation, reason)

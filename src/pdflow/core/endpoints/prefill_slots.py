@@ -153,7 +153,11 @@ class PrefillRoomSlot(TableMachine[SlotState]):
     def step(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         """Fire the input, then keep the room id's record only while it holds something."""
         outputs, fired = self.fire(inp, now)
-        record = self._record or _NO_RECORD
+        record = self._record
+        if record is None:
+            # The room id held no record and no rule made one: nothing to keep, and nothing
+            # armed (a parking deadline is armed only while its record is kept).
+            return outputs, fired
         if record.parked_generation != NONE or record.cancelled != NONE:
             self.host.pending[self.key] = record
         else:
@@ -200,7 +204,8 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: OpenSlot, now: float) -> list[Output]:
-        record = self.record
+        # Only read, unless something is parked (then the room id holds a record).
+        record = self._record or _NO_RECORD
         parked = record.parked if record.parked_generation == self.generation else {}
         if NONE < record.parked_generation <= self.generation:
             self._forget_parked()

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import enum
 import heapq
+from collections.abc import Sequence
 from typing import Any, cast
 
 import msgspec
@@ -561,9 +562,26 @@ class PageLedger:
         kind = _LEDGER_INPUT_KIND.get(type(inp))
         if kind is None:
             kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
-        given: Any = inp  # typed again where needed: ``kind is X`` does not narrow ``inp``
         if kind in _WRITER_NEWS:
-            return self._writer_news(given, now)
+            return self._writer_news(inp, now)  # type: ignore[arg-type]
+        outputs, fired = self._room_step(kind, inp, now)
+        return Step(tuple(outputs), None, (fired,))
+
+    def apply(self, inp: LedgerInput, now: float) -> tuple[Sequence[Output], Sequence[Fired]]:
+        """What :meth:`handle` does, as the outputs and transitions an endpoint adds to its
+        own step (no Step of the ledger's own built and taken apart again)."""
+        kind = _LEDGER_INPUT_KIND.get(type(inp))
+        if kind is None:
+            kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
+        if kind in _WRITER_NEWS:
+            step = self._writer_news(inp, now)  # type: ignore[arg-type]
+            return step.outputs, step.fired
+        outputs, fired = self._room_step(kind, inp, now)
+        return outputs, (fired,)
+
+    def _room_step(self, kind: type, inp: LedgerInput, now: float) -> tuple[list[Output], Fired]:
+        """One input for one (room, generation) instance, created on first use."""
+        given: Any = inp  # typed again where needed: ``kind is X`` does not narrow ``inp``
         if kind is Fence:
             fence: Fence = given
             self._health.owe(fence.writers, fence.room, fence.generation, fence.session)
@@ -579,7 +597,7 @@ class PageLedger:
         else:
             self._rooms[key] = machine
         self._index_fence(key, machine, was_fenced, pages)
-        return Step(tuple(outputs), None, (fired,))
+        return outputs, fired
 
     def _index_fence(self, key: tuple[int, int], machine: RoomPages, was_fenced: bool,
                      pages: int) -> None:  # fmt: skip

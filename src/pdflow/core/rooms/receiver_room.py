@@ -161,7 +161,9 @@ class ReceiverRoom(TableMachine[ReceiverState]):
             resolved: PeersResolved = given
             if not resolved.targets:
                 raise InvalidInput(f"room {self.key}: PeersResolved needs at least one target")
-            writers = sum(1 for t in resolved.targets if not t.is_dummy)
+            writers = 0
+            for target in resolved.targets:  # a loop: a generator cost more than the check
+                writers += not target.is_dummy
             if not 1 <= resolved.required_responses <= max(writers, 1):
                 raise InvalidInput(
                     f"room {self.key}: required_responses={resolved.required_responses} but "
