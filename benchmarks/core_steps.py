@@ -127,7 +127,8 @@ class PairDriver:
         # The driver's own cost is counted in the headline rate, so it is kept small: the
         # per-step path reads locals, and the totals are stored back once the queue is empty.
         # The three most frequent outputs (status changes, messages, transfers) are carried
-        # out in the loop itself, without a call each; _carry_out takes the rest.
+        # out in the loop itself, without a call each (a Success is cleared here; the
+        # engines' other reactions are _engine_reacts'); _carry_out takes the rest.
         clock = time.perf_counter
         queue, carry_out, engine_reacts = self.queue, self._carry_out, self._engine_reacts
         popleft, append = queue.popleft, queue.append
@@ -143,7 +144,11 @@ class PairDriver:
             for output in step.outputs:
                 kind = type(output)
                 if kind is StatusChanged:
-                    engine_reacts(endpoint, output)
+                    poll = output.poll
+                    if poll is _SUCCESS:
+                        append((endpoint, ClearRoom(output.room)))
+                    elif poll is _WAITING or poll is _FAILED:
+                        engine_reacts(endpoint, output)
                 elif kind is SendMessage:
                     target = prefill if output.to == PREFILL else decode
                     append((target, Received(output.message)))

@@ -275,7 +275,7 @@ class SenderRoom(TableMachine[SenderState]):
         return self._chunk_expected()
 
     def _guard_finishes_without_writes(self, inp: SendChunk, now: float) -> bool:
-        done = inp.is_last and not self._writable_peers() and not self.outstanding
+        done = inp.is_last and not self.outstanding and not self._writable_peers()
         return self._chunk_expected() and done
 
     def _guard_write_outstanding(self, inp: TransferCompleted, now: float) -> bool:
