@@ -218,13 +218,16 @@ class EndpointHost:
         self.me = me
         self.metrics = metrics
         self.events = events
-        # Every step yields to the loop once (anyio's checkpoint in Lock.acquire). A lock taken
-        # without it (fast_acquire) was a tenth of the decode loop's busy samples faster, but a
-        # burst of ABORTs then ran to the end before any transfer-queue worker, so a writer
-        # resumed from a pause never wrote late and the chaos check of a no-op fence
-        # (tests/integration/test_chaos.py) stopped seeing it. Kept until that check pauses a
-        # writer mid-write by design rather than by the loop's interleaving.
-        self._lock = anyio.Lock()
+        # Taken without anyio's checkpoint when free (fast_acquire): the checkpoint was a trip
+        # through the event loop on every step, about a tenth of the decode loop's busy samples.
+        # Serialisation is unchanged, and a contended lock is handed to its waiters in FIFO
+        # order (a task taking it again queues behind them). What the yield gave for free,
+        # the loops that feed steps in bursts now do themselves: the receive loop and the
+        # SGLang command loop yield every YIELD_EVERY items, a transfer worker at each job it
+        # takes (anyio's stream receive), the timer at each wait; nothing else runs steps
+        # back to back. The chaos check of a no-op fence stops the writer inside its writes
+        # (pause_mid_write), so it no longer rests on the interleaving this yield made.
+        self._lock = anyio.Lock(fast_acquire=True)
         self._timer_at: float | None = None
         self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
