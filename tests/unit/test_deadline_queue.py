@@ -1,5 +1,5 @@
-"""DeadlineQueue remembers its earliest deadline between calls: it must always equal the
-earliest of the deadlines armed now, however keys are armed, re-armed, disarmed and popped."""
+"""DeadlineQueue keeps its earliest deadline in an attribute: it must always equal the earliest
+of the deadlines armed now, however keys are armed, re-armed, disarmed and popped."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def test_next_deadline_is_the_earliest_armed_one_after_every_operation() -> None
                 assert sorted(due) == sorted(expected)
                 for k in due:
                     del armed[k]
-            assert queue.next_deadline() == _earliest(armed)
+            assert queue.next_deadline() == queue.earliest == _earliest(armed)
             assert len(queue) == len(armed)
 
 

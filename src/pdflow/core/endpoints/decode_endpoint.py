@@ -250,11 +250,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 f"a decode endpoint does not take {type(inp).__name__}",
                 hint="prefill-side inputs go to a PrefillEndpoint",
             )
-        return Step(self._announced_first(out, now, fired), self.deadlines.next_deadline(),
+        return Step(self._announced_first(out, now, fired), self.deadlines.earliest,
                     tuple(fired))  # fmt: skip
 
     def timer_at(self) -> float | None:
-        return self.deadlines.next_deadline()
+        return self.deadlines.earliest
 
     # ---- rooms -----------------------------------------------------------------------------------
     def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:

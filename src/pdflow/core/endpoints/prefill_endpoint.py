@@ -167,8 +167,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
 
     def timer_at(self) -> float | None:
         # Called once per step: no lists, no generator (most of the time only rooms are armed).
-        earliest = self.deadlines.next_deadline()
-        parking = self.parking_deadlines.next_deadline()
+        earliest = self.deadlines.earliest
+        parking = self.parking_deadlines.earliest
         if parking is not None and (earliest is None or parking < earliest):
             earliest = parking
         if self.ready_table is not None:

@@ -5,9 +5,10 @@ outnumber the live ones the heap is rebuilt from the live deadlines, so its size
 a constant factor of the armed keys and each operation costs O(log n) amortized, however many
 rooms come and go before their deadlines.
 
-The earliest live deadline is remembered between calls: endpoints ask for it on every step
-(the step's ``timer_at``), and most steps arm nothing or only disarm a key that was not armed,
-which leaves it as it was.
+The earliest live deadline is kept in ``earliest`` (an attribute: endpoints read it on every
+step, for the step's ``timer_at``); it is found again only when the key holding it is disarmed
+or re-armed, or keys are popped, so most steps, which arm nothing or disarm a key that was not
+armed, leave it as it was.
 """
 
 from __future__ import annotations
@@ -24,16 +25,15 @@ class DeadlineQueue(Generic[K]):
         self._heap: list[tuple[float, int, K]] = []
         self._current: dict[K, float] = {}
         self._pushes = 0  # tie-breaker: equal deadlines pop in arming order, deterministically
-        self._next: float | None = None
-        self._next_known = True
-        """``_next`` is the earliest live deadline (None: nothing armed) while this holds."""
+        self.earliest: float | None = None
+        """The earliest armed deadline (None: nothing armed). Read it; only the queue writes it."""
 
     def arm(self, key: K, deadline: float | None) -> None:
         current = self._current
         if deadline is None:
             old = current.pop(key, None)
-            if old is not None and old == self._next:
-                self._next_known = False  # it was (one of) the earliest: found again on demand
+            if old is not None and old == self.earliest:
+                self._find_earliest()  # it was (one of) the earliest
             return
         old = current.get(key)
         if old == deadline:
@@ -41,14 +41,23 @@ class DeadlineQueue(Generic[K]):
         current[key] = deadline
         self._pushes += 1
         heapq.heappush(self._heap, (deadline, self._pushes, key))
-        if self._next_known:
-            earliest = self._next
-            if old is not None and old == earliest:
-                self._next_known = False
-            elif earliest is None or deadline < earliest:
-                self._next = deadline
+        earliest = self.earliest
+        if old is not None and old == earliest:
+            self._find_earliest()
+        elif earliest is None or deadline < earliest:
+            self.earliest = deadline
         if len(self._heap) > 2 * len(current) + 64:
             self._compact()
+
+    def _find_earliest(self) -> None:
+        heap, current = self._heap, self._current
+        while heap:
+            deadline, _, key = heap[0]
+            if current.get(key) == deadline:
+                self.earliest = deadline
+                return
+            heapq.heappop(heap)  # stale: its key was disarmed or re-armed
+        self.earliest = None
 
     def _compact(self) -> None:
         # Keep, per live key, the entry that would pop first (same order as before the rebuild).
@@ -68,22 +77,11 @@ class DeadlineQueue(Generic[K]):
                 del self._current[key]
                 due.append(key)
         if due:
-            self._next_known = False
+            self._find_earliest()
         return due
 
     def next_deadline(self) -> float | None:
-        if self._next_known:
-            return self._next
-        heap, current = self._heap, self._current
-        earliest: float | None = None
-        while heap:
-            deadline, _, key = heap[0]
-            if current.get(key) == deadline:
-                earliest = deadline
-                break
-            heapq.heappop(heap)  # stale: its key was disarmed or re-armed
-        self._next, self._next_known = earliest, True
-        return earliest
+        return self.earliest
 
     @property
     def heap_size(self) -> int:
