@@ -235,12 +235,16 @@ class SenderRoom(TableMachine[SenderState]):
                 f"room {self.key}: decode peers disagree on required_dst_info_num "
                 f"({self.required_dst} vs {md.required_dst_info_num})"
             )
-        writers = [p for p in self.peers.values() if not p.is_dummy]
-        if not md.is_dummy and writers and md.decode_prefix_len != writers[0].decode_prefix_len:
-            return (
-                f"room {self.key}: decode peers disagree on decode_prefix_len "
-                f"({writers[0].decode_prefix_len} vs {md.decode_prefix_len})"
-            )
+        if md.is_dummy:
+            return ""
+        for first in self.peers.values():  # the first writing peer (a loop: no list per call)
+            if not first.is_dummy:
+                if md.decode_prefix_len != first.decode_prefix_len:
+                    return (
+                        f"room {self.key}: decode peers disagree on decode_prefix_len "
+                        f"({first.decode_prefix_len} vs {md.decode_prefix_len})"
+                    )
+                break
         return ""
 
     def _extra_peer(self, md: RoomMetadata) -> str:
