@@ -326,10 +326,13 @@ async def sigstopped_prefill(
                 await prefill.send(op="hold_writes")
                 async with anyio.create_task_group() as group:
                     outcomes = start_rooms(group, engine, prefill, bootstrap, rooms)
-                    with anyio.fail_after(10):  # every chunk handed to the transport, held
-                        while prefill.counts["chunks_sent"] < 2 * len(rooms):
+                    # Every chunk handed to the transport, and its writes held: send_chunk
+                    # returns before a transfer worker takes the chunk (the endpoint lock does
+                    # not yield), so chunks_sent alone can come before the first write_held.
+                    with anyio.fail_after(10):
+                        while (prefill.counts["chunks_sent"] < 2 * len(rooms)
+                               or prefill.counts["write_held"] == 0):  # fmt: skip
                             await anyio.sleep(0.01)
-                    assert prefill.counts["write_held"] > 0
                     prefill.process.send_signal(signal.SIGSTOP)
                     stopped_at = time.monotonic()
                 assert set(outcomes.values()) == {"Failed"}, outcomes
