@@ -387,17 +387,45 @@ def aux_buffer_of(kv: RankKv, what: str) -> AuxBuffer:
     return kv.aux
 
 
+# One writable view per aux buffer (all its rows), made once per AuxBuffer: a row's items are
+# then copied by slice assignment, which holds the GIL for its few bytes. ctypes.memmove and
+# string_at are foreign calls that release and retake the GIL once per item (ten or more items
+# per row in SGLang's metadata buffers), and each release handed the GIL to the scheduler's
+# thread for a whole switch interval (benchmarks/README.md, nodes' per-room CPU pass).
+_AUX_VIEWS: dict[AuxBuffer, tuple[memoryview, ...]] = {}
+_AUX_VIEWS_KEPT = 64  # one AuxBuffer per rank: a handful per process
+
+
+def _aux_views(aux: AuxBuffer) -> tuple[memoryview, ...]:
+    views = _AUX_VIEWS.get(aux)
+    if views is None:
+        if len(_AUX_VIEWS) >= _AUX_VIEWS_KEPT:
+            _AUX_VIEWS.clear()
+        views = tuple(
+            memoryview((ctypes.c_uint8 * (length * aux.num_rows)).from_address(addr)).cast("B")
+            for addr, length in zip(aux.addrs, aux.item_lens, strict=True)
+        )
+        _AUX_VIEWS[aux] = views
+    return views
+
+
 def read_aux_row(aux: AuxBuffer, index: int) -> bytes:
     """Host memory: the row's bytes as they are now (its item in every aux buffer, in order)."""
-    return b"".join(ctypes.string_at(addr, length) for addr, length in aux.row_ranges(index))
+    row = aux.row(index).row
+    return b"".join(
+        view[row * length : (row + 1) * length]
+        for view, length in zip(_aux_views(aux), aux.item_lens, strict=True)
+    )
 
 
 def write_aux_row(aux: AuxBuffer, index: int, data: bytes) -> None:
     if len(data) != aux.row_bytes:
         raise InvalidInput(f"an aux row holds {aux.row_bytes} bytes, got {len(data)}")
+    row = aux.row(index).row
+    source = memoryview(data)
     offset = 0
-    for addr, length in aux.row_ranges(index):
-        ctypes.memmove(addr, data[offset : offset + length], length)
+    for view, length in zip(_aux_views(aux), aux.item_lens, strict=True):
+        view[row * length : (row + 1) * length] = source[offset : offset + length]
         offset += length
 
 
