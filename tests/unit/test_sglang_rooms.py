@@ -7,7 +7,7 @@ import pytest
 
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import RoomClosed, RoomStatus
-from pdflow.sglang.rooms import RoomBook
+from pdflow.sglang.rooms import NOTHING_KNOWN, RoomBook
 
 
 def test_polling_reads_one_snapshot_until_an_event_replaces_it() -> None:
@@ -38,3 +38,17 @@ def test_refusal_keeps_the_first_reason_and_events_of_unknown_rooms_are_ignored(
     assert (book.facts(3).bytes_moved, book.facts(3).transfer_s) == (4096, 0.5)
     book.forget(3)
     assert book.facts(3).local_error == ""
+
+
+def test_a_reader_taken_before_the_room_opened_sees_every_later_snapshot() -> None:
+    book = RoomBook()
+    read = book.reader()  # the adapter's senders and receivers take it once, when made
+    assert read(5, NOTHING_KNOWN) is NOTHING_KNOWN
+    book.start(5)
+    book.apply(RoomStatus(rank=0, room=5, generation=0, poll=KVPoll.WaitingForInput))
+    assert read(5, NOTHING_KNOWN) is book.facts(5)
+    assert read(5, NOTHING_KNOWN).poll is KVPoll.WaitingForInput
+    book.refuse(5, "refused")
+    assert read(5, NOTHING_KNOWN).local_error == "refused"
+    book.forget(5)
+    assert read(5, NOTHING_KNOWN) is NOTHING_KNOWN

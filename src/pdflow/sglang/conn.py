@@ -63,7 +63,7 @@ from pdflow.sglang.layout import (
 )
 from pdflow.sglang.loop import LoopThread
 from pdflow.sglang.parallel import attention_tp, prefill_placement, refuse_unmapped_parallelism
-from pdflow.sglang.rooms import RoomBook, RoomFacts
+from pdflow.sglang.rooms import NOTHING_KNOWN, RoomBook, RoomFacts
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.sglang")
@@ -327,6 +327,7 @@ class PdflowKVSender(BaseKVSender):
         # every room on every tick, far more often than its facts change).
         self._answered_facts: RoomFacts | None = None
         self._answer = int(KVPoll.Bootstrapping)
+        self._facts_of = mgr.book.reader()
         self._cleared = False
         self._aborted = False
         self.conclude_state: int | None = None
@@ -400,7 +401,7 @@ class PdflowKVSender(BaseKVSender):
         return None
 
     def poll(self) -> int:
-        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._facts_of(self.bootstrap_room, NOTHING_KNOWN)
         if facts is self._answered_facts:
             return self._answer
         failed = bool(facts.local_error) or facts.poll is KVPoll.Failed
@@ -464,6 +465,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         # As on the sender: the last facts poll() answered from, and that answer.
         self._answered_facts: RoomFacts | None = None
         self._answer = int(KVPoll.Bootstrapping)
+        self._facts_of = mgr.book.reader()
         mgr.book.start(self.bootstrap_room)
 
     @property
@@ -516,7 +518,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         self.kv_mgr.run(room, publish_pages)
 
     def poll(self) -> int:
-        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._facts_of(self.bootstrap_room, NOTHING_KNOWN)
         if facts is self._answered_facts:
             return self._answer
         if facts.local_error:

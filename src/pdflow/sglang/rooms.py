@@ -13,6 +13,7 @@ No SGLang import here.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable
 
 import msgspec
 from msgspec.structs import replace
@@ -39,7 +40,8 @@ class RoomFacts(msgspec.Struct, frozen=True):
     transfer_s: float | None = None
 
 
-_NOTHING_KNOWN = RoomFacts()
+NOTHING_KNOWN = RoomFacts()
+_NOTHING_KNOWN = NOTHING_KNOWN
 
 
 class RoomBook:
@@ -52,6 +54,12 @@ class RoomBook:
     def facts(self, room: int) -> RoomFacts:
         """What is known of ``room`` now (empty facts for an unknown room); never changes."""
         return self._rooms.get(room, _NOTHING_KNOWN)  # no lock: see the module docstring
+
+    def reader(self) -> Callable[[int, RoomFacts], RoomFacts]:
+        """:meth:`facts` without a Python call: the book's own ``dict.get``, to be called as
+        ``read(room, NOTHING_KNOWN)`` (the scheduler's ``poll()`` runs it for every room on
+        every tick). The dict is never replaced, so a reader taken once stays current."""
+        return self._rooms.get
 
     def start(self, room: int) -> None:
         """Forget an earlier use of the room id before it is opened again."""
