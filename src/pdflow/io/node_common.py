@@ -55,6 +55,19 @@ _SPARE_SOCKETS = 64
 _TRACE_WRITE_DELAY_S = 0.005
 
 
+def loop_time() -> float:
+    """``anyio.current_time()`` on the nodes' asyncio loop without anyio's backend lookup.
+
+    The same clock (anyio's asyncio backend reads ``loop.time()``), so deadlines compare alike;
+    0.2-0.3 us against 1.1-3 us, and a node reads it 9-11 times per room (every step, status
+    and room clock). Outside an asyncio loop it is anyio's own answer."""
+    try:
+        loop = asyncio.get_running_loop()
+    except RuntimeError:
+        return anyio.current_time()
+    return loop.time()
+
+
 # ---- events: what the embedding engine receives --------------------------------------------------
 class RoomStatus(msgspec.Struct, frozen=True, gc=False, tag=True):
     """A room's KVPoll changed on one rank."""
@@ -257,7 +270,7 @@ class EndpointHost:
 
     async def _drive(self, inp: AnyEndpointInput) -> Step:
         async with self._lock:
-            now = anyio.current_time()
+            now = loop_time()
             step: Step = self.endpoint.handle(inp, now)
             self._rearm(step.timer_at)
             seq = getattr(self.endpoint, "last_seq", None)
@@ -304,7 +317,7 @@ class RankEffects:
 
     async def report_status(self, change: StatusChanged) -> None:
         host = self.host
-        now = anyio.current_time()
+        now = loop_time()
         clock = host.clock_of(change.room, change.generation)
         if clock is not None and change.poll is KVPoll.WaitingForInput:
             clock.ready_at = now

@@ -98,6 +98,7 @@ from pdflow.io.node_common import (
     RoomStatus,
     WriterFenced,
     draw_incarnation,
+    loop_time,
     peer_key,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
@@ -156,7 +157,7 @@ class DecodeRank:
         # The clock first: with the topology known the room is WaitingForInput within the call,
         # and that moment starts its allocation wait.
         previous = self._host.clocks.get(room)
-        self._host.clocks[room] = RoomClock(anyio.current_time(), generation)
+        self._host.clocks[room] = RoomClock(loop_time(), generation)
         try:
             await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
         except BaseException:
@@ -183,7 +184,7 @@ class DecodeRank:
         self._node.room_state[(self.rank, room)] = state
         clock = self._host.clocks.get(room)
         if clock is not None:
-            clock.published_at = anyio.current_time()
+            clock.published_at = loop_time()
 
     async def admit(self, room: int, *, input_len: int, max_new: int, prefix_len: int = 0) -> int:
         """Wait until the open room's request may take pages; return how many to publish.

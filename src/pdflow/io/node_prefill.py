@@ -99,6 +99,7 @@ from pdflow.io.node_common import (
     RoomStatus,
     TransferQueues,
     draw_incarnation,
+    loop_time,
     peer_key,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
@@ -192,7 +193,7 @@ class PrefillRank:
             # The decode asks the registry which DP group serves the room (/query_dp_ranks).
             await node.register_dp_rank(room)
         self._node.limits[self.rank].early.opened(room)
-        self._host.clocks[room] = RoomClock(anyio.current_time(), generation)
+        self._host.clocks[room] = RoomClock(loop_time(), generation)
 
     async def init_transfer(self, room: int, num_pages: int, aux_index: int | None = None) -> None:
         """``aux_index``: the request's row in this rank's aux buffer; the engine fills it (first
@@ -546,7 +547,7 @@ class PrefillNode(NodeLifecycle):
         async def deliver(message: ControlMessage, msg_id: str | None) -> None:
             endpoint = host.endpoint
             refusal = self.limits[host.rank].refusal(
-                message, endpoint.is_open, endpoint.layout_of, anyio.current_time()
+                message, endpoint.is_open, endpoint.layout_of, loop_time()
             )
             if refusal is None:
                 await host.feed(Received(message, msg_id))
