@@ -160,17 +160,10 @@ class PairDriver:
         self.now, self.handled, self.core_seconds = now, handled, core_seconds
 
     def _carry_out(self, endpoint: PrefillEndpoint | DecodeEndpoint, output: Any) -> None:
-        # Compared by type, the most frequent first, instead of an isinstance chain.
+        # The outputs drain() does not carry out itself (status changes, messages and
+        # transfers never reach here), compared by type instead of an isinstance chain.
         kind = type(output)
-        if kind is StatusChanged:
-            self._engine_reacts(endpoint, output)
-        elif kind is SendMessage:
-            target = self.prefill if output.to == PREFILL else self.decode
-            self.queue.append((target, Received(output.message)))
-        elif kind is StartTransfer:
-            done = TransferCompleted(output.room, output.generation, output.seq, ok=True)
-            self.queue.append((self.prefill, done))
-        elif kind is RoomRemoved:
+        if kind is RoomRemoved:
             self.completed += endpoint is self.decode
         elif kind is PagesFreed:
             self.free_pages.extend(output.pages)
@@ -184,12 +177,11 @@ class PairDriver:
     def _engine_reacts(
         self, endpoint: PrefillEndpoint | DecodeEndpoint, change: StatusChanged
     ) -> None:
+        # drain() calls this for WaitingForInput and Failed only (it clears a Success itself).
         room = change.room
         if change.poll is _FAILED:
             raise RuntimeError(f"{endpoint.role} room {room} failed: {change.reason}")
-        if change.poll is _SUCCESS:
-            self.queue.append((endpoint, ClearRoom(room)))
-        elif change.poll is _WAITING and endpoint is self.decode:
+        if change.poll is _WAITING and endpoint is self.decode:
             # pages_per_room pages off the free list, in order, without a Python call per page
             pages = tuple(starmap(self.free_pages.popleft, repeat((), self.pages_per_room)))
             self.room_pages[room] = pages
