@@ -559,17 +559,12 @@ class PageLedger:
 
     # ---- driving -------------------------------------------------------------------------------
     def handle(self, inp: LedgerInput, now: float) -> Step:
-        kind = _LEDGER_INPUT_KIND.get(type(inp))
-        if kind is None:
-            kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
-        if kind in _WRITER_NEWS:
-            return self._writer_news(inp, now)  # type: ignore[arg-type]
-        outputs, fired = self._room_step(kind, inp, now)
-        return Step(tuple(outputs), None, (fired,))
+        outputs, fired = self.apply(inp, now)
+        return Step(tuple(outputs), None, tuple(fired))
 
     def apply(self, inp: LedgerInput, now: float) -> tuple[Sequence[Output], Sequence[Fired]]:
-        """What :meth:`handle` does, as the outputs and transitions an endpoint adds to its
-        own step (no Step of the ledger's own built and taken apart again)."""
+        """One input, as the outputs and transitions it produced: :meth:`handle` wraps them in
+        a Step, an endpoint adds them to its own (no Step built and taken apart again)."""
         kind = _LEDGER_INPUT_KIND.get(type(inp))
         if kind is None:
             kind = remembered_kind(inp, _LEDGER_INPUTS, _LEDGER_INPUT_KIND)
