@@ -41,7 +41,6 @@ class RoomFacts(msgspec.Struct, frozen=True):
 
 
 NOTHING_KNOWN = RoomFacts()
-_NOTHING_KNOWN = NOTHING_KNOWN
 
 
 class RoomBook:
@@ -53,7 +52,7 @@ class RoomBook:
 
     def facts(self, room: int) -> RoomFacts:
         """What is known of ``room`` now (empty facts for an unknown room); never changes."""
-        return self._rooms.get(room, _NOTHING_KNOWN)  # no lock: see the module docstring
+        return self._rooms.get(room, NOTHING_KNOWN)  # no lock: see the module docstring
 
     def reader(self) -> Callable[[int, RoomFacts], RoomFacts]:
         """:meth:`facts` without a Python call: the book's own ``dict.get``, to be called as
@@ -64,7 +63,7 @@ class RoomBook:
     def start(self, room: int) -> None:
         """Forget an earlier use of the room id before it is opened again."""
         with self._lock:
-            self._rooms[room] = _NOTHING_KNOWN
+            self._rooms[room] = NOTHING_KNOWN
 
     def forget(self, room: int) -> None:
         with self._lock:
@@ -72,17 +71,17 @@ class RoomBook:
 
     def refuse(self, room: int, reason: str) -> None:
         with self._lock:
-            facts = self._rooms.get(room, _NOTHING_KNOWN)
+            facts = self._rooms.get(room, NOTHING_KNOWN)
             if not facts.local_error:
                 self._rooms[room] = replace(facts, local_error=reason)
 
     def close(self, room: int) -> None:
         with self._lock:
-            self._rooms[room] = replace(self._rooms.get(room, _NOTHING_KNOWN), closed=True)
+            self._rooms[room] = replace(self._rooms.get(room, NOTHING_KNOWN), closed=True)
 
     def record_transfer(self, room: int, nbytes: int | None, seconds: float | None) -> None:
         with self._lock:
-            facts = self._rooms.get(room, _NOTHING_KNOWN)
+            facts = self._rooms.get(room, NOTHING_KNOWN)
             self._rooms[room] = replace(facts, bytes_moved=nbytes, transfer_s=seconds)
 
     def apply(self, event: NodeEvent) -> None:
