@@ -301,3 +301,33 @@ def test_late_abort_below_the_mark_outlives_forgotten_marks() -> None:
     assert p.opened.forgotten >= 4  # 100 to 103 (104, the last opened, is remembered)
     assert "OpenSlot" in refused_open(p, 1, 1, 4.0)  # on main it opened, as a new room id
     assert dropped(p.handle(Received(metadata(1, 1)), 5.0)) == ["stale_generation"]
+
+
+def test_the_reused_slot_reads_each_room_ids_own_record() -> None:
+    # The endpoint re-points one slot per input: a room id's parked metadata must not be seen
+    # by the next input, for another room id that holds no record.
+    p = prefill()
+    parked = p.handle(Received(metadata(1, 1)), 1.0)
+    assert not dropped(parked) and 1 in p.pending
+    opened = p.handle(OpenRoom(2, 1), 2.0)
+    assert [f.target for f in opened.fired if f.machine == "PrefillRoomSlot"] == ["OPEN"]
+    assert [f.source for f in opened.fired if f.machine == "PrefillRoomSlot"] == ["ABSENT"]
+    summary = p.summary(2)
+    assert summary is not None and summary.poll is KVPoll.Bootstrapping and summary.peers == 0
+    assert p.pending[1].parked_generation == 1 and 2 not in p.pending
+    # And the parked room id's own open still finds its metadata.
+    p.handle(OpenRoom(1, 1), 3.0)
+    first = p.summary(1)
+    assert first is not None and first.poll is KVPoll.WaitingForInput and 1 not in p.pending
+
+
+def test_the_reused_decode_slot_reads_each_room_afresh() -> None:
+    # A status for a room id not open is dropped even right after an input for an open one.
+    d = decode(AllocationPolicy.EARLY)
+    d.handle(topology(AllocationPolicy.EARLY), 0.0)
+    d.handle(OpenReceiver(1, 1, BOOT), 1.0)
+    report = StatusReport(room=2, generation=1, status=KVPoll.Success, prefill=PREFILL,
+                          decode=DECODE)  # fmt: skip
+    step = d.handle(Received(report), 2.0)
+    assert dropped(step) == ["unknown_room"]
+    assert [f.source for f in step.fired] == ["ABSENT"]

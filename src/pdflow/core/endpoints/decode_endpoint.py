@@ -193,6 +193,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self._step_out: list[Output] = []
         self._step_fired: list[Fired] = []
         self._opening = OpenReceiver(0, 0, "")
+        # The one room slot, re-pointed per input: slots never nest (no slot rule fires
+        # another slot input), and each input reads the slot's state afresh.
+        self._slot_machine = DecodeRoomSlot(self, -1, -1)
         self.announcements = LayoutAnnouncements()
         # The transport session rooms opened now are published under (rotated by the shell).
         self.session_id = config.session_id or config.me.address
@@ -268,7 +271,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     ) -> None:  # fmt: skip
         """Fire one input into the (room, generation) slot; it routes it on."""
         self._step_out, self._step_fired = out, fired
-        produced, transition = DecodeRoomSlot(self, room, generation).fire(inp, now)
+        produced, transition = self._slot_machine.at(room, generation).fire(inp, now)
         out.extend(produced)
         fired.append(transition)
 

@@ -62,11 +62,18 @@ class DecodeRoomSlot(TableMachine[DecodeSlotState]):
 
     def __init__(self, host: DecodeSlotHost, room: int, generation: int) -> None:
         self.host = host
+        self.at(room, generation)
+
+    def at(self, room: int, generation: int) -> DecodeRoomSlot:
+        """Re-point this slot at (room, generation), its state read afresh off the hosted
+        rooms: the endpoint keeps one slot and re-points it per input (nothing of a slot
+        outlives its step), instead of building one per input."""
         self.key = room
         self.generation = generation
-        hosted = host.rooms.get(room)
+        hosted = self.host.rooms.get(room)
         opened = hosted is not None and hosted.generation == generation
         self.state = _OPEN if opened else _ABSENT
+        return self
 
     def _room(self) -> ReceiverRoom:
         return self.host.rooms[self.key]

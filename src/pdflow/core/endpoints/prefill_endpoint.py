@@ -125,6 +125,9 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             if config.policy is AllocationPolicy.PREFILL_COMPLETE
             else None
         )
+        # The one room slot, re-pointed per input: slots never nest (no slot rule fires
+        # another slot input), and each input reads the slot's state afresh.
+        self._slot_machine = PrefillRoomSlot(self, NONE, NONE)
 
     # ---- the one entry point ---------------------------------------------------------------------
     def handle(self, inp: AnyEndpointInput, now: float) -> Step:
@@ -189,7 +192,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
     def _slot(self, room: int, generation: int, inp: Input, now: float) -> None:
         """Fire one input into the (room, generation) slot; it routes it on."""
         outputs, fired = self._step_outputs, self._step_fired
-        produced, transition = PrefillRoomSlot(self, room, generation).step(inp, now)
+        produced, transition = self._slot_machine.at(room, generation).step(inp, now)
         outputs.extend(produced)
         fired.append(transition)
 

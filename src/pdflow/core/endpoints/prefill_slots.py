@@ -122,10 +122,17 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def __init__(self, host: SlotHost, room: int, generation: int) -> None:
         self.host = host
+        self.at(room, generation)
+
+    def at(self, room: int, generation: int) -> PrefillRoomSlot:
+        """Re-point this slot at (room, generation), its state read afresh off the room id's
+        record and the hosted rooms: the endpoint keeps one slot and re-points it per input
+        (nothing of a slot outlives its step), instead of building one per input."""
         self.key = room
         self.generation = generation
-        self._record = host.pending.get(room)
+        self._record = self.host.pending.get(room)
         self.state = self._classify()
+        return self
 
     @property
     def record(self) -> PendingRecord:
