@@ -151,17 +151,26 @@ class Table(Generic[S]):
                 raise ValueError(
                     f"{machine}: cell ({source}, {on}) needs at most one unguarded row, last"
                 )
-        # Keyed by state *name*: Enum hashing runs in Python and dominated the step cost.
-        self._cells = {key: tuple(value) for key, value in cells.items()}
         self.poll_by_name: dict[str, KVPoll] | None = (
             None if poll_of is None else {state.name: poll_of(state) for state in states}
         )
-        self._check_status_rows(poll_of)
         self._compiled: dict[tuple[str, str], tuple[_Compiled[S], ...]] = {}
         self._compiled_from: object = None
         self._by_input: dict[type, dict[str, tuple[_Compiled[S], ...]]] = {}
         """The compiled cells by input type, then by source state name (what a step looks up:
-        no key tuple per step), filled per input type on first use from ``_compiled``."""
+        no key tuple per step), filled per input type on first use from ``_compiled`` and
+        emptied whenever ``_cells`` is replaced (``__setattr__``)."""
+        # Keyed by state *name*: Enum hashing runs in Python and dominated the step cost.
+        self._cells = {key: tuple(value) for key, value in cells.items()}
+        self._check_status_rows(poll_of)
+
+    def __setattr__(self, name: str, value: object) -> None:
+        # Replacing the cells (a mutant swaps rows in, and back) empties the per-input cache,
+        # so the next step compiles the rows now in the table: fire() reads that cache
+        # without checking, on every step, that the cells it was built from are current.
+        object.__setattr__(self, name, value)
+        if name == "_cells":
+            object.__setattr__(self, "_by_input", {})
 
     def _check_status_rows(self, poll_of: Callable[[S], KVPoll] | None) -> None:
         if poll_of is None:
@@ -266,13 +275,10 @@ class TableMachine(Generic[S]):
 
     def fire(self, inp: Input, now: float) -> tuple[list[Output], Fired]:
         table = self.table
-        # compiled_cells() inlined (fire runs one to three times per step): the same
-        # staleness check, so rows a mutant swapped in are compiled before they are used.
-        if table._cells is not table._compiled_from:
-            table.compiled_cells()
         kind = type(inp)
         by_source = table._by_input.get(kind)
         if by_source is None:
+            # (emptied when the cells are replaced: the rows now in the table are compiled)
             by_source = table.cells_for_input(kind)
         source = self.state._name_
         cell = by_source.get(source)
