@@ -144,9 +144,9 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _classify(self) -> SlotState:
         hosted = self.host.rooms.get(self.key)
-        record = self._record or _NO_RECORD
         if hosted is not None and hosted.generation == self.generation:
-            return _OPEN
+            return _OPEN  # (most inputs: the record is read only past this)
+        record = self._record or _NO_RECORD
         if (self.key, self.generation) in self.host.draining:
             return _DRAINING
         if self.generation <= self.host.opened.get(self.key, NONE):
