@@ -32,6 +32,7 @@ from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
     PrefillCompleted,
+    PublishPages,
     SendChunk,
     TransferCompleted,
 )
@@ -331,3 +332,22 @@ def test_the_reused_decode_slot_reads_each_room_afresh() -> None:
     step = d.handle(Received(report), 2.0)
     assert dropped(step) == ["unknown_room"]
     assert [f.source for f in step.fired] == ["ABSENT"]
+
+
+def test_a_room_leaving_its_timed_states_disarms_its_deadline_on_both_ranks() -> None:
+    # The endpoints skip disarming a room id that holds no deadline; one that holds one must
+    # still be disarmed, or the step reports a deadline nothing waits for.
+    p = prefill()
+    assert p.handle(OpenRoom(1, 1), 1.0).timer_at == 1.0 + TIMEOUTS.bootstrap_timeout
+    step = p.handle(Received(metadata(1, 1)), 2.0)
+    assert polls(step) == [KVPoll.WaitingForInput]
+    assert step.timer_at is None and 1 not in p.deadlines.armed
+    d = decode(AllocationPolicy.EARLY)
+    d.handle(topology(AllocationPolicy.EARLY), 0.0)
+    d.handle(OpenReceiver(1, 1, BOOT), 1.0)
+    assert d.handle(PublishPages(1, (4, 5), aux_index=None), 1.0).timer_at is not None
+    report = StatusReport(room=1, generation=1, status=KVPoll.Success, prefill=PREFILL,
+                          decode=DECODE)  # fmt: skip
+    step = d.handle(Received(report), 2.0)
+    assert polls(step) == [KVPoll.Success]
+    assert step.timer_at is None and 1 not in d.deadlines.armed

@@ -856,9 +856,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                 verify: VerifyChecksums = output  # type: ignore[assignment]
                 self._ledger(VerifyStarted(verify.room, verify.generation), now, out, fired)
         # RoomHost._arm, inlined (once or twice per step): only the open room has a deadline.
+        # Most steps disarm a key that is not armed: that call is skipped (it does nothing).
         key = room.key
         if self.rooms.get(key) is room:
-            self.deadlines.arm(key, room.timer_at())
+            deadline, deadlines = room.timer_at(), self.deadlines
+            if deadline is not None or key in deadlines.armed:
+                deadlines.arm(key, deadline)
         if room.state is _RECEIVER_FAILED and room.key in self.waiting_for_staging:
             del self.waiting_for_staging[room.key]
             self._release_unpublished(room, now, out, fired)

@@ -268,9 +268,12 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         outputs.extend(produced)
         self._step_fired.append(transition)
         # RoomHost._arm, inlined (once or twice per step): only the open room has a deadline.
+        # Most steps disarm a key that is not armed: that call is skipped (it does nothing).
         key = room.key
         if self.rooms.get(key) is room:
-            self.deadlines.arm(key, room.timer_at())
+            deadline, deadlines = room.timer_at(), self.deadlines
+            if deadline is not None or key in deadlines.armed:
+                deadlines.arm(key, deadline)
         # Only a room that is Failed now can have reported Failed in this step (and only a
         # step with outputs can have reported anything).
         failed = (

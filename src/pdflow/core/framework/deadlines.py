@@ -23,13 +23,15 @@ K = TypeVar("K", bound=Hashable)
 class DeadlineQueue(Generic[K]):
     def __init__(self) -> None:
         self._heap: list[tuple[float, int, K]] = []
-        self._current: dict[K, float] = {}
+        self.armed: dict[K, float] = {}
+        """Each armed key's deadline. Read it (a caller about to disarm a key may skip the call
+        when the key is not armed); only the queue writes it."""
         self._pushes = 0  # tie-breaker: equal deadlines pop in arming order, deterministically
         self.earliest: float | None = None
         """The earliest armed deadline (None: nothing armed). Read it; only the queue writes it."""
 
     def arm(self, key: K, deadline: float | None) -> None:
-        current = self._current
+        current = self.armed
         if deadline is None:
             old = current.pop(key, None)
             if old is not None and old == self.earliest:
@@ -50,7 +52,7 @@ class DeadlineQueue(Generic[K]):
             self._compact()
 
     def _find_earliest(self) -> None:
-        heap, current = self._heap, self._current
+        heap, current = self._heap, self.armed
         while heap:
             deadline, _, key = heap[0]
             if current.get(key) == deadline:
@@ -64,7 +66,7 @@ class DeadlineQueue(Generic[K]):
         live: dict[K, tuple[float, int, K]] = {}
         for entry in self._heap:
             deadline, pushed, key = entry
-            if self._current.get(key) == deadline and (key not in live or pushed < live[key][1]):
+            if self.armed.get(key) == deadline and (key not in live or pushed < live[key][1]):
                 live[key] = entry
         self._heap = list(live.values())
         heapq.heapify(self._heap)
@@ -73,8 +75,8 @@ class DeadlineQueue(Generic[K]):
         due: list[K] = []
         while self._heap and self._heap[0][0] <= now:
             deadline, _, key = heapq.heappop(self._heap)
-            if self._current.get(key) == deadline:
-                del self._current[key]
+            if self.armed.get(key) == deadline:
+                del self.armed[key]
                 due.append(key)
         if due:
             self._find_earliest()
@@ -89,4 +91,4 @@ class DeadlineQueue(Generic[K]):
         return len(self._heap)
 
     def __len__(self) -> int:
-        return len(self._current)
+        return len(self.armed)
