@@ -396,11 +396,13 @@ async def test_one_process_pauses_after_every_sweep_while_the_peer_has_work_queu
 
 
 class SubmitThreads:
-    """The real engine, recording the thread of each submit and which ops were seen settled."""
+    """The real engine, recording the thread of each submit and of each status check, and which
+    ops were seen settled."""
 
     def __init__(self, engine: object) -> None:
         self._engine = engine
         self.submitted_on: list[str] = []
+        self.checked_on: set[str] = set()
         self.unsettled: set[int] = set()
 
     def __getattr__(self, name: str) -> object:
@@ -413,6 +415,7 @@ class SubmitThreads:
         return handle
 
     def transfer_check_status(self, handle: int) -> int:
+        self.checked_on.add(threading.current_thread().name)
         status: int = self._engine.transfer_check_status(handle)  # type: ignore[attr-defined]
         if status in (1, -1):
             self.unsettled.discard(handle)
@@ -420,10 +423,13 @@ class SubmitThreads:
 
 
 async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
-    engine_pair: tuple[MooncakeTransport, MooncakeTransport],
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # A 1 MiB room (4 ops) goes on the wire from the event loop's own thread; of a 64 MiB
     # room of 1,024 ops the loop submits the first _LOOP_SUBMIT_OPS and the worker the rest.
+    # (The loop's polling time is lifted: a first write also opens the connections, which
+    # may take longer than that time; the next test covers a write that outlasts it.)
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
     sender, receiver = engine_pair
     count, page = 1024, 64 << 10
     src, dst = registered_buffers(engine_pair, count * page, seed=9)
@@ -436,8 +442,11 @@ async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
         outcome = await sender.batch_write(receiver.session_id, small)
     assert outcome.ok, outcome.error
     assert recorder.submitted_on == [loop_thread] * 4
+    # ... and is polled from there too: no worker thread on a small room's path.
+    assert recorder.checked_on == {loop_thread}
     assert dst.sha256(0, 1 << 20) == src.sha256(0, 1 << 20)
     recorder.submitted_on.clear()
+    recorder.checked_on.clear()
     large = [Op(src.addr + i * page, dst.addr + i * page, page) for i in range(count)]
     with anyio.fail_after(60):
         outcome = await sender.batch_write(receiver.session_id, large)
@@ -445,6 +454,7 @@ async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
     first = mooncake_module._LOOP_SUBMIT_OPS
     assert recorder.submitted_on[:first] == [loop_thread] * first
     assert loop_thread not in recorder.submitted_on[first:]
+    assert loop_thread not in recorder.checked_on
     assert len(recorder.submitted_on) == count
     assert not recorder.unsettled, "an op was never seen settled"
     assert dst.sha256(0, dst.size) == src.sha256(0, src.size)
@@ -473,6 +483,63 @@ async def test_one_process_a_cancelled_write_returns_once_its_loop_submitted_ops
             assert recorder.submitted_on == [threading.current_thread().name]
             tg.cancel_scope.cancel()
     assert unsettled_on_return == [0], "batch_write returned with its op still on the wire"
+    assert dst.sha256(0, size) == src.sha256(0, size)
+
+
+async def test_one_process_a_cancelled_small_write_returns_once_its_loop_polled_ops_settled(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A 1 MiB write is polled on the loop between yields: a cancel landing at one of those
+    # yields must still wait for every op to settle.
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
+    sender, receiver = engine_pair
+    size, count = 1 << 20, 4
+    src, dst = registered_buffers(engine_pair, size, seed=12)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    quarter = size // count
+    ops = [Op(src.addr + i * quarter, dst.addr + i * quarter, quarter) for i in range(count)]
+    unsettled_at_cancel: list[int] = []
+    unsettled_on_return: list[int] = []
+
+    async def write() -> None:
+        try:
+            await sender.batch_write(receiver.session_id, ops)
+        finally:
+            unsettled_on_return.append(len(recorder.unsettled))
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(write)
+            while not recorder.submitted_on:
+                await anyio.sleep(0)
+            unsettled_at_cancel.append(len(recorder.unsettled))
+            tg.cancel_scope.cancel()
+    assert unsettled_at_cancel[0] > 0, "the ops landed before the cancel: nothing was tested"
+    assert recorder.checked_on == {threading.current_thread().name}
+    assert unsettled_on_return == [0], "batch_write returned with an op still on the wire"
+    assert dst.sha256(0, size) == src.sha256(0, size)
+
+
+async def test_one_process_a_small_write_past_the_loop_poll_deadline_goes_to_a_worker(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Once the loop's polling time is up, the ops still on the wire are the worker's to see
+    # settled; the outcome still counts every op.
+    sender, receiver = engine_pair
+    size, count = 1 << 20, 4
+    src, dst = registered_buffers(engine_pair, size, seed=13)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 0.0)
+    quarter = size // count
+    ops = [Op(src.addr + i * quarter, dst.addr + i * quarter, quarter) for i in range(count)]
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert outcome.ok, outcome.error
+    assert (outcome.nops, outcome.nbytes) == (count, size)
+    assert threading.current_thread().name not in recorder.checked_on
+    assert not recorder.unsettled, "an op was never seen settled"
     assert dst.sha256(0, size) == src.sha256(0, size)
 
 
@@ -543,19 +610,20 @@ async def test_one_process_rejects_misuse_with_clear_errors(
 async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 64 rooms' writes at once through 2 workers: they are coalesced into far fewer thread jobs
-    # (counted, not timed), every byte lands, and the one bad call fails without the others.
+    # 64 rooms' writes at once through 2 workers: they are coalesced into far fewer jobs
+    # (counted, not timed; polled on the loop or in a thread), every byte lands, and the one
+    # bad call fails without the others.
     sender, receiver = engine_pair
     rooms, page = 64, 4096
     src, dst = registered_buffers(engine_pair, rooms * page, seed=8)
     jobs: list[int] = []
-    real = MooncakeTransport._write_settled
+    real = MooncakeTransport._settle
 
-    def counted(self: MooncakeTransport, job: mooncake_module._WriteJob) -> object:
+    async def counted(self: MooncakeTransport, job: mooncake_module._WriteJob) -> object:
         jobs.append(len(job.calls))
-        return real(self, job)
+        return await real(self, job)
 
-    monkeypatch.setattr(MooncakeTransport, "_write_settled", counted)
+    monkeypatch.setattr(MooncakeTransport, "_settle", counted)
     outcomes: dict[int, bool] = {}
     bad = 17
 

@@ -25,7 +25,9 @@ the kernel's copies (benchmarks/README.md, fifth pass).
 Engine calls block, so writes are polled in `max_concurrent_calls` long-lived worker threads
 (`worker_threads.py`: one wake into a thread and one back per job); a job's first
 `_LOOP_SUBMIT_OPS` ops are submitted from the event loop before that wake (a submit only
-queues the op in the engine), so they are on the wire while the thread wakes; concurrent small
+queues the op in the engine), so they are on the wire while the thread wakes. A job of at
+most 1 MiB is instead polled from the loop between its yields (up to 2 ms, then the thread
+takes what is left): no wake back from a thread on a small room's path. Concurrent small
 `batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
 busy going into the next worker job (one thread hop, one submit/poll loop for many rooms'
 writes); a larger call gets a job of its own, so no small room waits behind its bytes. A worker
@@ -53,6 +55,7 @@ tests/integration/test_mooncake_transport.py).
 
 from __future__ import annotations
 
+import asyncio
 import os
 import time
 from collections import deque
@@ -88,6 +91,12 @@ _BUSY_PAUSE_S = 200e-6
 # A job's first ops are submitted from the event loop, before the hop into its worker thread
 # (each submit a few us; a 1 MiB room is 4 ops): the wire does not wait for the thread to wake.
 _LOOP_SUBMIT_OPS = 8
+# A job of at most this many bytes, all of it submitted from the loop, is polled from the loop
+# itself for up to _LOOP_POLL_S before it goes to a worker thread (MooncakeTransport._settle):
+# a 1 MiB room is about 0.5 ms on the wire here. At 4 MiB the loop's polling (2-3 ms of a
+# core) slowed the engine's io threads more than the hop back costs: benchmarks/README.md.
+_LOOP_POLL_MAX_BYTES = 1 << 20
+_LOOP_POLL_S = 2e-3
 
 
 class MooncakeConfig(msgspec.Struct, frozen=True):
@@ -209,6 +218,7 @@ class _WriteJob:
         # Per peer, in submission order: (engine batch id, call, op index).
         self._pending: dict[str, deque[tuple[int, _CallProgress, int]]] = {}
         self._unsubmitted = [p for p in self.calls if p.writes]
+        self.nbytes = sum(write.length for _peer, writes in calls for write in writes)
         self.outstanding = 0
         self._started = time.perf_counter()
 
@@ -235,37 +245,49 @@ class _WriteJob:
             if call.next_index >= len(call.writes) or call.failed:
                 unsubmitted.pop(0)
 
+    @property
+    def all_submitted(self) -> bool:
+        return not self._unsubmitted
+
+    def sweep(self) -> bool:
+        """Check each peer's ops in submission order up to its first one still on the wire;
+        True if any op settled. Never blocks."""
+        engine, started = self._engine, self._started
+        settled_any = False
+        for queue in self._pending.values():
+            while queue:
+                handle, call, index = queue[0]
+                status = engine.transfer_check_status(handle)
+                if status == _STATUS_COMPLETED:
+                    call.landed_ops += 1
+                    call.landed_bytes += call.writes[index].length
+                elif status == _STATUS_FAILED:
+                    call.failed.append(index)
+                else:  # waiting, or a timeout report while the op is still on the wire
+                    break
+                queue.popleft()
+                settled_any = True
+                self.outstanding -= 1
+                call.outstanding -= 1
+                if call.outstanding == 0 and (call.failed or call.next_index >= len(call.writes)):
+                    call.seconds = time.perf_counter() - started
+        return settled_any
+
+    def outcomes(self) -> list[TransferOutcome]:
+        elapsed = time.perf_counter() - self._started
+        return [call.outcome(elapsed) for call in self.calls]
+
     def settle(self) -> list[TransferOutcome]:
         """Submit the rest and poll until every submitted op is settled (blocks: run it in a
         worker thread)."""
-        engine, started = self._engine, self._started
         while self.outstanding or self._unsubmitted:
             self.submit(self._window)
-            settled_any = False
-            for queue in self._pending.values():
-                while queue:
-                    handle, call, index = queue[0]
-                    status = engine.transfer_check_status(handle)
-                    if status == _STATUS_COMPLETED:
-                        call.landed_ops += 1
-                        call.landed_bytes += call.writes[index].length
-                    elif status == _STATUS_FAILED:
-                        call.failed.append(index)
-                    else:  # waiting, or a timeout report while the op is still on the wire
-                        break
-                    queue.popleft()
-                    settled_any = True
-                    self.outstanding -= 1
-                    call.outstanding -= 1
-                    if call.outstanding == 0 and (
-                        call.failed or call.next_index >= len(call.writes)
-                    ):
-                        call.seconds = time.perf_counter() - started
+            settled_any = self.sweep()
             if self.outstanding >= _BUSY_OPS:
                 time.sleep(_BUSY_PAUSE_S)
             elif self.outstanding and not settled_any:
                 time.sleep(_POLL_PAUSE_S)
-        return [call.outcome(time.perf_counter() - started) for call in self.calls]
+        return self.outcomes()
 
 
 class MooncakeTransport(GuardedTransport):
@@ -406,9 +428,9 @@ class MooncakeTransport(GuardedTransport):
 
         The job's first ops are submitted here, on the loop, so they are on the wire while the
         worker thread wakes (0.05-0.08 ms here, most of a small room's hop into the thread);
-        the thread submits the rest and polls every submitted op until it is settled. Nothing
-        awaits between the submit and handing the job over, so a cancelled caller cannot leave
-        a submitted op unpolled: it waits for the thread (shielded).
+        the thread submits the rest and polls every submitted op until it is settled (a small
+        job is polled on the loop instead: `_settle`). Everything after the submit runs
+        shielded, so a cancelled caller cannot leave a submitted op unpolled.
         """
         for call in calls:
             call.taken = True
@@ -418,8 +440,9 @@ class MooncakeTransport(GuardedTransport):
                             [(c.peer, c.writes) for c in calls])  # fmt: skip
             self._writers.check_open()  # before any op is on the wire
             job.submit(_LOOP_SUBMIT_OPS)
-            # Taken writes are always seen through: a cancelled caller waits for the thread.
-            outcomes = await self._writers.run(self._write_settled, job)
+            # Taken writes are always seen through: a cancelled caller waits for them.
+            with anyio.CancelScope(shield=True):
+                outcomes = await self._settle(job)
         except Exception as exc:
             for call in calls:
                 call.error = exc
@@ -432,6 +455,25 @@ class MooncakeTransport(GuardedTransport):
                 call.settled.set()
             freed, self._worker_freed = self._worker_freed, anyio.Event()
             freed.set()
+
+    async def _settle(self, job: _WriteJob) -> list[TransferOutcome]:
+        """Poll a small job's ops from the loop itself, or hand the job to a worker thread.
+
+        A job of at most _LOOP_POLL_MAX_BYTES whose ops are all submitted is polled here
+        between yields to the loop, up to _LOOP_POLL_S; the completion is then seen without
+        the wake back from a worker thread (0.09-0.15 ms of a 1 MiB room's ~0.5 ms on the
+        wire here) and without the worker's sweeps taking the GIL meanwhile. Whatever is
+        still on the wire after that goes to a worker thread. The caller holds a shield, so
+        a cancelled caller still returns only once every op is settled.
+        """
+        if job.nbytes <= _LOOP_POLL_MAX_BYTES and job.all_submitted:
+            deadline = time.perf_counter() + _LOOP_POLL_S
+            while job.outstanding and time.perf_counter() < deadline:
+                if not job.sweep():
+                    await asyncio.sleep(0)
+            if not job.outstanding:
+                return job.outcomes()
+        return await self._writers.run(self._write_settled, job)
 
     def _write_settled(self, job: _WriteJob) -> list[TransferOutcome]:
         """(In a worker thread) the rest of the job: see _WriteJob.settle."""
