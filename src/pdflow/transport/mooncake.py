@@ -470,6 +470,9 @@ class MooncakeTransport(GuardedTransport):
             deadline = time.perf_counter() + _LOOP_POLL_S
             while job.outstanding and time.perf_counter() < deadline:
                 if not job.sweep():
+                    # Offer this core to the engine's io threads (they move the bytes), then
+                    # let the loop run whatever else is ready.
+                    os.sched_yield()
                     await asyncio.sleep(0)
             if not job.outstanding:
                 return job.outcomes()
