@@ -20,7 +20,7 @@ from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, KvArgsAccepted, PeerId, RoomMetadata
-from pdflow.io.codec import MAGIC, MsgpackCodec
+from pdflow.io.codec import MsgpackCodec, wire_frames
 from pdflow.io.frame_auth import authenticated
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
@@ -30,7 +30,7 @@ from tests.integration.test_nodes_inprocess import one_room, two_nodes
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
 # A map whose first key is not the type tag, then 999 nested one-element arrays: 1,017 bytes.
-NESTED_FRAME = [MAGIC, b"1", b"\x81\xa8abcdefgh" + b"\x91" * 999 + b"\x00", b""]
+NESTED_FRAME = wire_frames(b"\x81\xa8abcdefgh" + b"\x91" * 999 + b"\x00")
 
 
 @pytest.fixture
@@ -65,7 +65,7 @@ async def dropped_at_least(node: NodeLifecycle, reason: str, count: int) -> None
 async def test_a_1017_byte_nested_frame_kills_neither_prefill_nor_decode(
     tmp_path: anyio.Path,
 ) -> None:
-    assert sum(len(frame) for frame in NESTED_FRAME) == 1017
+    assert sum(len(frame) for frame in NESTED_FRAME) == 1019  # 1017 in the four-frame wire
     settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         for node in (p_node, d_node):

@@ -22,7 +22,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId, StatusReport
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.host import memmove_write_ops
-from pdflow.io.codec import MAGIC, MsgpackCodec
+from pdflow.io.codec import HEADER_BYTES, MsgpackCodec, wire_frames
 from pdflow.io.kv_buffers import (
     TransferPlanner,
     default_executor,
@@ -93,10 +93,10 @@ async def test_bad_frames_are_counted_dropped_and_change_nothing(tmp_path: anyio
                                                   d_node.ranks[0].peer), None)  # fmt: skip
         bad_frames = [
             [b"\x00garbage"],
-            [MAGIC, str(PROTOCOL_VERSION + 1).encode(), good[2], b""],
-            [MAGIC, good[1], b"\xc1not msgpack", b""],
-            [MAGIC, good[1], msgspec.msgpack.encode({"type": "drop_tables"}), b""],
-            [MAGIC, good[1], b"\x00" * (2 << 20), b""],
+            wire_frames(good[0][HEADER_BYTES:], version=PROTOCOL_VERSION + 1),
+            wire_frames(b"\xc1not msgpack"),
+            wire_frames(msgspec.msgpack.encode({"type": "drop_tables"})),
+            wire_frames(b"\x00" * (2 << 20)),
         ]
         context = zmq.asyncio.Context()
         try:

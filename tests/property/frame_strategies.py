@@ -29,7 +29,7 @@ from pdflow.core.protocol.messages import (
     RoomMetadata,
     StatusReport,
 )
-from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
+from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec, wire_frames
 
 FUZZ_EXAMPLES = int(os.environ.get("PDFLOW_FUZZ_EXAMPLES", "5000"))
 
@@ -133,7 +133,7 @@ def _bomb(prefix: bytes, layers: int, opener: bytes) -> bytes:
 
 
 DEPTH_BOMBS = st.builds(
-    lambda prefix, layers, opener: [MAGIC, VERSION, _bomb(prefix, layers, opener), b""],
+    lambda prefix, layers, opener: wire_frames(_bomb(prefix, layers, opener)),
     st.sampled_from([b"", b"\x81\xa8abcdefgh", b"\x82\xa4type\xa5abort\xa4room",
                      b"\x81\xa4type", b"\xde\x00\x01\xa1x"]),
     st.integers(1, 5000),
@@ -144,8 +144,12 @@ FRAME_LISTS: st.SearchStrategy[list[bytes]] = st.one_of(
     _mutated(),
     DEPTH_BOMBS,
     st.lists(st.binary(max_size=64), max_size=6),
-    st.builds(lambda value, msg_id: [MAGIC, VERSION, msgspec.msgpack.encode(value), msg_id],
+    st.builds(lambda value, msg_id: wire_frames(msgspec.msgpack.encode(value), msg_id),
               _VALUES, st.binary(max_size=8)),
+    # pdflow's earlier four-frame wire, and a header with another version
+    st.builds(lambda value: [MAGIC, VERSION, msgspec.msgpack.encode(value), b""], _VALUES),
+    st.builds(lambda value, version: wire_frames(msgspec.msgpack.encode(value), version=version),
+              _VALUES, st.integers(0, 255)),
     st.builds(lambda message: _PLAIN.encode(message, None), MESSAGES),
 )  # fmt: skip
 """Anything a peer could put on the wire: mutated and valid messages, depth bombs, noise."""

@@ -16,7 +16,15 @@ from pdflow.core.protocol.messages import (
     RoomMetadata,
     StatusReport,
 )
-from pdflow.io.codec import MAGIC, MAX_SCHEMA_DEPTH, ControlMessage, FrameError, MsgpackCodec
+from pdflow.io.codec import (
+    HEADER_BYTES,
+    MAGIC,
+    MAX_SCHEMA_DEPTH,
+    ControlMessage,
+    FrameError,
+    MsgpackCodec,
+    wire_frames,
+)
 
 DECODE = PeerId("127.0.0.1:5001", "d-inc", 0)
 PREFILL = PeerId("127.0.0.1:6001", "p-inc", 1)
@@ -60,8 +68,18 @@ def metadata(pages: int = 4) -> RoomMetadata:
 def test_round_trip_keeps_message_and_id(message: object) -> None:
     codec = MsgpackCodec()
     frames = codec.encode(message, "decode-x#0:12:0")  # type: ignore[arg-type]
-    assert frames[0] == MAGIC and frames[1] == str(PROTOCOL_VERSION).encode()
+    assert len(frames) == 1  # one frame: pyzmq gives the GIL up per frame
+    assert frames[0][:6] == MAGIC and frames[0][6] == PROTOCOL_VERSION
     assert codec.decode(frames) == (message, "decode-x#0:12:0")
+
+
+def test_the_frame_is_the_header_the_id_and_the_message() -> None:
+    codec = MsgpackCodec()
+    message = StatusReport(7, 2, KVPoll.Success, PREFILL, DECODE, checksum=12345)
+    payload = msgspec.msgpack.encode(message)
+    header = MAGIC + bytes([PROTOCOL_VERSION, 0, 3])
+    assert codec.encode(message, "m:1") == [header + b"m:1" + payload]
+    assert wire_frames(payload, b"m:1") == codec.encode(message, "m:1")
 
 
 def test_missing_message_id_decodes_as_none() -> None:
@@ -77,29 +95,33 @@ def reason_of(codec: MsgpackCodec, frames: list[bytes]) -> str:
 
 def test_bad_frames_raise_typed_reasons() -> None:
     codec = MsgpackCodec()
-    good = codec.encode(metadata(), None)
+    [good] = codec.encode(metadata(), None)
+    payload = good[HEADER_BYTES:]
     assert reason_of(codec, [b"garbage"]) == "malformed"
-    assert reason_of(codec, [b"nope", *good[1:]]) == "malformed"
-    assert reason_of(codec, good[:3]) == "malformed"
-    assert reason_of(codec, [MAGIC, b"99", *good[2:]]) == "bad_version"
-    assert reason_of(codec, [MAGIC, good[1], b"\xc1\xc1", b""]) == "undecodable"
-    assert reason_of(codec, [MAGIC, good[1], codec.encode(metadata(), None)[2][:-3], b""]) == (
-        "undecodable"
-    )
-    assert reason_of(codec, [*good[:3], b"\xff\xfe"]) == "undecodable"
+    assert reason_of(codec, []) == "malformed"
+    assert reason_of(codec, [b"nope!!" + good[6:]]) == "malformed"
+    assert reason_of(codec, [good[:HEADER_BYTES - 1]]) == "malformed"  # a header cut short
+    assert reason_of(codec, [good, b""]) == "malformed"  # a second frame
+    assert reason_of(codec, [MAGIC + b"\x01\x00\x05abc"]) == "malformed"  # id past the end
+    assert reason_of(codec, wire_frames(payload, version=99)) == "bad_version"
+    # pdflow's earlier four-frame wire: that peer runs another version of the protocol.
+    assert reason_of(codec, [MAGIC, b"1", payload, b""]) == "bad_version"
+    assert reason_of(codec, wire_frames(b"\xc1\xc1")) == "undecodable"
+    assert reason_of(codec, wire_frames(payload[:-3])) == "undecodable"
+    assert reason_of(codec, wire_frames(payload, b"\xff\xfe")) == "undecodable"
+    assert reason_of(codec, wire_frames(b"")) == "undecodable"  # a header and nothing else
 
 
 def test_unknown_message_type_is_undecodable() -> None:
     codec = MsgpackCodec()
     payload = msgspec.msgpack.encode({"type": "format_disk", "room": 1})
-    assert reason_of(codec, [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]) == (
-        "undecodable"
-    )
+    assert reason_of(codec, wire_frames(payload)) == "undecodable"
 
 
 def test_oversized_is_refused_both_ways() -> None:
     codec = MsgpackCodec(max_message_bytes=4096)
-    assert reason_of(codec, [MAGIC, b"1", b"x" * 5000, b""]) == "oversized"
+    assert reason_of(codec, wire_frames(b"x" * 5000)) == "oversized"
+    assert reason_of(codec, [MAGIC, b"1", b"x" * 5000, b""]) == "oversized"  # before any framing
     with pytest.raises(FrameError) as caught:
         codec.encode(metadata(pages=2000), None)
     assert caught.value.reason == "oversized"
@@ -115,10 +137,10 @@ def test_a_1017_byte_nested_frame_is_refused_not_raised() -> None:
     """A map with another key before the tag, then 999 nested arrays: RecursionError before."""
     codec = MsgpackCodec()
     payload = b"\x81\xa8abcdefgh" + b"\x91" * 999 + b"\x00"
-    frames = [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]
-    assert sum(len(frame) for frame in frames) == 1017
+    frames = wire_frames(payload)
+    assert sum(len(frame) for frame in frames) == 1019  # 1017 in the four-frame wire
     assert reason_of(codec, frames) == "undecodable"
-    deeper = [MAGIC, frames[1], b"\x81\xa8abcdefgh" + b"\xdc\x00\x01" * 300_000 + b"\x00", b""]
+    deeper = wire_frames(b"\x81\xa8abcdefgh" + b"\xdc\x00\x01" * 300_000 + b"\x00")
     assert reason_of(codec, deeper) == "undecodable"
 
 
@@ -127,9 +149,7 @@ def test_nesting_under_the_tag_is_refused_at_the_first_container(field: str) -> 
     codec = MsgpackCodec()
     payload = b"\x82\xa4type\xadroom_metadata" + msgspec.msgpack.encode(field)
     payload += b"\x91" * 5000 + b"\x00"
-    assert reason_of(codec, [MAGIC, str(PROTOCOL_VERSION).encode(), payload, b""]) == (
-        "undecodable"
-    )
+    assert reason_of(codec, wire_frames(payload)) == "undecodable"
 
 
 def _depth(info: msgspec.inspect.Type) -> int:
@@ -167,6 +187,5 @@ def test_only_messages_that_grow_with_a_room_may_be_large_and_only_where_receive
 
 def test_the_type_tag_must_be_a_short_string() -> None:
     codec = MsgpackCodec()
-    version = str(PROTOCOL_VERSION).encode()
     for payload in (b"\x81\xa4type\x05", b"\x81\xa4type\xd9\x05abort", b"\x81\xa4type"):
-        assert reason_of(codec, [MAGIC, version, payload, b""]) == "undecodable"
+        assert reason_of(codec, wire_frames(payload)) == "undecodable"

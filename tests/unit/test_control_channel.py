@@ -16,7 +16,7 @@ import zmq
 import zmq.asyncio
 
 from pdflow.core.protocol.messages import Abort, PeerId
-from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec
+from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec, wire_frames
 from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver, PushSocket
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -109,8 +109,8 @@ async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
         await channels.send(1, "a:0:0")
         for frames in (
             [b"garbage"],
-            [MAGIC, b"2", b"\x80", b""],
-            [MAGIC, b"1", b"\xc1", b""],
+            wire_frames(b"\x80", version=2),
+            wire_frames(b"\xc1"),
             [MAGIC, b"1", b"x" * 8000, b""],
         ):
             await channels.raw.send_multipart(frames)

@@ -1,4 +1,4 @@
-"""Wire codecs of the control channel: control messages <-> ZMQ multipart frames.
+"""Wire codecs of the control channel: control messages <-> ZMQ frames.
 
 A codec only translates; it never decides what a message means. The channel hands every frame
 list it receives to :meth:`WireCodec.decode` and drops (and counts) whatever raises
@@ -6,12 +6,18 @@ list it receives to :meth:`WireCodec.decode` and drops (and counts) whatever rai
 positional ASCII frames would implement the same two methods and map those frames onto the same
 message structs, so neither the core nor the nodes change.
 
-MsgpackCodec frames (four, in order)::
+MsgpackCodec sends every message as ONE ZMQ frame (pyzmq gives the GIL up for each frame it sends
+or receives; four frames a message were four hand-overs each way)::
 
-    0  b"pdflow"                      magic: not a pdflow frame -> "malformed"
-    1  protocol version, ASCII int    another version -> "bad_version"
-    2  the message, MessagePack       undecodable or unknown type -> "undecodable"
-    3  message id, UTF-8 (may be empty; it only orders merged traces)
+    bytes 0-5  b"pdflow"          magic: not a pdflow frame (or under 9 bytes) -> "malformed"
+    byte 6     protocol version  an unsigned byte; another version -> "bad_version"
+    bytes 7-8  n, big-endian     the message id's length; past the frame's end -> "malformed"
+    n bytes    message id        UTF-8, may be empty (it only orders merged traces)
+    the rest   the message       MessagePack; undecodable or unknown type -> "undecodable"
+
+A frame list of anything but one frame is "malformed", except the four frames pdflow sent before
+(``b"pdflow"``, the version in ASCII, the message, the id), which are "bad_version": that peer
+runs the earlier wire.
 
 The message must be a map whose first key is its ``type`` tag (pdflow's encoder always writes it
 first). Decoding is then typed from the first byte on, so its depth is bounded by the message
@@ -23,6 +29,7 @@ where ``large_inbound`` admits them) may exceed ``small_message_bytes``.
 
 from __future__ import annotations
 
+import struct
 from typing import Any, Protocol
 
 import msgspec
@@ -47,6 +54,8 @@ check it."""
 DROP_REASONS = ("malformed", "oversized", "bad_version", "undecodable")
 
 _TAG_KEY = b"\xa4type"  # the MessagePack str "type"
+_HEADER = struct.Struct(">6sBH")  # magic, version, message id length
+HEADER_BYTES = _HEADER.size
 
 
 class FrameError(Exception):
@@ -71,7 +80,7 @@ class WireCodec(Protocol):
 
 
 class MsgpackCodec:
-    """pdflow's codec: msgspec MessagePack behind a magic and a protocol-version frame."""
+    """pdflow's codec: one frame, a header (magic, protocol version, id) and msgspec MessagePack."""
 
     def __init__(
         self,
@@ -86,27 +95,26 @@ class MsgpackCodec:
         self.max_message_bytes = max_message_bytes
         self.small_message_bytes = min(small_message_bytes, max_message_bytes)
         self.large_inbound = frozenset(large_inbound)
+        if not 0 <= version <= 0xFF:
+            raise ValueError(f"the protocol version must fit in one byte, got {version}")
         self.version = version
-        self._version_frame = str(version).encode()
         self._encoder = msgspec.msgpack.Encoder()
         self._decoder: msgspec.msgpack.Decoder[Any] = msgspec.msgpack.Decoder(ControlMessage)
 
     def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]:
-        frames = [
-            MAGIC,
-            self._version_frame,
-            self._encoder.encode(message),
-            (msg_id or "").encode(),
-        ]
-        size = sum(len(frame) for frame in frames)
-        if size > self.max_message_bytes:
+        ident = (msg_id or "").encode()
+        if len(ident) > 0xFFFF:
+            raise FrameError("oversized", f"a message id of {len(ident)} bytes, over 65535")
+        header = _HEADER.pack(MAGIC, self.version, len(ident))
+        frame = header + ident + self._encoder.encode(message)
+        if len(frame) > self.max_message_bytes:
             # Refuse locally: the peer would drop it anyway, and silently.
             raise FrameError(
                 "oversized",
-                f"{type(message).__name__} encodes to {size} bytes, over the "
+                f"{type(message).__name__} encodes to {len(frame)} bytes, over the "
                 f"{self.max_message_bytes}-byte limit; raise max_message_bytes on both sides",
             )
-        return frames
+        return [frame]
 
     def decode(self, frames: list[bytes]) -> tuple[ControlMessage, str | None]:
         size = sum(len(frame) for frame in frames)
@@ -114,44 +122,59 @@ class MsgpackCodec:
             raise FrameError(
                 "oversized", f"{size} bytes in {len(frames)} frames, limit {self.max_message_bytes}"
             )
-        if len(frames) != 4 or frames[0] != MAGIC:
+        if len(frames) != 1:
+            if len(frames) == 4 and frames[0] == MAGIC:
+                raise FrameError("bad_version", "four frames: the peer runs pdflow's earlier "
+                                                "wire (one frame per message since 2026-12-02)")
+            raise FrameError("malformed", f"expected one frame, got {len(frames)}")
+        frame = frames[0]
+        if len(frame) < HEADER_BYTES or frame[:6] != MAGIC:
+            raise FrameError("malformed", f"a frame not starting with {MAGIC!r} and a header")
+        _, version, id_bytes = _HEADER.unpack_from(frame)
+        if version != self.version:
             raise FrameError(
-                "malformed", f"expected 4 frames starting with {MAGIC!r}, got {len(frames)}"
+                "bad_version", f"protocol version {version}, this node speaks {self.version}"
             )
-        if frames[1] != self._version_frame:
-            shown = frames[1][:16].decode("ascii", "replace")
-            raise FrameError(
-                "bad_version", f"protocol version {shown!r}, this node speaks {self.version}"
-            )
-        tag = message_tag(frames[2])
+        start = HEADER_BYTES + id_bytes
+        if start > len(frame):
+            raise FrameError("malformed", f"a {id_bytes}-byte message id past the frame's end")
+        tag = message_tag(frame, start)
         if size > self.small_message_bytes and tag not in self.large_inbound:
             raise FrameError(
                 "oversized", f"a {tag[:40]!r} message of {size} bytes; only "
                 f"{sorted(self.large_inbound)} may exceed {self.small_message_bytes} bytes here",
             )
         try:
-            message = self._decoder.decode(frames[2])
-            msg_id = frames[3].decode() or None
+            message = self._decoder.decode(memoryview(frame)[start:])
+            msg_id = frame[HEADER_BYTES:start].decode() or None
         except (msgspec.DecodeError, msgspec.ValidationError, UnicodeDecodeError) as exc:
             raise FrameError("undecodable", str(exc)) from None
         return message, msg_id
 
 
-def message_tag(payload: bytes) -> str:
-    """The ``type`` tag of a MessagePack payload, which must be a map starting with that key."""
-    header = payload[:1]
+def wire_frames(payload: bytes, msg_id: bytes = b"", *, version: int = PROTOCOL_VERSION,
+                magic: bytes = MAGIC) -> list[bytes]:  # fmt: skip
+    """The frame list MsgpackCodec would send for these MessagePack bytes: for tests and fuzzers
+    that build frames by hand (``magic`` must be 6 bytes to land where the real one does)."""
+    return [_HEADER.pack(magic, version, len(msg_id)) + msg_id + payload]
+
+
+def message_tag(frame: bytes, offset: int = 0) -> str:
+    """The ``type`` tag of the MessagePack message at ``offset``, which must be a map starting
+    with that key."""
+    header = frame[offset : offset + 1]
     if header and 0x80 <= header[0] <= 0x8F:
-        start = 1
+        start = offset + 1
     elif header == b"\xde":
-        start = 3
+        start = offset + 3
     elif header == b"\xdf":
-        start = 5
+        start = offset + 5
     else:
         raise FrameError("undecodable", "the message is not a MessagePack map")
-    if payload[start : start + len(_TAG_KEY)] != _TAG_KEY:
+    if frame[start : start + len(_TAG_KEY)] != _TAG_KEY:
         raise FrameError("undecodable", "the message's first key must be its 'type' tag")
     at = start + len(_TAG_KEY)
-    header = payload[at : at + 1]
+    header = frame[at : at + 1]
     if not header or not 0xA0 <= header[0] <= 0xBF:  # every tag is a short (fix)str
         raise FrameError("undecodable", "the message's type tag is not a short string")
-    return payload[at + 1 : at + 1 + (header[0] & 0x1F)].decode("utf-8", "replace")
+    return frame[at + 1 : at + 1 + (header[0] & 0x1F)].decode("utf-8", "replace")

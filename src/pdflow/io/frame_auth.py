@@ -2,13 +2,13 @@
 
 Without a MAC, anyone who can reach a control port and read the registry can speak as any
 peer. With the token set (``PDFLOW_BOOTSTRAP_TOKEN``), :class:`AuthenticatedCodec` wraps the
-node's codec and appends one frame to what it sends::
+node's codec and appends one frame to what it sends (the message's frame comes first)::
 
-    4  auth: sent_at_ms (8, big-endian) | sequence (8) | tag (32) | sender identity (UTF-8)
+    1  auth: sent_at_ms (8, big-endian) | sequence (8) | tag (32) | sender identity (UTF-8)
 
 The tag is HMAC-SHA256 under a key derived from the token (:func:`control_key`; never the token
 itself) over a domain string, sent_at_ms, the sequence, the length of every part, the sender
-identity, and the frames (magic, version, message bytes, message id). The sender identity is
+identity, and the codec's frames (one: header, message id and message bytes). The sender identity is
 the ``address|incarnation|rank`` of the peer the message says sent it (the decode of a
 RoomMetadata, the prefill of a StatusReport, ...), and the receiver checks it against the
 decoded message. A frame is dropped and counted when the auth
