@@ -13,8 +13,10 @@ of the step, in order, before the lock is released, through the role's one dispa
 from __future__ import annotations
 
 import asyncio
+import gc
 import math
 import secrets
+import time
 import zlib
 from collections.abc import Awaitable, Callable
 from contextlib import AsyncExitStack
@@ -451,7 +453,24 @@ class NodeLifecycle:
             await self._stack.aclose()
             await self._release()
             raise
+        if self.runtime.settings.collect_garbage_at_start:
+            self._collect_start_up_garbage()
         return self
+
+    def _collect_start_up_garbage(self) -> None:
+        """One full collection now, so the one start-up left due does not pause the first rooms.
+
+        Python runs a full (generation-2) pass once enough objects have survived since the
+        last one; the imports before a node starts leave it due, and the first few hundred
+        rooms' allocations then set it off mid-batch (the side-by-side suite's first batch
+        ran at a fifth of the others' speed). Paid here, the next one needs a quarter of the
+        heap's objects to be new survivors. No collector setting is changed.
+        """
+        started = time.perf_counter()
+        unreachable = gc.collect()
+        seconds = round(time.perf_counter() - started, 4)
+        log.info("start_up_garbage_collected", node=self.runtime.node_id,
+                 unreachable=unreachable, seconds=seconds)  # fmt: skip
 
     async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:  # fmt: skip

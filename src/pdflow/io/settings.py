@@ -54,6 +54,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     watermark); 0 turns it off."""
     metrics_port: int | None = None
     """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
+    collect_garbage_at_start: bool = True
+    """Run one full garbage collection when a node has started, before it serves: an
+    import-heavy start-up (torch, the engine) leaves the collector's full pass due, and it
+    would otherwise fall on the first requests (a ~0.4 s pause over ~640k objects here)."""
 
     def __repr__(self) -> str:
         # The token is a secret: settings get logged, the token must not be.
@@ -190,6 +194,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_early_pages": _Field(_parse_int, _positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
     "metrics_port": _Field(_parse_int, _optional_port),
+    "collect_garbage_at_start": _Field(_parse_bool, _boolean),
     "rotate_quarantine_percent": _Field(_parse_float, _percent),
 }
 
