@@ -144,6 +144,9 @@ def instrument(marks: Marks) -> None:
     _around(marks, node_prefill.PrefillNode, "transfer", "transfer job")
     _around(marks, node_prefill.TransferPlanner, "plan", "plan")
     _around(marks, mooncake.MooncakeTransport, "_engine_write", "transport write")
+    # A job of at most 1 MiB is polled on the loop inside "settle"; a larger one (or what is
+    # left of a small one after the loop's polling time) goes on to the "worker thread".
+    _around(marks, mooncake.MooncakeTransport, "_settle", "settle")
     _around(marks, mooncake.MooncakeTransport, "_write_settled", "worker thread")
     _around(marks, control.ControlChannel, "_send",
             lambda channel, address, message, msg_id: "send " + type(message).__name__)  # fmt: skip

@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 EXPECTED = [
@@ -20,8 +22,8 @@ EXPECTED = [
     "transfer job>",
     "plan>",
     "transport write>",
-    "worker thread>",
     "engine submit",
+    "settle>",
     "engine op completed",
     "prefill step TransferCompleted>",
     "send StatusReport>",
@@ -32,17 +34,23 @@ EXPECTED = [
 ]
 
 
-def test_the_timeline_marks_every_step_of_one_room(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("size_mib", "in_a_worker"), [(1, False), (4, True)])
+def test_the_timeline_marks_every_step_of_one_room(
+    tmp_path: Path, size_mib: int, in_a_worker: bool
+) -> None:
+    """A 1 MiB room is polled on the loop (no worker thread on its path); a 4 MiB one is
+    handed to a worker thread."""
     out = tmp_path / "timeline.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT)])}
     subprocess.run(
-        [sys.executable, "-m", "benchmarks.room_timeline", "--size-mib", "1", "--rooms", "3",
-         "--json", str(out)],
+        [sys.executable, "-m", "benchmarks.room_timeline", "--size-mib", str(size_mib),
+         "--rooms", "3", "--json", str(out)],
         cwd=ROOT, env=env, check=True, timeout=300, capture_output=True,
     )  # fmt: skip
     timeline = json.loads(out.read_text())
     labels = [step["from"] for step in timeline["steps"]] + [timeline["steps"][-1]["to"]]
     missing = [label for label in EXPECTED if label not in labels]
     assert not missing, f"marks never stamped: {missing} (stamped: {labels})"
+    assert ("worker thread>" in labels) is in_a_worker, labels
     assert timeline["rooms"] + timeline["left_out"] == 3
     assert timeline["total_median_ms"] > 0
