@@ -8,6 +8,7 @@ tensor written after ``send()`` returned and an event that completes when the te
 from __future__ import annotations
 
 import threading
+from functools import partial
 from types import SimpleNamespace
 from typing import Any
 from unittest.mock import patch
@@ -37,6 +38,10 @@ class _Rank:
     def __init__(self) -> None:
         self.chunks: list[tuple[list[int], bool, Any]] = []
 
+    async def open_room(self, room: int, generation: int) -> None: ...
+
+    async def init_transfer(self, room: int, num_pages: int, aux_index: Any = None) -> None: ...
+
     async def send_chunk(self, room: int, pages: list[int], is_last: bool, state: Any = (),
                          ready: Any = None) -> None:  # fmt: skip
         self.chunks.append((pages, is_last, ready))
@@ -45,7 +50,11 @@ class _Rank:
 def _sender() -> tuple[PdflowKVSender, list[Any], _Rank]:
     mgr = PdflowKVManager.__new__(PdflowKVManager)
     mgr.book, queued, rank = RoomBook(), [], _Rank()
-    mgr.run = lambda room, call: queued.append(call)  # type: ignore[method-assign]
+
+    def run(room: int, name: str, call: Any, *args: Any) -> None:
+        queued.append(partial(call, *args))  # the call as the loop would run it
+
+    mgr.run = run  # type: ignore[method-assign]
     mgr.node = PrefillNode.__new__(PrefillNode)
     mgr.node.ranks = [rank]  # type: ignore[list-item]
     mgr.rank_kv = SimpleNamespace(state=())  # type: ignore[assignment]

@@ -56,14 +56,21 @@ def _queue(timeout: float) -> DecodeTransferQueue:
     return q
 
 
+class _QueuedOnly:
+    """A rank whose calls are only queued (``mgr.run`` records their names), never run."""
+
+    def __getattr__(self, name: str) -> Any:
+        return name
+
+
 def _manager(node_class: type = DecodeNode) -> PdflowKVManager:
     """A pdflow manager whose node never starts: room facts and the queued calls only."""
     mgr = PdflowKVManager.__new__(PdflowKVManager)
     mgr.book = RoomBook()
     mgr.calls = []
-    mgr.run = lambda room, call: mgr.calls.append((room, call.__name__))
+    mgr.run = lambda room, name, call, *args: mgr.calls.append((room, name))
     mgr.node = node_class.__new__(node_class)
-    mgr.node.ranks = [object()]
+    mgr.node.ranks = [_QueuedOnly()]
     mgr.rank_kv = SimpleNamespace(state=())  # a pool without model state
     mgr.prefill_info_table = {}
     return mgr

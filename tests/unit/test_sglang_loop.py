@@ -129,3 +129,23 @@ def test_a_burst_of_calls_that_never_yield_lets_other_tasks_run_between_them() -
     finally:
         stop.set()
         loop.close()
+
+
+def test_a_call_runs_with_the_arguments_it_was_queued_with() -> None:
+    loop = LoopThread("test-loop")
+    ran: list[tuple[int, str]] = []
+    errors: list[BaseException] = []
+    done = threading.Event()
+
+    async def record(index: int, label: str) -> None:
+        ran.append((index, label))
+        if index == 9:
+            done.set()
+
+    try:
+        for index in range(10):
+            loop.submit(record, errors.append, index, f"room-{index}")
+        assert done.wait(30), f"only {len(ran)} of 10 calls ran"
+    finally:
+        loop.close()
+    assert ran == [(index, f"room-{index}") for index in range(10)] and not errors

@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from typing import Any
 
 import anyio
@@ -186,15 +187,16 @@ class PdflowKVManager(BaseKVManager):
         assert isinstance(self.node, DecodeNode)
         return self.node.ranks[0]
 
-    def run(self, room: int, call: Callable[[], Awaitable[None]]) -> None:
-        """Queue a node call for ``room``; a refusal fails the room with the core's reason."""
+    def run(self, room: int, name: str, call: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Queue the node call ``call(*args)`` (``name`` in its refusal) for ``room``; a
+        refusal fails the room with the core's reason. No closure per call: the arguments and
+        the refusal's context travel in the queue."""
+        self.loop.submit(call, partial(self._refused, room, name), *args)
 
-        def refused(exc: BaseException) -> None:
-            reason = f"pdflow refused {getattr(call, '__name__', 'a call')}: {exc}"
-            log.warning("pdflow_call_refused", room=room, error=reason)
-            self.book.refuse(room, reason)
-
-        self.loop.submit(call, refused)
+    def _refused(self, room: int, name: str, exc: BaseException) -> None:
+        reason = f"pdflow refused {name}: {exc}"
+        log.warning("pdflow_call_refused", room=room, error=reason)
+        self.book.refuse(room, reason)
 
     # ---- SGLang's manager contract -------------------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -275,24 +277,42 @@ class PdflowKVManager(BaseKVManager):
 def _queue_abort(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int) -> None:
     """Abort the room in pdflow unless it already ended (pdflow then drains or fences)."""
 
-    async def abort() -> None:
-        if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
-            await rank.abort(room, "aborted by SGLang")
+    mgr.run(room, "abort", _abort_if_live, rank, room)
 
-    mgr.run(room, abort)
+
+async def _abort_if_live(rank: PrefillRank | DecodeRank, room: int) -> None:
+    if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
+        await rank.abort(room, "aborted by SGLang")
 
 
 def _queue_clear(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int,
                  if_unknown: Callable[[int], None] | None = None) -> None:  # fmt: skip
     """Clear the room in pdflow if pdflow still has it."""
+    mgr.run(room, "clear", _clear_if_open, rank, room, if_unknown)
 
-    async def clear() -> None:
-        if rank.poll(room) is not None:
-            await rank.clear(room)
-        elif if_unknown is not None:
-            if_unknown(room)
 
-    mgr.run(room, clear)
+async def _clear_if_open(rank: PrefillRank | DecodeRank, room: int,
+                         if_unknown: Callable[[int], None] | None) -> None:  # fmt: skip
+    if rank.poll(room) is not None:
+        await rank.clear(room)
+    elif if_unknown is not None:
+        if_unknown(room)
+
+
+async def _send_chunk_when_copied(rank: PrefillRank, room: int, kv_indices: Sequence[int],
+                                  is_last: bool, state: tuple[tuple[int, ...], ...],
+                                  indices_event: Any) -> None:  # fmt: skip
+    """The chunk's page ids are read once SGLang's device-to-host copy completed (its CUDA
+    event, waited in a worker thread); the event is also the chunk's ``ready``."""
+    await anyio.to_thread.run_sync(indices_event.synchronize)
+    await rank.send_chunk(room, [int(page) for page in kv_indices], is_last, state,
+                          ready=indices_event)  # fmt: skip
+
+
+async def _publish_pages(rank: DecodeRank, room: int, pages: list[int], aux_index: int | None,
+                         prefix: int, state: tuple[tuple[int, ...], ...]) -> None:  # fmt: skip
+    await rank.publish_pages(room, pages, aux_index=aux_index, decode_prefix_len=prefix,
+                             state_indices=state)  # fmt: skip
 
 
 def _terminal_reason(mgr: PdflowKVManager, room: int, what: str) -> str:
@@ -333,20 +353,13 @@ class PdflowKVSender(BaseKVSender):
         self.conclude_state: int | None = None
         rank, room = mgr.prefill_rank, self.bootstrap_room
         mgr.book.start(room)
-
-        async def open_room() -> None:
-            await rank.open_room(room, GENERATION)
-
-        mgr.run(room, open_room)
+        mgr.run(room, "open_room", rank.open_room, room, GENERATION)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
         self.num_pages, self.aux_index, self.init_time = int(num_kv_indices), aux_index, time.time()
-
-        async def init_transfer() -> None:
-            await rank.init_transfer(room, self.num_pages, self.aux_index)
-
-        self.kv_mgr.run(room, init_transfer)
+        self.kv_mgr.run(room, "init_transfer", rank.init_transfer, room, self.num_pages,
+                        self.aux_index)  # fmt: skip
 
     def send(self, kv_indices: Sequence[int], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None,
@@ -366,17 +379,10 @@ class PdflowKVSender(BaseKVSender):
         is_last = self.pages_sent >= self.num_pages
         if indices_event is None:
             pages = [int(page) for page in kv_indices]
-
-            async def send_chunk() -> None:
-                await rank.send_chunk(room, pages, is_last, state)
+            self.kv_mgr.run(room, "send_chunk", rank.send_chunk, room, pages, is_last, state)
         else:
-
-            async def send_chunk() -> None:
-                await anyio.to_thread.run_sync(indices_event.synchronize)
-                await rank.send_chunk(room, [int(page) for page in kv_indices], is_last, state,
-                                      ready=indices_event)  # fmt: skip
-
-        self.kv_mgr.run(room, send_chunk)
+            self.kv_mgr.run(room, "send_chunk", _send_chunk_when_copied, rank, room, kv_indices,
+                            is_last, state, indices_event)  # fmt: skip
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk still ends the room (a fully cached prompt).
@@ -386,11 +392,7 @@ class PdflowKVSender(BaseKVSender):
         """prefill_complete policy: the forward pass ended; pdflow tells the decode it may
         reserve the room's pages now (and starts the room's bootstrap clock)."""
         rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
-
-        async def prefill_completed() -> None:
-            await rank.prefill_completed(room)
-
-        self.kv_mgr.run(room, prefill_completed)
+        self.kv_mgr.run(room, "prefill_completed", rank.prefill_completed, room)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode already holds (its ``decode_prefix_len``), known once the room is
@@ -476,11 +478,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         rank, room, addr = self.kv_mgr.decode_rank, self.bootstrap_room, self.bootstrap_addr
         self.bootstrap_infos = [addr]  # one prefill instance: what a release waits on
         self._opened = True
-
-        async def open_room() -> None:
-            await rank.open(room, GENERATION, addr, prefill_dp_rank)
-
-        self.kv_mgr.run(room, open_room)
+        self.kv_mgr.run(room, "open_room", rank.open, room, GENERATION, addr, prefill_dp_rank)
 
     def send_metadata(self, kv_indices: Sequence[int], aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
@@ -509,13 +507,9 @@ class PdflowKVReceiver(BaseKVReceiver):
         rank = self.kv_mgr.decode_rank
 
         prefix = int(decode_prefix_len or 0)
-
-        async def publish_pages() -> None:
-            # ``pages`` are those after the prefix the decode already holds, as SGLang gives them.
-            await rank.publish_pages(room, pages, aux_index=aux_index, decode_prefix_len=prefix,
-                                     state_indices=state)  # fmt: skip
-
-        self.kv_mgr.run(room, publish_pages)
+        # ``pages`` are those after the prefix the decode already holds, as SGLang gives them.
+        self.kv_mgr.run(room, "publish_pages", _publish_pages, rank, room, pages, aux_index,
+                        prefix, state)  # fmt: skip
 
     def poll(self) -> int:
         facts = self._facts_of(self.bootstrap_room, NOTHING_KNOWN)

@@ -38,7 +38,7 @@ log = structlog.get_logger("pdflow.sglang.loop")
 
 T = TypeVar("T")
 ErrorHandler = Callable[[BaseException], None]
-Command = tuple[Callable[[], Awaitable[None]], ErrorHandler]
+Command = tuple[Callable[..., Awaitable[None]], tuple[Any, ...], ErrorHandler]
 
 
 class LoopThread:
@@ -70,12 +70,16 @@ class LoopThread:
         """Run ``fn(*args)`` on the loop and wait for its result (start-up and shutdown only)."""
         return self._portal.call(fn, *args)
 
-    def submit(self, fn: Callable[[], Awaitable[None]], on_error: ErrorHandler) -> None:
-        """Queue ``fn()``; returns at once. Commands run in order, one at a time."""
+    def submit(self, fn: Callable[..., Awaitable[None]], on_error: ErrorHandler,
+               *args: Any) -> None:  # fmt: skip
+        """Queue ``fn(*args)``; returns at once. Commands run in order, one at a time.
+
+        The arguments travel with the call, so a caller needs no closure (a function, its
+        cells and a second coroutine) per call: the scheduler makes several per room."""
         if self._closed.is_set():
             on_error(RuntimeError(f"{self.name}: the pdflow loop is shut down"))
             return
-        self._pending.append((fn, on_error))
+        self._pending.append((fn, args, on_error))
         with self._wake_lock:
             if self._wake_scheduled:
                 return  # the loop has not drained yet: it will find this one too
@@ -114,9 +118,9 @@ class LoopThread:
                 self._wake_scheduled = False
             ran = 0
             while pending:
-                fn, on_error = pending.popleft()
+                fn, args, on_error = pending.popleft()
                 try:
-                    await fn()
+                    await fn(*args)
                 except Exception as exc:
                     on_error(exc)
                 ran += 1
