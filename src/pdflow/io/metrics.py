@@ -44,6 +44,11 @@ class NodeMetrics:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.rooms = Counter("pdflow_rooms", "Rooms finished, by outcome", ["outcome"], registry=r)
+        # The child per outcome, looked up once: `labels()` validates, builds a key and takes
+        # the metric's lock on every call, once per room (it returns the same child each time).
+        self._rooms_by_outcome: dict[str, Counter] = {}
+        # What the quarantine gauges were last set to (they start at 0): each set takes a lock.
+        self._quarantine_set: tuple[int, float, int] = (0, 0.0, 0)
         self.room_latency = Histogram("pdflow_room_latency_seconds",
                                       "Room open to terminal status", buckets=_LATENCY_BUCKETS,
                                       registry=r)  # fmt: skip
@@ -111,7 +116,10 @@ class NodeMetrics:
         )
 
     def room_finished(self, report: RoomReport) -> None:
-        self.rooms.labels(report.outcome).inc()
+        rooms = self._rooms_by_outcome.get(report.outcome)
+        if rooms is None:
+            rooms = self._rooms_by_outcome[report.outcome] = self.rooms.labels(report.outcome)
+        rooms.inc()
         if report.latency_s is not None:
             self.room_latency.observe(report.latency_s)
         if report.transfer_s is not None:
@@ -135,6 +143,10 @@ class NodeMetrics:
     def quarantine(self, pages: int, oldest_age_s: float, staging_bytes: int = 0) -> None:
         """Set the quarantine gauges (pages and staging bytes summed over the node's ranks by
         the caller)."""
+        values = (pages, oldest_age_s, staging_bytes)
+        if values == self._quarantine_set:
+            return  # called on every released room; mostly nothing is quarantined and nothing moved
+        self._quarantine_set = values
         self.quarantined_pages.set(pages)
         self.quarantine_oldest_age.set(oldest_age_s)
         self.quarantined_staging_bytes.set(staging_bytes)

@@ -35,7 +35,7 @@ from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, Dropped, RoomRem
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.messages import PeerId
-from pdflow.core.protocol.outputs import Output, StatusChanged
+from pdflow.core.protocol.outputs import Output, SendMessage, StatusChanged
 from pdflow.io.codec import WireCodec
 from pdflow.io.control import ControlChannel, PushSocket
 from pdflow.io.frame_auth import authenticated
@@ -157,6 +157,8 @@ class EventHub:
                 changed.set()
         elif isinstance(event, RoomClosed):
             self._status.pop((event.rank, event.room), None)
+        if not self._subscribers:
+            return  # no copy of the list per event when nobody subscribed (the adapter watches)
         for stream in list(self._subscribers):
             try:
                 stream.send_nowait(event)
@@ -277,7 +279,13 @@ class EndpointHost:
             self._rearm(step.timer_at)
             seq = getattr(self.endpoint, "last_seq", None)
             for index, output in enumerate(step.outputs):
-                msg_id = None if seq is None else message_id(self.endpoint_id, seq, index)
+                # Only a sent message carries its id (the dispatchers hand it to `send` alone):
+                # the other outputs of a step skip building the string.
+                msg_id = (
+                    message_id(self.endpoint_id, seq, index)
+                    if seq is not None and isinstance(output, SendMessage)
+                    else None
+                )
                 await self._dispatch(output, msg_id)
             return step
 

@@ -175,7 +175,8 @@ class DecodeRank:
         the room reports Success."""
         if aux_index is not None:
             aux_buffer_of(self.kv, "publish_pages").row(aux_index)
-        state = tuple(tuple(int(i) for i in c) for c in state_indices)
+        # Most rooms carry no state: skip the generators that would build an empty tuple.
+        state = tuple(tuple(int(i) for i in c) for c in state_indices) if len(state_indices) else ()
         if state:
             check_state_indices(self.kv.state, state, "publish_pages")
         await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len,

@@ -238,7 +238,10 @@ class PrefillRank:
         ``ready``: what says the chunk's source bytes are written (SGLang's CUDA event after
         the forward pass: anything with a blocking ``synchronize()``); the shell waits on it,
         in a worker thread, before it reads the room's pages, state or aux row."""
-        state = tuple(tuple(int(i) for i in c) for c in state_indices)
+        # Most chunks carry no state: skip the generators that would build an empty tuple.
+        state = (
+            tuple(tuple(int(i) for i in c) for c in state_indices) if len(state_indices) else ()
+        )
         if state:
             kv = self._node.rank_kv[self._node.rank_index(self.rank)]
             check_state_indices(kv.state, state, "send_chunk")
@@ -299,9 +302,8 @@ class PrefillRankEffects(RankEffects):
         node, host = self.node, self.host
         # The layout as the core knows it in this step (a later announcement may replace it).
         layout = host.endpoint.layout_of(start.peer)
-        node.queue_transfer(
-            peer_key(start.peer), lambda worker: node.transfer(host, start, layout, worker)
-        )
+        # A partial, not a lambda: no closure cells kept per queued room.
+        node.queue_transfer(peer_key(start.peer), partial(node.transfer, host, start, layout))
 
 
 class StagedWrite(msgspec.Struct, frozen=True):
@@ -577,13 +579,11 @@ class PrefillNode(NodeLifecycle):
     async def _write(
         self, host: EndpointHost, start: StartTransfer, args: KvArgs | None, worker: int
     ) -> TransferCompleted:
-        def failed(reason: str) -> TransferCompleted:
-            return TransferCompleted(start.room, start.generation, start.seq, False, reason)
-
         if not self._write_wanted(host, start):
-            return failed(_NOT_SUBMITTED)
+            return _failed(start, _NOT_SUBMITTED)
         if args is None:
-            return failed(
+            return _failed(
+                start,
                 f"decode {start.peer.address}#{start.peer.rank} never sent its KV "
                 "layout (KvArgs precedes its first metadata); it may have restarted"
             )
@@ -594,7 +594,7 @@ class PrefillNode(NodeLifecycle):
             )
             ops = (*ops, *self._state_plan(host.rank, start, args))
         except InvalidInput as exc:
-            return failed(f"cannot plan writes into {start.peer.address}: {exc}")
+            return _failed(start, f"cannot plan writes into {start.peer.address}: {exc}")
         ready = self.source_ready.get((host.rank, start.room))
         if ready is not None:
             await anyio.to_thread.run_sync(ready.synchronize)
@@ -604,16 +604,16 @@ class PrefillNode(NodeLifecycle):
         if self.settings.checksum and self._executor is not None:
             checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
         if not self._write_wanted(host, start):  # aborted during the gather or the digest
-            return failed(_NOT_SUBMITTED)
+            return _failed(start, _NOT_SUBMITTED)
         try:
             outcome = await self.transport.batch_write(start.session_id, ops)
         except TransportError as exc:
-            return failed(f"transport refused the writes: {exc}")
+            return _failed(start, f"transport refused the writes: {exc}")
         clock = host.clock_of(start.room, start.generation)
         if clock is not None:
             clock.add_transfer(outcome.seconds, outcome.nbytes)
         if not outcome.ok:
-            return failed(outcome.error or "transfer failed")
+            return _failed(start, outcome.error or "transfer failed")
         aux = None
         if start.src_aux_index is not None:
             # Read after the KV writes: the engine filled the row before the last chunk.
@@ -689,3 +689,7 @@ class PrefillNode(NodeLifecycle):
             cuts = state_slices(local.state, True, local.tp, peer_place(args), args.state)
             state = state_digest(self._executor, cuts, start.src_state, start.dst_state)
         return (kv + state) % ROOM_FOLD_MODULUS
+
+
+def _failed(start: StartTransfer, reason: str) -> TransferCompleted:
+    return TransferCompleted(start.room, start.generation, start.seq, False, reason)
