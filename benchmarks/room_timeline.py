@@ -6,7 +6,11 @@ below WARNING off as `pdflow bench` runs it) with the nodes' methods wrapped to 
 entry and exit: each endpoint step and its core ``handle``, each output carried out, the
 transfer job, the planner, the transport's write and its worker-thread part, each engine
 submit and each op seen completed, each control message sent and received, each room status
-published. The marks cost about 1 us each, so the total runs a little above the benchmark's.
+published, each deferred trace batch written. The marks cost about 1 us each, so the total runs
+a little above the benchmark's. Each room's total is also split at its first engine submit and
+its last op seen completed: before the wire, on the wire (what the raw engine's time compares
+with) and after it; and the rooms in which a deferred trace batch was written are counted per
+part (those writes are left out of the step order, their time stays in the step they fell in).
 
     python -m benchmarks.room_timeline --size-mib 1 --rooms 40
 
@@ -31,9 +35,11 @@ import structlog
 
 import benchmarks.pdflow_vs_raw as bench
 from pdflow.io import control, node_common, node_decode, node_prefill
+from pdflow.trace import recorder
 from pdflow.transport import mooncake
 
 Mark = tuple[str, float]
+TRACE_WRITE = "trace write"
 
 
 class Marks:
@@ -141,6 +147,19 @@ def instrument(marks: Marks) -> None:
         host.endpoint, host._dispatch = Timed(), timed_dispatch
 
     node_common.EndpointHost.__init__ = init_host  # type: ignore[method-assign]
+    write_pending = recorder.TraceRecorder.write_pending
+
+    def marked_write(trace: Any) -> None:
+        if not trace._pending:  # nothing deferred: no batch written
+            write_pending(trace)
+            return
+        marks(TRACE_WRITE + ">")
+        try:
+            write_pending(trace)
+        finally:
+            marks(TRACE_WRITE + "<")
+
+    recorder.TraceRecorder.write_pending = marked_write  # type: ignore[method-assign]
     _around(marks, node_prefill.PrefillNode, "transfer", "transfer job")
     _around(marks, node_prefill.TransferPlanner, "plan", "plan")
     _around(marks, mooncake.MooncakeTransport, "_engine_write", "transport write")
@@ -208,24 +227,53 @@ def instrument(marks: Marks) -> None:
     node_decode.DecodeRank.wait = last_mark  # type: ignore[method-assign]
 
 
+def _parts(room: list[Mark]) -> tuple[float, float, float] | None:
+    """(before, on, after) the wire in ms: split at the first engine submit and the last op
+    seen completed; None for a room with neither mark."""
+    submits = [t for label, t in room if label == "engine submit"]
+    completed = [t for label, t in room if label == "engine op completed"]
+    if not submits or not completed:
+        return None
+    start, first, last, end = room[0][1], submits[0], completed[-1], room[-1][1]
+    return (first - start) * 1e3, (last - first) * 1e3, (end - last) * 1e3
+
+
 def summarise(rooms: list[list[Mark]]) -> dict[str, Any]:
-    """The median of each step between consecutive marks, over the rooms of the usual order."""
-    orders = collections.Counter(tuple(label for label, _ in room) for room in rooms)
+    """The median of each step between consecutive marks, over the rooms of the usual order;
+    the medians of each room's parts before, on and after the wire; and in how many rooms a
+    deferred trace batch was written in each part."""
+    steps_of = [[mark for mark in room if not mark[0].startswith(TRACE_WRITE)] for room in rooms]
+    orders = collections.Counter(tuple(label for label, _ in room) for room in steps_of)
     usual, count = orders.most_common(1)[0]
     steps: list[list[float]] = [[] for _ in usual[1:]]
     totals = []
-    for room in rooms:
+    parts: list[tuple[float, float, float]] = []
+    trace_rooms = {"before": 0, "wire": 0, "after": 0}
+    for room, marked in zip(steps_of, rooms, strict=True):
         if tuple(label for label, _ in room) != usual:
             continue
         for index, ((_, start), (_, end)) in enumerate(itertools.pairwise(room)):
             steps[index].append((end - start) * 1e3)
         totals.append((room[-1][1] - room[0][1]) * 1e3)
+        split = _parts(room)
+        if split is None:
+            continue
+        parts.append(split)
+        first = room[0][1] + split[0] / 1e3
+        last = first + split[1] / 1e3
+        writes = [t for label, t in marked if label == TRACE_WRITE + ">"]
+        trace_rooms["before"] += any(t < first for t in writes)
+        trace_rooms["wire"] += any(first <= t <= last for t in writes)
+        trace_rooms["after"] += any(t > last for t in writes)
     rows = [
         {"from": usual[index], "to": usual[index + 1], "median_ms": statistics.median(values)}
         for index, values in enumerate(steps)
     ]
+    medians = [statistics.median(part) for part in zip(*parts, strict=True)] if parts else []
     return {"rooms": count, "left_out": len(rooms) - count, "steps": rows,
-            "total_median_ms": statistics.median(totals)}  # fmt: skip
+            "total_median_ms": statistics.median(totals),
+            "parts_median_ms": dict(zip(("before", "wire", "after"), medians, strict=True)),
+            "rooms_with_trace_writes": trace_rooms}  # fmt: skip
 
 
 def main() -> None:
@@ -253,6 +301,16 @@ def main() -> None:
         running += row["median_ms"]
         print(f"{row['from']:34} -> {row['to']:34} {row['median_ms']:7.3f} ms  {running:7.3f}")
     print(f"median total {timeline['total_median_ms']:.3f} ms (sum of medians {running:.3f})")
+    parts, traced = timeline["parts_median_ms"], timeline["rooms_with_trace_writes"]
+    if parts:
+        print(
+            f"per room, medians: before the wire {parts['before']:.3f} ms, on the wire "
+            f"{parts['wire']:.3f}, after it {parts['after']:.3f}"
+        )
+    print(
+        f"rooms with a deferred trace batch written before the wire {traced['before']}, on "
+        f"it {traced['wire']}, after it {traced['after']}"
+    )
     if args.json:
         with open(args.json, "w") as out:
             json.dump(timeline, out, indent=2)

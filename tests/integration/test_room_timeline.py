@@ -54,3 +54,4 @@ def test_the_timeline_marks_every_step_of_one_room(
     assert ("worker thread>" in labels) is in_a_worker, labels
     assert timeline["rooms"] + timeline["left_out"] == 3
     assert timeline["total_median_ms"] > 0
+    assert timeline["parts_median_ms"]["wire"] > 0, "no room's wire was split out"
