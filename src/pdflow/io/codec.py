@@ -105,8 +105,8 @@ class MsgpackCodec:
         ident = (msg_id or "").encode()
         if len(ident) > 0xFFFF:
             raise FrameError("oversized", f"a message id of {len(ident)} bytes, over 65535")
-        header = _HEADER.pack(MAGIC, self.version, len(ident))
-        frame = header + ident + self._encoder.encode(message)
+        frames = wire_frames(self._encoder.encode(message), ident, version=self.version)
+        frame = frames[0]
         if len(frame) > self.max_message_bytes:
             # Refuse locally: the peer would drop it anyway, and silently.
             raise FrameError(
@@ -114,7 +114,7 @@ class MsgpackCodec:
                 f"{type(message).__name__} encodes to {len(frame)} bytes, over the "
                 f"{self.max_message_bytes}-byte limit; raise max_message_bytes on both sides",
             )
-        return [frame]
+        return frames
 
     def decode(self, frames: list[bytes]) -> tuple[ControlMessage, str | None]:
         size = sum(len(frame) for frame in frames)
