@@ -16,6 +16,12 @@ import anyio
 import uvicorn
 from starlette.types import ASGIApp
 
+_KEEP_ALIVE_S = 30
+"""How long an idle keep-alive connection stays open. uvicorn's default (5 s) equals both the
+heartbeat's default interval and httpx's pool expiry, so a probe could go out on a connection
+the server was closing that instant; longer than the client's expiry, the client always drops
+an idle connection first."""
+
 
 class _ShellServer(uvicorn.Server):
     """uvicorn without its signal handlers: the shell (e.g. ``pdflow bootstrap``) owns them."""
@@ -50,7 +56,7 @@ async def serving(app: ASGIApp, listener: socket.socket, what: str) -> AsyncIter
     bound_host, bound_port = listener.getsockname()[:2]
     config = uvicorn.Config(
         app, lifespan="off", log_config=None, access_log=False, http="h11",
-        server_header=False, timeout_graceful_shutdown=2,
+        server_header=False, timeout_graceful_shutdown=2, timeout_keep_alive=_KEEP_ALIVE_S,
     )
     server = _ShellServer(config)
     serving_ended = anyio.Event()

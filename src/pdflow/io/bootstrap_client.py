@@ -25,6 +25,9 @@ from pdflow.core.cluster.registry import PrefillRankInfo, PrefillServerInfo, Reg
 
 INCARNATION_HEADER = "X-Pdflow-Incarnation"
 _RETRYABLE_STATUS = frozenset({502, 503, 504})
+_DROPPED_UNANSWERED = (httpx.ReadError, httpx.WriteError, httpx.RemoteProtocolError)
+"""A request that got no answer because its connection was closed under it: on a pooled
+keep-alive connection, what a server's idle-timeout close looks like to the next request."""
 _ROUTE_PARAMS = ("prefill_dp_rank", "prefill_cp_rank", "target_tp_rank", "target_pp_rank")
 
 
@@ -115,6 +118,12 @@ class BootstrapClient:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers,
                                        transport=transport, verify=_tls_context())  # fmt: skip
+        # For a probe's one retry: a client that keeps no connection, so the retry cannot pick
+        # another idle (and maybe just as stale) connection from the pool.
+        self._unpooled = httpx.AsyncClient(
+            base_url=self.url, headers=headers, transport=transport, verify=_tls_context(),
+            limits=httpx.Limits(max_keepalive_connections=0),
+        )
         self._topology: tuple[str | None, PrefillServerInfo] | None = None
 
     async def __aenter__(self) -> BootstrapClient:
@@ -125,6 +134,7 @@ class BootstrapClient:
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        await self._unpooled.aclose()
 
     # ---- prefill side ----------------------------------------------------------------------
     async def register_rank(self, registration: RegisterRank) -> None:
@@ -188,9 +198,18 @@ class BootstrapClient:
             raise BootstrapError(f"malformed dp rank answer from {self.url}: {answer}") from None
 
     async def health(self) -> HealthStatus:
-        """``GET /health`` with short timeouts; never raises for an unreachable server."""
+        """``GET /health`` with short timeouts; never raises for an unreachable server.
+
+        A probe dropped unanswered is tried once more on a new connection: the server may only
+        have closed the idle keep-alive connection the probe went out on (a live prefill was
+        reported down so in CI). A timeout is not retried: that is a paused or overloaded
+        server, and a retry would double the time the heartbeat takes to notice it."""
         try:
-            response = await self._http.get("/health", timeout=self._health_timeout)
+            try:
+                response = await self._http.get("/health", timeout=self._health_timeout)
+            except _DROPPED_UNANSWERED as exc:
+                log.info("health_probe_retried", url=self.url, error=type(exc).__name__)
+                response = await self._unpooled.get("/health", timeout=self._health_timeout)
         except httpx.HTTPError as exc:
             return HealthStatus(False, None, f"{type(exc).__name__}: {exc}")
         return HealthStatus(

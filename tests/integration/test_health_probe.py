@@ -1,0 +1,135 @@
+"""The heartbeat's ``/health`` probe against servers that close idle keep-alive connections.
+
+A server closes an idle keep-alive connection when its own timer says so; a client that picks
+the same connection from its pool at that moment sends its request into a socket the server is
+closing and gets no answer (a reset: ``ReadError``; a clean close: ``RemoteProtocolError``). In
+CI this failed one probe of a live prefill. The probe must tell that apart from a dead or
+paused server, and must not take longer to notice one.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import socket
+import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager, suppress
+from dataclasses import dataclass, field
+
+import pytest
+
+from pdflow.io.bootstrap_client import BootstrapClient
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"  # the scripted server is asyncio's; the nodes run on asyncio too
+
+_OK = (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-pdflow-incarnation: inc-1\r\n"
+       b"connection: keep-alive\r\n\r\nOK")  # fmt: skip
+
+
+@dataclass
+class Server:
+    """A raw HTTP/1.1 server whose behaviour per request is scripted: ``answer`` (200 OK and
+    keep the connection), ``close`` (read the request, close cleanly, no answer), ``reset``
+    (read it, close with a TCP reset) or ``hang`` (read it, never answer)."""
+
+    script: list[str]
+    address: str = ""
+    requests: int = 0
+    connections: int = 0
+    _open: list[asyncio.StreamWriter] = field(default_factory=list)
+
+    def next_action(self) -> str:
+        self.requests += 1
+        return self.script[min(self.requests, len(self.script)) - 1]
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        self._open.append(writer)
+        while await reader.readuntil(b"\r\n\r\n"):
+            action = self.next_action()
+            if action == "answer":
+                writer.write(_OK)
+                await writer.drain()
+                continue
+            if action == "hang":
+                return
+            if action == "reset":
+                sock = writer.get_extra_info("socket")
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            writer.close()
+            return
+
+
+@asynccontextmanager
+async def scripted(*script: str) -> AsyncIterator[Server]:
+    server = Server(list(script))
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        with suppress(asyncio.IncompleteReadError, ConnectionError):
+            await server.handle(reader, writer)
+
+    listener = await asyncio.start_server(handle, "127.0.0.1", 0)
+    host, port = listener.sockets[0].getsockname()[:2]
+    server.address = f"{host}:{port}"
+    async with listener:
+        yield server
+        for writer in server._open:  # the server is gone: so are its connections
+            writer.close()
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("drop", ["close", "reset"])
+async def test_a_live_server_closing_the_pooled_connection_is_healthy(drop: str) -> None:
+    """Red before the fix: the second probe reused the first probe's connection, the server
+    dropped it, and the live server was reported unhealthy."""
+    async with scripted("answer", drop, "answer") as server:
+        client = BootstrapClient(server.address, rng=random.Random(0))
+        first = await client.health()
+        second = await client.health()
+        await client.aclose()
+    assert (first.ok, first.incarnation) == (True, "inc-1")
+    assert (second.ok, second.incarnation, second.detail) == (True, "inc-1", "")
+    # The retry went out on a new connection, not on another pooled one.
+    assert (server.requests, server.connections) == (3, 2)
+
+
+@pytest.mark.anyio
+@pytest.mark.parametrize("drop", ["close", "reset"])
+async def test_a_server_that_drops_every_request_is_unhealthy_after_one_retry(drop: str) -> None:
+    async with scripted("answer", drop) as server:
+        client = BootstrapClient(server.address, rng=random.Random(0))
+        assert (await client.health()).ok
+        down = await client.health()
+        await client.aclose()
+    assert not down.ok and down.incarnation is None and down.detail
+    assert server.requests == 3, "one probe, then exactly one retry"
+
+
+@pytest.mark.anyio
+async def test_a_paused_server_fails_the_probe_by_its_deadline_without_a_retry() -> None:
+    """A read timeout is a paused or overloaded server, not a stale connection: retrying it
+    would double the time the heartbeat takes to notice."""
+    async with scripted("answer", "hang") as server:
+        client = BootstrapClient(server.address, rng=random.Random(0), health_read_s=0.2)
+        assert (await client.health()).ok
+        down = await client.health()
+        await client.aclose()
+    assert not down.ok and "ReadTimeout" in down.detail
+    assert (server.requests, server.connections) == (2, 1)
+
+
+@pytest.mark.anyio
+async def test_a_dead_server_fails_the_probe() -> None:
+    async with scripted("answer") as server:
+        address = server.address
+        client = BootstrapClient(address, rng=random.Random(0))
+        assert (await client.health()).ok
+    down = await client.health()
+    await client.aclose()
+    assert not down.ok and down.incarnation is None and down.detail
