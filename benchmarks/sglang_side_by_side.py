@@ -106,7 +106,8 @@ class _Pair:
 
     def __init__(self, system: str, shape: dict[str, int], total_rooms: int, python: str,
                  logs: Path) -> None:  # fmt: skip
-        from tests_sglang.processes import DriverProcess, free_port
+        from tests.ports import free_port
+        from tests_sglang.processes import DriverProcess
 
         self.port = free_port()
         geometry = [

@@ -6,7 +6,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -19,11 +18,6 @@ from pdflow.sglang.identity import INCARNATION_ENV, STARTED_AT_ENV
 DRIVER = Path(__file__).resolve().parent / "driver.py"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def _inherited_env() -> dict[str, str]:

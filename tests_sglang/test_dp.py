@@ -13,8 +13,9 @@ import secrets
 import time
 
 import pytest
+from tests.ports import free_port
 
-from tests_sglang.processes import DriverProcess, free_port, run_batch
+from tests_sglang.processes import DriverProcess, run_batch
 from tests_sglang.test_faults import LOGS
 
 ROOMS = 16

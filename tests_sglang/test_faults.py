@@ -18,8 +18,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.ports import free_port
 
-from tests_sglang.processes import DriverProcess, free_port
+from tests_sglang.processes import DriverProcess
 
 LOGS = Path(__file__).resolve().parents[1] / "out" / "sglang" / "logs"
 RELEASE_TIMEOUT_S = 1.0  # SGLang's SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT

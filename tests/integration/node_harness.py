@@ -8,7 +8,6 @@ import json
 import os
 import random
 import signal
-import socket
 import sys
 import time
 from collections import Counter
@@ -371,12 +370,6 @@ async def inprocess_room(
         yield p_rank, d_rank
 
 
-def free_port() -> int:
-    """A TCP port free on loopback now (for a process that must bind a known address)."""
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def decode_caches(tp: int, num_pages: int) -> list[tuple[HostKvCache, RankKv]]:

@@ -11,8 +11,9 @@ import pytest
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.bootstrap_server import serve
 from pdflow.transport.mooncake import MooncakeTransport
+from tests.ports import free_port
 
-from .node_harness import decode_engine, free_port, prefill_process
+from .node_harness import decode_engine, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(90)]
 

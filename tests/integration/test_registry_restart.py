@@ -15,8 +15,9 @@ import pytest
 from anyio.abc import Process
 
 from pdflow.transport.mooncake import MooncakeTransport
+from tests.ports import free_port
 
-from .node_harness import decode_engine, free_port, prefill_process
+from .node_harness import decode_engine, prefill_process
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
@@ -18,6 +17,7 @@ import zmq.asyncio
 from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec, wire_frames
 from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver, PushSocket
+from tests.ports import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
 
@@ -30,11 +30,6 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 class Receiving:
