@@ -11,8 +11,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.ports import free_port
 
-from tests_sglang.processes import DriverProcess, free_port
+from tests_sglang.processes import DriverProcess
 
 OUT = Path(__file__).resolve().parents[1] / "out" / "sglang"
 ROOMS = 96
