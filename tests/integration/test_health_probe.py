@@ -13,6 +13,7 @@ import asyncio
 import random
 import socket
 import struct
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
@@ -36,12 +37,14 @@ _OK = (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-pdflow-incarnation: inc-1\r\n
 class Server:
     """A raw HTTP/1.1 server whose behaviour per request is scripted: ``answer`` (200 OK and
     keep the connection), ``close`` (read the request, close cleanly, no answer), ``reset``
-    (read it, close with a TCP reset) or ``hang`` (read it, never answer)."""
+    (read it, close with a TCP reset), ``late-reset`` (reset it ``late_s`` after reading) or
+    ``hang`` (read it, never answer)."""
 
     script: list[str]
     address: str = ""
     requests: int = 0
     connections: int = 0
+    late_s: float = 0.0
     _open: list[asyncio.StreamWriter] = field(default_factory=list)
 
     def next_action(self) -> str:
@@ -59,7 +62,9 @@ class Server:
                 continue
             if action == "hang":
                 return
-            if action == "reset":
+            if action == "late-reset":
+                await asyncio.sleep(self.late_s)
+            if action in ("reset", "late-reset"):
                 sock = writer.get_extra_info("socket")
                 sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
             writer.close()
@@ -67,8 +72,8 @@ class Server:
 
 
 @asynccontextmanager
-async def scripted(*script: str) -> AsyncIterator[Server]:
-    server = Server(list(script))
+async def scripted(*script: str, late_s: float = 0.0) -> AsyncIterator[Server]:
+    server = Server(list(script), late_s=late_s)
 
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         with suppress(asyncio.IncompleteReadError, ConnectionError):
@@ -122,6 +127,24 @@ async def test_a_paused_server_fails_the_probe_by_its_deadline_without_a_retry()
         await client.aclose()
     assert not down.ok and "ReadTimeout" in down.detail
     assert (server.requests, server.connections) == (2, 1)
+
+
+@pytest.mark.anyio
+async def test_the_retry_only_gets_what_is_left_of_the_probes_time() -> None:
+    """A request reset just before its read timeout, then a retry that hangs: the probe still
+    fails within one probe's time (connect + read timeouts, 0.6 s here), not 0.45 + 0.5 s.
+    Red with the retry given its own full timeouts."""
+    async with scripted("answer", "late-reset", "hang", late_s=0.45) as server:
+        client = BootstrapClient(server.address, rng=random.Random(0),
+                                 health_connect_s=0.1, health_read_s=0.5)  # fmt: skip
+        assert (await client.health()).ok
+        started = time.monotonic()
+        down = await client.health()
+        took = time.monotonic() - started
+        await client.aclose()
+    assert not down.ok and down.incarnation is None and "retry" in down.detail
+    assert server.requests == 3, "the retry went out"
+    assert 0.45 <= took < 0.75, took
 
 
 @pytest.mark.anyio

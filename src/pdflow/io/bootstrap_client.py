@@ -115,6 +115,7 @@ class BootstrapClient:
         self._sleep = sleep
         self._clock = clock
         self._health_timeout = httpx.Timeout(health_read_s, connect=health_connect_s)
+        self._health_budget_s = health_connect_s + health_read_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers,
                                        transport=transport, verify=_tls_context())  # fmt: skip
@@ -203,20 +204,25 @@ class BootstrapClient:
         A probe dropped unanswered is tried once more on a new connection: the server may only
         have closed the idle keep-alive connection the probe went out on (a live prefill was
         reported down so in CI). A timeout is not retried: that is a paused or overloaded
-        server, and a retry would double the time the heartbeat takes to notice it."""
+        server, and a retry would double the time the heartbeat takes to notice it. The retry
+        only gets what is left of one probe's time (connect + read timeouts), so a probe never
+        takes longer than a probe without a retry could."""
+        started = anyio.current_time()  # the loop's clock, which move_on_after uses
         try:
             try:
                 response = await self._http.get("/health", timeout=self._health_timeout)
             except _DROPPED_UNANSWERED as exc:
                 log.info("health_probe_retried", url=self.url, error=type(exc).__name__)
-                response = await self._unpooled.get("/health", timeout=self._health_timeout)
+                left = self._health_budget_s - (anyio.current_time() - started)
+                with anyio.move_on_after(max(left, 0.0)):
+                    response = await self._unpooled.get("/health", timeout=self._health_timeout)
+                    return _health_status(response)
+                return HealthStatus(False, None, f"{type(exc).__name__}: {exc}; the retry on "
+                                                 f"a new connection got no answer within "
+                                                 f"{self._health_budget_s:g}s of the probe")
         except httpx.HTTPError as exc:
             return HealthStatus(False, None, f"{type(exc).__name__}: {exc}")
-        return HealthStatus(
-            response.status_code == 200,
-            response.headers.get(INCARNATION_HEADER),
-            "" if response.status_code == 200 else f"{response.status_code}: {response.text}",
-        )
+        return _health_status(response)
 
     # ---- plumbing --------------------------------------------------------------------------
     async def _once(self, method: str, path: str, body: Any = None,
@@ -275,6 +281,14 @@ class BootstrapClient:
                 )
             await self._sleep(min(self.retry.delay(attempt, self.rng), remaining))
             attempt += 1
+
+
+def _health_status(response: httpx.Response) -> HealthStatus:
+    return HealthStatus(
+        response.status_code == 200,
+        response.headers.get(INCARNATION_HEADER),
+        "" if response.status_code == 200 else f"{response.status_code}: {response.text}",
+    )
 
 
 def _raise_for(response: httpx.Response, what: str) -> None:
