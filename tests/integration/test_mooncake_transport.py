@@ -24,6 +24,7 @@ from anyio.abc import Process
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 import pdflow.transport.mooncake as mooncake_module
+from pdflow import loop_idle
 from pdflow.transport import (
     FenceUnavailableError,
     InvalidWriteError,
@@ -458,6 +459,29 @@ async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
     assert len(recorder.submitted_on) == count
     assert not recorder.unsettled, "an op was never seen settled"
     assert dst.sha256(0, dst.size) == src.sha256(0, src.size)
+
+
+async def test_one_process_a_write_handed_to_a_worker_is_the_loops_idle_point(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Work kept for the loop's idle point (the nodes' trace batches) runs while a worker
+    # thread has the write, its op on the wire; a write the loop polls itself is no idle
+    # point, so the work waits (here for its 60 s delay, past the test).
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
+    sender, receiver = engine_pair
+    size = 64 << 20
+    src, dst = registered_buffers(engine_pair, size, seed=14)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    on_the_wire: list[int] = []
+    small = [Op(src.addr, dst.addr, 1 << 20)]
+    with anyio.fail_after(60):
+        loop_idle.defer(lambda: on_the_wire.append(len(recorder.unsettled)), 60.0)
+        assert (await sender.batch_write(receiver.session_id, small)).ok
+        assert on_the_wire == [], "a loop-polled write ran the loop's idle work"
+        assert (await sender.batch_write(receiver.session_id, [Op(src.addr, dst.addr, size)])).ok
+    assert on_the_wire == [1], "the idle work did not run with the write on the wire"
+    assert dst.sha256(0, size) == src.sha256(0, size)
 
 
 async def test_one_process_a_cancelled_write_returns_once_its_loop_submitted_ops_settled(

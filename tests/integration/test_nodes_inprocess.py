@@ -22,6 +22,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, PeerId, StatusReport
 from pdflow.core.protocol.outputs import StartTransfer
 from pdflow.dataplane.host import memmove_write_ops
+from pdflow.io import node_common
 from pdflow.io.codec import HEADER_BYTES, MsgpackCodec, wire_frames
 from pdflow.io.kv_buffers import (
     TransferPlanner,
@@ -29,6 +30,7 @@ from pdflow.io.kv_buffers import (
     host_cache_for_rank,
     kv_digest,
 )
+from pdflow.io.node_common import RoomStatus
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import Settings, load_settings
@@ -154,6 +156,43 @@ async def test_shutdown_leaves_no_task_socket_or_thread_behind(tmp_path: anyio.P
     await anyio.sleep(0.1)
     assert open_fds() == fds
     assert len(asyncio.all_tasks()) == tasks
+
+
+async def test_trace_batches_are_written_at_the_decodes_terminal_status(
+    tmp_path: anyio.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The room's path ends at the decode's Success: every trace batch kept on the loop so
+    # far (both nodes') is written on the loop's next pass after the waiter it woke, not at
+    # the deferral's delay (lifted here past the test), and not at the prefill's own
+    # Success (its StatusReport is then still on the way to the decode).
+    monkeypatch.setattr(node_common, "_TRACE_WRITE_DELAY_S", 60.0)
+    settings = load_settings(env={}, trace_dir=str(tmp_path))
+    async with two_nodes(settings) as (p_node, d_node):
+        recorders = [p_node.runtime.recorder, d_node.runtime.recorder]
+        prefill_pending_at_decode_success: list[int] = []
+
+        def on_event(event: object) -> None:
+            if isinstance(event, RoomStatus) and event.poll is KVPoll.Success:
+                prefill_pending_at_decode_success.append(len(recorders[0]._pending))
+
+        d_node.watch(on_event)
+        d_rank = d_node.ranks[0]
+        await d_rank.open(7, 0, p_node.bootstrap)
+        for rank in p_node.ranks:
+            await rank.open_room(7, 0)
+        await d_rank.wait(7)
+        await d_rank.publish_pages(7, [1, 2])
+        for rank in p_node.ranks:
+            await rank.wait(7)
+            await rank.init_transfer(7, 2)
+            await rank.send_chunk(7, [3, 4], True)
+        with anyio.fail_after(10):
+            assert (await d_rank.wait(7, terminal=True)).poll is KVPoll.Success
+        kept = sum(len(r._pending) for r in recorders)
+        await anyio.sleep(0)
+        assert kept > 0, "nothing was kept for later: the test would show nothing"
+        assert [len(r._pending) for r in recorders] == [0, 0]
+        assert prefill_pending_at_decode_success and prefill_pending_at_decode_success[0] > 0
 
 
 def test_digest_matches_across_tp_and_catches_a_misplaced_page() -> None:

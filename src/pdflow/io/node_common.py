@@ -31,6 +31,7 @@ import zmq.asyncio
 from anyio.abc import ObjectReceiveStream, TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from pdflow import loop_idle
 from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, Dropped, RoomRemoved, TimerFired
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -52,8 +53,8 @@ log = structlog.get_logger("pdflow.node")
 _TIMER_RETRY_S = 0.1
 # Sockets a node needs besides its outgoing pool: one PULL per rank, with room to spare.
 _SPARE_SOCKETS = 64
-# Trace lines are encoded and written this long after the first step of a batch, not inside
-# each step (the recorder's `defer`): a room's steps on its critical path stay short.
+# Trace lines are encoded and written outside the steps (the recorder's `defer`), at the
+# loop's next idle point (pdflow.loop_idle) or at the latest this long after a batch's first step.
 _TRACE_WRITE_DELAY_S = 0.005
 
 
@@ -336,6 +337,11 @@ class RankEffects:
         host.events.publish(
             RoomStatus(host.rank, change.room, change.generation, change.poll, change.reason)
         )
+        if change.poll.is_terminal and self.role == "decode":
+            # A room's path ends at the decode's terminal status (the waiter it woke runs
+            # first). Not at the prefill's: its StatusReport is still on the way to the
+            # decode, and a decode on the same loop would receive it behind the write.
+            loop_idle.idle_point()
 
     async def forget_room(self, removed: RoomRemoved) -> None:
         if self.host.clock_of(removed.room, removed.generation) is not None:
@@ -544,14 +550,16 @@ class NodeRuntime:
 
 
 def _write_on_the_loop_later(write: Callable[[], None]) -> None:
-    """The trace recorder's deferral: on the running event loop, _TRACE_WRITE_DELAY_S later
-    (at once where no loop runs, e.g. a step driven from a plain thread)."""
-    try:
-        loop = asyncio.get_running_loop()
-    except RuntimeError:
-        write()
-        return
-    loop.call_later(_TRACE_WRITE_DELAY_S, write)
+    """The trace recorder's deferral: at the running loop's next idle point (a write handed to
+    a worker thread, a decode's terminal status), at the latest _TRACE_WRITE_DELAY_S after the
+    batch's first step (at once where no loop runs, e.g. a step driven from a plain thread).
+
+    A fixed delay alone landed a batch started by a room's set-up steps on that room's status
+    path (the completion step, the StatusReport, the decode's step) in 13-28 of 40 rooms at
+    4 MiB (benchmarks/README.md, "One room end to end at 4 MiB"). What is written and in what
+    order is unchanged: the recorder's ``write_pending`` writes its batch as before, only
+    sooner; close, flush and the recorder's own triggers still write at once."""
+    loop_idle.defer(write, _TRACE_WRITE_DELAY_S)
 
 
 def draw_incarnation() -> str:

@@ -16,9 +16,9 @@ summaries are frozen structs, so they cannot change meanwhile) and the lines are
 written together a little later: ``defer(write_pending)`` is called when the first record of a
 batch is kept, and the batch is written at ``MAX_PENDING`` records, at ``flush``/``close``, and
 before a refused input's record (which is flushed at once) or a new endpoint's header, so the
-file's order is the steps' order. The node shell defers onto its event loop
-(``NodeRuntime``): a 1 MiB room's three steps on its path were 0.02-0.03 ms longer each with
-the recorder on (benchmarks/README.md, fifth pass).
+file's order is the steps' order. The node shell defers onto its event loop's next idle point
+(``NodeRuntime``, ``pdflow.loop_idle``): a 1 MiB room's three steps on its path were 0.02-0.03
+ms longer each with the recorder on (benchmarks/README.md, fifth pass).
 
 Not thread-safe: one recorder per event loop (the shell) or per simulated world.
 """

@@ -66,6 +66,7 @@ import anyio
 import anyio.to_thread
 import msgspec
 
+from pdflow import loop_idle
 from pdflow.transport.base import (
     RegistrationError,
     RotationUnavailableError,
@@ -476,6 +477,9 @@ class MooncakeTransport(GuardedTransport):
                     await asyncio.sleep(0)
             if not job.outstanding:
                 return job.outcomes()
+        # The loop has nothing of this job to do until the thread returns (the bytes are on
+        # the wire): an idle point, where deferred work such as trace batches is done.
+        loop_idle.idle_point()
         return await self._writers.run(self._write_settled, job)
 
     def _write_settled(self, job: _WriteJob) -> list[TransferOutcome]:
