@@ -336,3 +336,32 @@ async def test_a_cancelled_receive_loop_leaves_no_reader_behind() -> None:
     finally:
         receiver.close()
         context.term()
+
+
+async def test_send_soon_answers_at_once_and_hands_back_only_a_wait_for_room() -> None:
+    """A node's step sends through ``send_soon``: a message queued (or refused) at once is
+    answered with a bool and no coroutine; only a full queue hands back what to await, and
+    while that send waits, a later one waits behind it (never queued ahead of it)."""
+    context = zmq.asyncio.Context()
+    refused: list[str] = []
+    failed: list[str] = []
+    sender = ControlChannel.open(context, MsgpackCodec(), send_timeout_s=0.2, send_hwm=1,
+                                 on_refused=refused.append,
+                                 on_send_failed=failed.append)  # fmt: skip
+    nobody = f"127.0.0.1:{free_port()}"
+    try:
+        assert sender.send_soon(nobody, Abort(1, 0, DECODE, PREFILL), None) is True
+        assert sender.send_soon("no-port-here", Abort(1, 0, DECODE, PREFILL), None) is False
+        assert refused == ["connect_failed"]
+        waits = []
+        for room in range(2, 8):
+            sent = sender.send_soon(nobody, Abort(room, 0, DECODE, PREFILL), None)
+            if not isinstance(sent, bool):
+                waits.append(sent)
+                break
+        assert waits, "a full queue never handed back a wait"
+        assert await waits[0] is False  # nobody reads: the bounded wait runs out, counted
+        assert failed == [nobody]
+    finally:
+        sender.close()
+        context.term()

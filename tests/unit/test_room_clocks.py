@@ -36,13 +36,13 @@ def test_a_draining_generation_leaves_the_next_generations_clock_alone() -> None
         h.clocks[9] = RoomClock(anyio.current_time(), generation=2)  # room 9's next generation
         # Generation 1 was cleared while its writes drained; now it is removed, then its
         # last status change (were one to come) names generation 1 too.
-        await effects.forget_room(RoomRemoved(9, 1))
+        effects.forget_room(RoomRemoved(9, 1))
         assert h.clock_of(9, 2) is not None, "the next generation's clock was dropped"
-        await effects.report_status(StatusChanged(9, 1, KVPoll.Failed, "drained"))
+        effects.report_status(StatusChanged(9, 1, KVPoll.Failed, "drained"))
         assert finished(h, "failed") == 0.0, "generation 1 was reported with generation 2's clock"
-        await effects.report_status(StatusChanged(9, 2, KVPoll.Success, ""))
+        effects.report_status(StatusChanged(9, 2, KVPoll.Success, ""))
         assert finished(h, "success") == 1.0
-        await effects.forget_room(RoomRemoved(9, 2))
+        effects.forget_room(RoomRemoved(9, 2))
         assert 9 not in h.clocks
 
     anyio.run(story)

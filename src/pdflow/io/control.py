@@ -188,20 +188,25 @@ class ControlChannel:
 
     async def send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
         """Queue one message to ``address``; False (and counted) if it could not be queued."""
-        try:
-            return await self._send(address, message, msg_id)
-        except SendRefused as refused:
-            self._on_refused(refused.reason)
-            log.warning("control_send_refused", to=address[:200], reason=refused.reason,
-                        message=type(message).__name__, detail=str(refused)[:200])  # fmt: skip
-            return False
+        sent = self.send_soon(address, message, msg_id)
+        return sent if isinstance(sent, bool) else await sent
 
-    async def _send(self, address: str, message: ControlMessage, msg_id: str | None) -> bool:
+    def send_soon(
+        self, address: str, message: ControlMessage, msg_id: str | None
+    ) -> bool | Awaitable[bool]:
+        """:meth:`send` without a coroutine when the message is queued (True) or refused (False,
+        counted) at once; only when the peer's queue is full, or a send already waits for room,
+        the awaitable that waits behind it, bounded (await it before this channel's next send,
+        so messages keep their order). The nodes' steps send this way: almost every message is
+        queued at once, and a coroutine per message was part of each step's cost."""
         try:
             frames = self.codec.encode(message, msg_id)
         except FrameError as exc:
-            raise SendRefused(exc.reason, exc.detail) from None
-        push = self._socket_to(address)
+            return self._refused(address, message, SendRefused(exc.reason, exc.detail))
+        try:
+            push = self._socket_to(address)
+        except SendRefused as refused:
+            return self._refused(address, message, refused)
         try:
             # Almost always the peer's queue has room: queue it now, with no timer to arm (the
             # timeout scope was most of a small message's send cost) and no Future.
@@ -209,7 +214,20 @@ class ControlChannel:
                 return True
         except zmq.ZMQError as exc:
             self.forget(address)
-            raise SendRefused("send_error", f"{address!r}: {exc}") from None
+            return self._refused(
+                address, message, SendRefused("send_error", f"{address!r}: {exc}")
+            )
+        return self._send_waiting(address, message, push, frames)
+
+    def _refused(self, address: str, message: ControlMessage, refused: SendRefused) -> bool:
+        self._on_refused(refused.reason)
+        log.warning("control_send_refused", to=address[:200], reason=refused.reason,
+                    message=type(message).__name__, detail=str(refused)[:200])  # fmt: skip
+        return False
+
+    async def _send_waiting(
+        self, address: str, message: ControlMessage, push: PushSocket, frames: list[bytes]
+    ) -> bool:
         # The queue is full (SNDHWM), or a send waits for room already: wait behind it, bounded.
         push.waiting += 1
         try:
@@ -218,7 +236,9 @@ class ControlChannel:
                     await push.sock.send_multipart(frames)
                 except zmq.ZMQError as exc:
                     self.forget(address)
-                    raise SendRefused("send_error", f"{address!r}: {exc}") from None
+                    return self._refused(
+                        address, message, SendRefused("send_error", f"{address!r}: {exc}")
+                    )
                 return True
         finally:
             push.waiting -= 1

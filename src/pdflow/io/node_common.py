@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import gc
+import logging
 import math
 import secrets
 import time
@@ -41,7 +42,7 @@ from pdflow.io.codec import WireCodec
 from pdflow.io.control import ControlChannel, PushSocket
 from pdflow.io.frame_auth import authenticated
 from pdflow.io.limits import SocketPool
-from pdflow.io.metrics import NodeMetrics, RoomReport
+from pdflow.io.metrics import NodeMetrics, RoomReport, logs_at
 from pdflow.io.metrics_http import MetricsServer, open_metrics_listener
 from pdflow.io.settings import Settings
 from pdflow.trace.format import message_id
@@ -213,7 +214,12 @@ class RoomClock:
 
 
 # ---- one endpoint ------------------------------------------------------------------------------
-Dispatch = Callable[[Output, str | None], Awaitable[None]]
+Effect = Awaitable[object] | None
+"""What a node's effect returns: None when it is done, else what the step must await before its
+next output (a send waiting for room in the peer's queue, a fence lifted): most effects never
+wait, and a coroutine created and awaited per output was part of every step's cost."""
+
+Dispatch = Callable[[Output, str | None], Effect]
 """Carries out one output (the role's dispatcher bound to one rank's effects)."""
 
 
@@ -287,7 +293,9 @@ class EndpointHost:
                     if seq is not None and isinstance(output, SendMessage)
                     else None
                 )
-                await self._dispatch(output, msg_id)
+                pending = self._dispatch(output, msg_id)
+                if pending is not None:
+                    await pending
             return step
 
     def _rearm(self, timer_at: float | None) -> None:
@@ -326,7 +334,7 @@ class RankEffects:
     def __init__(self, host: EndpointHost) -> None:
         self.host = host
 
-    async def report_status(self, change: StatusChanged) -> None:
+    def report_status(self, change: StatusChanged) -> None:
         host = self.host
         now = loop_time()
         clock = host.clock_of(change.room, change.generation)
@@ -343,18 +351,19 @@ class RankEffects:
             # decode, and a decode on the same loop would receive it behind the write.
             loop_idle.idle_point()
 
-    async def forget_room(self, removed: RoomRemoved) -> None:
+    def forget_room(self, removed: RoomRemoved) -> None:
         if self.host.clock_of(removed.room, removed.generation) is not None:
             del self.host.clocks[removed.room]  # never the clock of the room id's next generation
         self.host.events.publish(RoomClosed(self.host.rank, removed.room, removed.generation))
 
-    async def count_drop(self, dropped: Dropped) -> None:
+    def count_drop(self, dropped: Dropped) -> None:
         self.host.metrics.core_dropped.labels(dropped.kind).inc()
         log.info("message_dropped", endpoint=self.host.endpoint_id, kind=dropped.kind,
                  reason=dropped.reason[:200])  # fmt: skip
 
-    async def record_only(self, output: Output) -> None:
-        log.debug("output", endpoint=self.host.endpoint_id, output=type(output).__name__)
+    def record_only(self, output: Output) -> None:
+        if logs_at(logging.DEBUG):  # asking the logger proxy binds a logger first (~3 us)
+            log.debug("output", endpoint=self.host.endpoint_id, output=type(output).__name__)
 
     def _report(self, change: StatusChanged, clock: RoomClock, now: float) -> RoomReport:
         waited = None

@@ -28,7 +28,7 @@ from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.buffers import TpPlace, destination_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint, DecodeSnapshot
-from pdflow.core.endpoints.effects import carry_out_decode
+from pdflow.core.endpoints.effects import DecodeEffects, carry_out_decode
 from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
     ClearRoom,
@@ -88,6 +88,7 @@ from pdflow.io.kv_buffers import (
 )
 from pdflow.io.node_common import (
     Dispatch,
+    Effect,
     EndpointHost,
     NodeLifecycle,
     NodeRuntime,
@@ -258,10 +259,10 @@ class DecodeRankEffects(RankEffects):
         super().__init__(host)
         self.node = node
 
-    async def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> None:
-        await self.node.send(self.host, to, message, msg_id)
+    def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> Effect:
+        return self.node.send(self.host, to, message, msg_id)
 
-    async def forget_room(self, removed: RoomRemoved) -> None:
+    def forget_room(self, removed: RoomRemoved) -> None:
         key = (self.host.rank, removed.room)
         gate = self.node.admission[self.host.rank]
         rid = request_id(removed.room, removed.generation)
@@ -271,13 +272,13 @@ class DecodeRankEffects(RankEffects):
         self.node.room_pages.pop(key, None)
         self.node.room_state.pop(key, None)
         self.node.room_staging.pop(key, None)
-        await super().forget_room(removed)
+        super().forget_room(removed)
 
-    async def fetch_topology(self, bootstrap: str) -> None:
+    def fetch_topology(self, bootstrap: str) -> None:
         node, host = self.node, self.host
         node.spawn(lambda: node.resolve(host, bootstrap))
 
-    async def close_session(self, request: CloseSession) -> None:
+    def close_session(self, request: CloseSession) -> None:
         node, host = self.node, self.host
         node.spawn(lambda: node.close_session(host, request.peer, request.session_id))
 
@@ -286,24 +287,24 @@ class DecodeRankEffects(RankEffects):
         # room's metadata) can make the writer write.
         await self.node.readmit(self.host, readmit.peer, readmit.session_id)
 
-    async def note_superseded(self, superseded: IncarnationSuperseded) -> None:
+    def note_superseded(self, superseded: IncarnationSuperseded) -> None:
         self.node.runtime.metrics.superseded.inc()
         log.info("prefill_superseded", endpoint=self.host.endpoint_id,
                  bootstrap=superseded.bootstrap, incarnation=superseded.incarnation)  # fmt: skip
 
-    async def verify_checksums(self, request: VerifyChecksums) -> None:
+    def verify_checksums(self, request: VerifyChecksums) -> None:
         node, host = self.node, self.host
         node.spawn(lambda: node.verify(host, request))
 
-    async def store_aux(self, aux: StoreAux) -> None:
+    def store_aux(self, aux: StoreAux) -> None:
         # The core checked the row's size against the rank's aux buffer when it accepted it.
         kv = self.node.rank_of(self.host).kv
         write_aux_row(aux_buffer_of(kv, "a Success"), aux.aux_index, aux.data)
 
-    async def note_staging(self, placed: StagingPlaced) -> None:
+    def note_staging(self, placed: StagingPlaced) -> None:
         self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
 
-    async def release_pages(self, freed: PagesFreed) -> None:
+    def release_pages(self, freed: PagesFreed) -> None:
         status = self.host.events.status(self.host.rank, freed.room)
         if status is None or status.generation != freed.generation or (
             status.poll is not KVPoll.Success
@@ -316,7 +317,7 @@ class DecodeRankEffects(RankEffects):
         )
         self.node.update_quarantine()
 
-    async def hold_pages(self, held: PagesQuarantined) -> None:
+    def hold_pages(self, held: PagesQuarantined) -> None:
         self.host.events.publish(PagesHeld(
             self.host.rank, held.room, held.generation, held.pages, held.writers
         ))  # fmt: skip
@@ -467,17 +468,20 @@ class DecodeNode(NodeLifecycle):
 
     # ---- outputs -------------------------------------------------------------------------------
     def _dispatcher(self, host: EndpointHost) -> Dispatch:
-        return partial(carry_out_decode, DecodeRankEffects(self, host))
+        effects: DecodeEffects[Effect] = DecodeRankEffects(self, host)
+        return partial(carry_out_decode, effects)
 
     def spawn(self, job: Callable[[], Coroutine[Any, Any, None]]) -> None:
         """Work an output asked for that answers with a later input (never under the lock)."""
         self._tasks.start_soon(job)
 
-    async def send(self, host: EndpointHost, to: PeerId, message: AnyMessage,
-                   msg_id: str | None) -> None:  # fmt: skip
-        # One channel per rank, in step order: the core's KvArgs precedes the messages it
-        # announces.
-        await self._channels[host.rank].send(to.address, message, msg_id)
+    def send(self, host: EndpointHost, to: PeerId, message: AnyMessage,
+             msg_id: str | None) -> Effect:  # fmt: skip
+        """Queue the message now, or the awaitable that waits for room in the peer's queue (the
+        step awaits it before its next output). One channel per rank, in step order: the core's
+        KvArgs precedes the messages it announces."""
+        sent = self._channels[host.rank].send_soon(to.address, message, msg_id)
+        return None if isinstance(sent, bool) else sent
 
     def rank_of(self, host: EndpointHost) -> DecodeRank:
         return self.ranks[self._hosts.index(host)]

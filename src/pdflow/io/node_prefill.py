@@ -38,7 +38,7 @@ from pdflow.core.dataplane.planning import (
     pages_after_prefix,
     partition_chunks,
 )
-from pdflow.core.endpoints.effects import carry_out_prefill
+from pdflow.core.endpoints.effects import PrefillEffects, carry_out_prefill
 from pdflow.core.endpoints.endpoint_io import (
     ClearRoom,
     OpenRoom,
@@ -90,6 +90,7 @@ from pdflow.io.kv_buffers import (
 from pdflow.io.limits import PrefillRankLimits
 from pdflow.io.node_common import (
     Dispatch,
+    Effect,
     EndpointHost,
     Job,
     NodeLifecycle,
@@ -295,10 +296,11 @@ class PrefillRankEffects(RankEffects):
         super().__init__(host)
         self.node = node
 
-    async def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> None:
-        await self.node.channel_of(self.host).send(to.address, message, msg_id)
+    def send(self, to: PeerId, message: AnyMessage, msg_id: str | None) -> Effect:
+        sent = self.node.channel_of(self.host).send_soon(to.address, message, msg_id)
+        return None if isinstance(sent, bool) else sent
 
-    async def start_transfer(self, start: StartTransfer) -> None:
+    def start_transfer(self, start: StartTransfer) -> None:
         node, host = self.node, self.host
         # The layout as the core knows it in this step (a later announcement may replace it).
         layout = host.endpoint.layout_of(start.peer)
@@ -560,7 +562,8 @@ class PrefillNode(NodeLifecycle):
 
     # ---- outputs -------------------------------------------------------------------------------
     def _dispatcher(self, host: EndpointHost) -> Dispatch:
-        return partial(carry_out_prefill, PrefillRankEffects(self, host))
+        effects: PrefillEffects[Effect] = PrefillRankEffects(self, host)
+        return partial(carry_out_prefill, effects)
 
     def rank_index(self, tp_rank: int) -> int:
         return [r.tp_rank for r in self.rank_kv].index(tp_rank)
