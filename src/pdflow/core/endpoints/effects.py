@@ -4,8 +4,9 @@ implements, and the one dispatcher that turns each output into an effect.
 Both shells carry out endpoint outputs through :func:`carry_out_prefill` and
 :func:`carry_out_decode`: the real nodes (``pdflow.io``) and the simulator (``pdflow.sim``), so
 the model checker runs the dispatch that production runs. A shell picks the effects' return
-type: the nodes return awaitables (they await each effect in order, under the endpoint's lock),
-the simulator returns None. Each ``match`` ends in ``assert_never``: an output added to a role's
+type: the nodes return None for an effect done at once, else an awaitable (awaited before the
+step's next output, under the endpoint's lock: a send waiting for room, a fence lifted), the
+simulator returns None. Each ``match`` ends in ``assert_never``: an output added to a role's
 union without a case here fails ``mypy --strict``.
 """
 
