@@ -136,13 +136,26 @@ def instrument(marks: Marks) -> None:
                 finally:
                     marks("core handle<")
 
-        async def timed_dispatch(output: Any, msg_id: str | None) -> None:
+        def timed_dispatch(output: Any, msg_id: str | None) -> Any:
+            # An effect is done when it returns None, else when what it returned is awaited.
             tag = "output " + type(output).__name__
             marks(tag + ">")
             try:
-                await dispatch(output, msg_id)
-            finally:
+                pending = dispatch(output, msg_id)
+            except BaseException:
                 marks(tag + "<")
+                raise
+            if pending is None:
+                marks(tag + "<")
+                return None
+
+            async def finish() -> None:
+                try:
+                    await pending
+                finally:
+                    marks(tag + "<")
+
+            return finish()
 
         host.endpoint, host._dispatch = Timed(), timed_dispatch
 
@@ -167,7 +180,7 @@ def instrument(marks: Marks) -> None:
     # left of a small one after the loop's polling time) goes on to the "worker thread".
     _around(marks, mooncake.MooncakeTransport, "_settle", "settle")
     _around(marks, mooncake.MooncakeTransport, "_write_settled", "worker thread")
-    _around(marks, control.ControlChannel, "_send",
+    _around(marks, control.ControlChannel, "send_soon",
             lambda channel, address, message, msg_id: "send " + type(message).__name__)  # fmt: skip
 
     channel_init = control.ControlChannel.__init__
