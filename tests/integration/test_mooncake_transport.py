@@ -423,6 +423,18 @@ class SubmitThreads:
         return status
 
 
+def recorded_sender(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], size: int, seed: int
+) -> tuple[MooncakeTransport, MooncakeTransport, LocalBuffer, LocalBuffer, SubmitThreads]:
+    """The pair, its registered buffers (as `registered_buffers`) and the sender's engine
+    swapped for a `SubmitThreads` recorder of it."""
+    sender, receiver = engine_pair
+    src, dst = registered_buffers(engine_pair, size, seed=seed)
+    recorder = SubmitThreads(sender._engine)
+    sender._engine = recorder
+    return sender, receiver, src, dst, recorder
+
+
 async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -431,11 +443,8 @@ async def test_one_process_a_jobs_first_ops_are_submitted_before_the_thread_hop(
     # (The loop's polling time is lifted: a first write also opens the connections, which
     # may take longer than that time; the next test covers a write that outlasts it.)
     monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
-    sender, receiver = engine_pair
     count, page = 1024, 64 << 10
-    src, dst = registered_buffers(engine_pair, count * page, seed=9)
-    recorder = SubmitThreads(sender._engine)
-    sender._engine = recorder
+    sender, receiver, src, dst, recorder = recorded_sender(engine_pair, count * page, seed=9)
     loop_thread = threading.current_thread().name
     small = [Op(src.addr + i * (256 << 10), dst.addr + i * (256 << 10), 256 << 10)
              for i in range(4)]  # fmt: skip
@@ -468,11 +477,8 @@ async def test_one_process_a_write_handed_to_a_worker_is_the_loops_idle_point(
     # thread has the write, its op on the wire; a write the loop polls itself is no idle
     # point, so the work waits (here for its 60 s delay, past the test).
     monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
-    sender, receiver = engine_pair
     size = 64 << 20
-    src, dst = registered_buffers(engine_pair, size, seed=14)
-    recorder = SubmitThreads(sender._engine)
-    sender._engine = recorder
+    sender, receiver, src, dst, recorder = recorded_sender(engine_pair, size, seed=14)
     on_the_wire: list[int] = []
     small = [Op(src.addr, dst.addr, 1 << 20)]
     with anyio.fail_after(60):
@@ -487,11 +493,8 @@ async def test_one_process_a_write_handed_to_a_worker_is_the_loops_idle_point(
 async def test_one_process_a_cancelled_write_returns_once_its_loop_submitted_ops_settled(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:
-    sender, receiver = engine_pair
     size = 64 << 20
-    src, dst = registered_buffers(engine_pair, size, seed=10)
-    recorder = SubmitThreads(sender._engine)
-    sender._engine = recorder
+    sender, receiver, src, dst, recorder = recorded_sender(engine_pair, size, seed=10)
     unsettled_on_return: list[int] = []
 
     async def write() -> None:
@@ -516,11 +519,8 @@ async def test_one_process_a_cancelled_small_write_returns_once_its_loop_polled_
     # A 1 MiB write is polled on the loop between yields: a cancel landing at one of those
     # yields must still wait for every op to settle.
     monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
-    sender, receiver = engine_pair
     size, count = 1 << 20, 4
-    src, dst = registered_buffers(engine_pair, size, seed=12)
-    recorder = SubmitThreads(sender._engine)
-    sender._engine = recorder
+    sender, receiver, src, dst, recorder = recorded_sender(engine_pair, size, seed=12)
     quarter = size // count
     ops = [Op(src.addr + i * quarter, dst.addr + i * quarter, quarter) for i in range(count)]
     unsettled_at_cancel: list[int] = []
@@ -550,11 +550,8 @@ async def test_one_process_a_small_write_past_the_loop_poll_deadline_goes_to_a_w
 ) -> None:
     # Once the loop's polling time is up, the ops still on the wire are the worker's to see
     # settled; the outcome still counts every op.
-    sender, receiver = engine_pair
     size, count = 1 << 20, 4
-    src, dst = registered_buffers(engine_pair, size, seed=13)
-    recorder = SubmitThreads(sender._engine)
-    sender._engine = recorder
+    sender, receiver, src, dst, recorder = recorded_sender(engine_pair, size, seed=13)
     monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 0.0)
     quarter = size // count
     ops = [Op(src.addr + i * quarter, dst.addr + i * quarter, quarter) for i in range(count)]
