@@ -55,10 +55,8 @@ def dropped(node: PrefillNode | DecodeNode) -> float:
 @contextmanager
 def running_nodes(tmp_path: Path, token: str | None) -> Iterator[
         tuple[anyio.from_thread.BlockingPortal, PrefillNode, DecodeNode]]:  # fmt: skip
-    # No heartbeat probe during the run: the snapshots compared below would hold the result
-    # of whichever HTTP probe fell in between (one failed under load in CI), not frames'.
     settings = load_settings(env={}, trace_dir=str(tmp_path), checksum=True,
-                             bootstrap_token=token, heartbeat_interval=3600.0)  # fmt: skip
+                             bootstrap_token=token)  # fmt: skip
     with (
         anyio.from_thread.start_blocking_portal("asyncio") as portal,
         portal.wrap_async_context_manager(two_nodes(settings)) as (p_node, d_node),
