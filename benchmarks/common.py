@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from pathlib import Path
 from typing import Any
 
@@ -17,3 +18,10 @@ def write_json(path: Path, result: dict[str, Any]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {path}")
+
+
+def latency_summary(seconds: list[float]) -> dict[str, float]:
+    """Median, p10 and p90 of a list of durations, in microseconds."""
+    us = sorted(v * 1e6 for v in seconds)
+    return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10],
+            "p90_us": us[len(us) * 9 // 10]}  # fmt: skip

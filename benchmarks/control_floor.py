@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from typing import Any
 
 import anyio
 import zmq.asyncio
 
+from benchmarks.common import latency_summary
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import PeerId, StatusReport
 from pdflow.io.codec import ControlMessage, MsgpackCodec
@@ -77,13 +77,9 @@ async def _measure(messages: int, gap_s: float) -> dict[str, Any]:
         b.close()
         context.destroy(linger=0)
 
-    def summary(values: list[float]) -> dict[str, float]:
-        us = sorted(v * 1e6 for v in values)
-        return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10],
-                "p90_us": us[len(us) * 9 // 10]}  # fmt: skip
-
     return {"benchmark": "control_floor", "messages": messages, "gap_ms": gap_s * 1e3,
-            "one_way": summary(one_way), "round_trip_half": summary(rounds)}  # fmt: skip
+            "one_way": latency_summary(one_way),
+            "round_trip_half": latency_summary(rounds)}  # fmt: skip
 
 
 def run(messages: int = 400, gap_s: float = 0.002) -> dict[str, Any]:
