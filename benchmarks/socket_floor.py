@@ -27,7 +27,7 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
-from contextlib import closing, contextmanager
+from contextlib import AbstractContextManager, closing, contextmanager
 from typing import Any
 
 import zmq
@@ -36,7 +36,6 @@ from benchmarks.common import latency_summary
 
 PAYLOAD = b"x" * 60
 WARM_UP = 20
-KINDS = ("zmq", "tcp", "tcp_thread")
 IDLES = ("sleep", "spin", "none")
 # The one-room target: pdflow at least 0.9x the raw engine.
 TARGET_RATIO = 0.9
@@ -135,9 +134,10 @@ def _tcp_other_thread() -> Iterator[OneWay]:
             reader.join(5)
 
 
-_PAIRS: dict[str, Callable[[], Any]] = {
+_PAIRS: dict[str, Callable[[], AbstractContextManager[OneWay]]] = {
     "zmq": _zmq_pair, "tcp": _tcp_same_thread, "tcp_thread": _tcp_other_thread,
 }  # fmt: skip
+KINDS = tuple(_PAIRS)
 
 
 def measure(kind: str, idle: str, messages: int, gap_s: float) -> dict[str, float]:

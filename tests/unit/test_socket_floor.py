@@ -22,8 +22,8 @@ def test_every_kind_after_every_idle_mode_gives_ordered_positive_figures() -> No
 
 
 def test_the_message_must_arrive_before_the_time_is_taken(monkeypatch: pytest.MonkeyPatch) -> None:
-    # A one-way time counts the receive: with the payload never read back whole, the
-    # same-thread TCP pair would wait, so a short payload read is what it must loop over.
+    # A one-way time ends only once the whole message is read, and TCP may hand it over in
+    # pieces: the same-thread pair must keep reading until all 60 bytes are in.
     reads: list[int] = []
     real_recv = socket_floor.socket.socket.recv
 
