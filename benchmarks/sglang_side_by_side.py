@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.common import write_json
+from benchmarks.process_cpu import CpuMeter, CpuSplit
 
 ROOT = Path(__file__).resolve().parents[1]
 SHAPES: dict[str, dict[str, int]] = {
@@ -129,6 +130,7 @@ class _Pair:
         self.decode = DriverProcess("decode", *common, "--http-port", str(free_port()),
                                     log_dir=logs, python=python, env=env)  # fmt: skip
         self.next_base = 1000
+        self.cpu = CpuMeter({"prefill": self.prefill.proc.pid, "decode": self.decode.proc.pid})
 
     def ready(self) -> None:
         self.prefill.wait_for("prefill_ready", timeout=STARTUP_S)
@@ -137,6 +139,7 @@ class _Pair:
     def batch(self, rooms: int) -> dict[str, Any]:
         """``rooms`` rooms opened at once by the decode; rooms/s and create->Success latency."""
         base, self.next_base = self.next_base, self.next_base + rooms
+        self.cpu.start()
         started = time.monotonic()
         # The router sends the batch's requests to both instances at once: the prefill holds
         # senders only for the requests it was sent (not for every batch of the run).
@@ -145,6 +148,7 @@ class _Pair:
         self.decode.command(cmd="batch", count=rooms, base=base, bootstrap_port=self.port,
                             first_index=base - 1000)  # fmt: skip
         done = self.decode.wait_for("batch_done", timeout=BATCH_S, base=base)
+        cpu = self.cpu.stop()
         finished = [e for e in self.decode.seen("receiver_success")
                     if base <= e["room"] < base + rooms]  # fmt: skip
         if done["success"] != rooms or done["wrong_pages"]:
@@ -156,11 +160,36 @@ class _Pair:
             "rooms_per_s": done["rooms_per_s"],
             "p50_ms": 1000 * statistics.median(latencies),
             "p99_ms": 1000 * _percentile(latencies, 0.99),
+            "cpu_s": _cpu_parts(cpu),
         }
 
     def stop(self) -> None:
         self.decode.stop()
         self.prefill.stop()
+
+
+def _cpu_parts(cpu: dict[str, CpuSplit]) -> dict[str, float]:
+    # "prefill_main", "prefill_others", "decode_main", "decode_others": seconds
+    return {f"{role}_main": split.main for role, split in cpu.items()} | {
+        f"{role}_others": split.others for role, split in cpu.items()
+    }
+
+
+def cpu_per_room(batches: list[dict[str, Any]]) -> dict[str, float]:
+    """CPU milliseconds per room over all of a system's batches, by process and thread group
+    (``main`` is the scheduler's thread), with their ``total``; and the cores those threads kept
+    busy over the batches' wall time (``cores_busy``)."""
+    rooms = sum(batch["rooms"] for batch in batches)
+    seconds = sum(batch["seconds"] for batch in batches)
+    if rooms < 1 or seconds <= 0:
+        raise ValueError("need at least one batch with rooms and a duration")
+    parts: dict[str, float] = {}
+    for batch in batches:
+        for part, used in batch["cpu_s"].items():
+            parts[part] = parts.get(part, 0.0) + used
+    total = sum(parts.values())
+    return {**{part: 1000 * used / rooms for part, used in parts.items()},
+            "total": 1000 * total / rooms, "cores_busy": total / seconds}  # fmt: skip
 
 
 def measure_shape(name: str, loads: tuple[int, ...], repeats: int, python: str, logs: Path,
@@ -181,8 +210,10 @@ def measure_shape(name: str, loads: tuple[int, ...], repeats: int, python: str, 
                 for system, pair in pairs.items():  # alternating: drift hits both alike
                     batch = pair.batch(load)
                     batches.setdefault((system, load), []).append(batch)
+                    cpu = cpu_per_room([batch])
                     progress(f"  {name} x{load} {system}: {batch['rooms_per_s']:.0f} rooms/s, "
-                             f"p99 {batch['p99_ms']:.0f} ms")  # fmt: skip
+                             f"p99 {batch['p99_ms']:.0f} ms, CPU {cpu['total']:.2f} ms/room "
+                             f"({cpu['cores_busy']:.1f} cores busy)")  # fmt: skip
     finally:
         for pair in pairs.values():
             pair.stop()
@@ -198,10 +229,13 @@ def measure_shape(name: str, loads: tuple[int, ...], repeats: int, python: str, 
                 "p50_ms": statistics.median(r["p50_ms"] for r in runs),
                 "p99_ms": statistics.median(r["p99_ms"] for r in runs),
                 "gbps": rate * room_bytes(shape) / 1e9,
+                "cpu_ms_per_room": cpu_per_room(runs),
                 "batches": runs,
             }
         row["rooms_per_s_ratio"] = row["pdflow"]["rooms_per_s"] / row["sglang"]["rooms_per_s"]
         row["p99_ratio"] = row["sglang"]["p99_ms"] / row["pdflow"]["p99_ms"]
+        row["cpu_per_room_ratio"] = (row["sglang"]["cpu_ms_per_room"]["total"]
+                                     / row["pdflow"]["cpu_ms_per_room"]["total"])  # fmt: skip
         rows.append(row)
     return rows
 
@@ -237,7 +271,7 @@ def main() -> None:
     loads = tuple(int(n) for n in args.loads_4k.split(","))
     result = run(tuple(args.shapes.split(",")), args.repeats, loads_4k=loads)
     for row in result["results"]:
-        keys = ("shape", "concurrency", "rooms_per_s_ratio", "p99_ratio")
+        keys = ("shape", "concurrency", "rooms_per_s_ratio", "p99_ratio", "cpu_per_room_ratio")
         print(json.dumps({k: row[k] for k in keys}))
     if args.json:
         write_json(Path(args.json), result)

@@ -74,3 +74,25 @@ def test_without_sglang_the_side_by_side_suite_says_so_and_the_rest_runs(
     assert "SGLang is not installed" in sglang.detail
     assert "scripts/setup_sglang.sh" in sglang.detail
     assert core.status == "ok" and core.checks
+
+
+def test_the_side_by_side_suite_reports_cpu_per_room_as_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdflow.bench.runner import sglang_suite
+
+    def system(rooms_per_s: float, cpu_ms: float) -> dict[str, Any]:
+        return {"rooms_per_s": rooms_per_s, "p99_ms": 100.0,
+                "cpu_ms_per_room": {"total": cpu_ms, "cores_busy": 1.5}}  # fmt: skip
+
+    row = {"shape": "256x4K", "concurrency": 256, "rooms_per_s_ratio": 1.5, "p99_ratio": 1.4,
+           "cpu_per_room_ratio": 1.25, "pdflow": system(1200, 1.2),
+           "sglang": system(800, 1.5)}  # fmt: skip
+    module = load_benchmark("sglang_side_by_side")
+    monkeypatch.setattr(module, "run", lambda **_: {"repeats": 3, "results": [row]})
+    _result, checks = sglang_suite(quick=False, progress=print)
+    judged = {check.measure: (check.value, check.verdict) for check in checks}
+    assert judged["rooms/s pdflow / SGLang, 256 x 4K"] == (1.5, "miss")
+    assert judged["CPU per room SGLang / pdflow, 256 x 4K"] == (1.25, "info")
+    assert judged["pdflow CPU per room (both processes), 256 x 4K"] == (1200.0, "info")
+    assert judged["SGLang CPU per room (both processes), 256 x 4K"] == (1500.0, "info")

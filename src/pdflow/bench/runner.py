@@ -239,7 +239,22 @@ def sglang_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[
             checks.append(Check("sglang", f"p99 create->Success SGLang / pdflow, {load}",
                                 row["p99_ratio"], "x", CONTROL_RATIO_TARGET,
                                 baseline=baseline))  # fmt: skip
+            checks += _cpu_checks(row, load, baseline)
     return result, checks
+
+
+def _cpu_checks(row: dict[str, Any], load: str, baseline: str) -> list[Check]:
+    """Context for the control-bound ratio: on a small machine both systems are CPU-bound and
+    rooms/s follows the CPU a room costs in the two processes, all threads counted."""
+    if "cpu_per_room_ratio" not in row:
+        return []
+    return [
+        Check("sglang", f"CPU per room SGLang / pdflow, {load}", row["cpu_per_room_ratio"],
+              "x", None, baseline=baseline),
+        *(Check("sglang", f"{name} CPU per room (both processes), {load}",
+                1000 * row[system]["cpu_ms_per_room"]["total"], "us", None, baseline=baseline)
+          for system, name in (("pdflow", "pdflow"), ("sglang", "SGLang"))),
+    ]  # fmt: skip
 
 
 def scale_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Check]]:
