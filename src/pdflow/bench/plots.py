@@ -137,7 +137,11 @@ def _sglang(plt: Any, data: dict[str, Any]) -> Any:
     rooms/s ratio per shape."""
     rows = data["results"]
     small = sorted((r for r in rows if r["shape"] == "256x4K"), key=lambda r: r["concurrency"])
-    figure, (rate, latency, ratio) = plt.subplots(1, 3, figsize=(16, 4.8))
+    with_cpu = bool(small) and "cpu_ms_per_room" in small[-1]["pdflow"]
+    figure, axes = plt.subplots(1, 4 if with_cpu else 3, figsize=(21 if with_cpu else 16, 4.8))
+    rate, latency, ratio = axes[:3]
+    if with_cpu:
+        _cpu_per_room(axes[3], small[-1])
     for axis, key, title in ((rate, "rooms_per_s", "rooms/s (higher is better)"),
                              (latency, "p99_ms", "create→Success p99, ms (lower is better)")):
         xs = [r["concurrency"] for r in small]
@@ -163,6 +167,35 @@ def _sglang(plt: Any, data: dict[str, Any]) -> Any:
     figure.suptitle("pdflow vs SGLang 0.5.23's own Mooncake managers, same run, two processes "
                     "each (median of the batches)")
     return figure
+
+
+_CPU_PARTS = (
+    ("prefill_main", "prefill: scheduler thread"),
+    ("prefill_others", "prefill: other threads"),
+    ("decode_main", "decode: scheduler thread"),
+    ("decode_others", "decode: other threads"),
+)
+
+
+def _cpu_per_room(axis: Any, row: dict[str, Any]) -> None:
+    """Stacked bars: each system's CPU per room at the control-bound load, by process and thread
+    group, with the total and the cores kept busy above each bar."""
+    systems = (("pdflow", "pdflow"), ("sglang", "SGLang 0.5.23"))
+    bottoms = [0.0, 0.0]
+    for index, (part, label) in enumerate(_CPU_PARTS):
+        heights = [row[system]["cpu_ms_per_room"].get(part, 0.0) for system, _ in systems]
+        axis.bar([0, 1], heights, bottom=bottoms, width=0.6, color=_COLORS[index], label=label)
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    for position, (system, _) in enumerate(systems):
+        cpu = row[system]["cpu_ms_per_room"]
+        axis.annotate(f"{cpu['total']:.2f} ms, {cpu['cores_busy']:.1f} cores",
+                      (position, bottoms[position]), xytext=(0, 4), textcoords="offset points",
+                      ha="center", va="bottom", fontsize=9)  # fmt: skip
+    axis.set_xticks([0, 1], [name for _, name in systems])
+    axis.set_ylim(0, max(bottoms) * 1.6)
+    axis.set_ylabel("CPU ms per room, all threads")
+    axis.set_title(f"CPU per room at {row['concurrency']} x 4 KiB (lower is better)")
+    axis.legend(loc="upper left", fontsize=8)
 
 
 def _scale(plt: Any, data: dict[str, Any]) -> Any:
