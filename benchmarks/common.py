@@ -25,3 +25,13 @@ def latency_summary(seconds: list[float]) -> dict[str, float]:
     us = sorted(v * 1e6 for v in seconds)
     return {"median_us": statistics.median(us), "p10_us": us[len(us) // 10],
             "p90_us": us[len(us) * 9 // 10]}  # fmt: skip
+
+
+def raw_engine(host: str = "127.0.0.1") -> Any:
+    """A bare Mooncake engine over TCP (P2P handshake), as the raw baselines use it."""
+    from pdflow.transport.mooncake import load_engine_class
+
+    engine = load_engine_class()()
+    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
+        raise RuntimeError(f"Mooncake engine failed to initialise on {host}")
+    return engine

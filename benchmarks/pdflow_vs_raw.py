@@ -36,6 +36,7 @@ import anyio
 import anyio.to_thread
 import structlog
 
+from benchmarks.common import raw_engine
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.outputs import StartTransfer
@@ -43,19 +44,12 @@ from pdflow.io.kv_buffers import TransferPlanner, host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
-from pdflow.transport.mooncake import MooncakeTransport, load_engine_class
+from pdflow.transport.mooncake import MooncakeTransport
 
 MIB = 1 << 20
 # A page is 16 tokens x 8 heads x 128 dims x fp16 = 32 KiB per buffer; 2 layers = 4 buffers.
 GEOMETRY = {"num_layers": 2, "page_size": 16, "head_dim": 128, "total_kv_heads": 8}
 PAGE_BYTES = 4 * 32 * 1024
-
-
-def _raw_engine(host: str) -> Any:
-    engine = load_engine_class()()
-    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError(f"Mooncake engine failed to initialise on {host}")
-    return engine
 
 
 async def _measure(size: int, repeats: int, progress: Callable[[str], None]) -> dict[str, Any]:
@@ -65,7 +59,7 @@ async def _measure(size: int, repeats: int, progress: Callable[[str], None]) -> 
                                             dtype=KvDtype.FP16, **GEOMETRY)  # fmt: skip
     dst_cache, dst_kv = host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=pages,
                                             dtype=KvDtype.FP16, **GEOMETRY)  # fmt: skip
-    raw_src, raw_dst = _raw_engine("127.0.0.1"), _raw_engine("127.0.0.1")
+    raw_src, raw_dst = raw_engine("127.0.0.1"), raw_engine("127.0.0.1")
     for engine, cache in ((raw_src, src_cache), (raw_dst, dst_cache)):
         if engine.register_memory(cache.base_addr, cache.nbytes) != 0:
             raise RuntimeError("Mooncake refused to register the benchmark buffers")

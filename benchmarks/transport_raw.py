@@ -21,8 +21,8 @@ from typing import Any, NamedTuple
 
 import anyio
 
-from benchmarks.common import gbps, write_json
-from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport, load_engine_class
+from benchmarks.common import gbps, raw_engine, write_json
+from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 MIB = 1 << 20
 DEFAULT_SIZES = (1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB)
@@ -43,13 +43,6 @@ def parse_size(text: str) -> int:
     return int(text)
 
 
-def _open_raw_engine(host: str) -> Any:
-    engine = load_engine_class()()
-    if engine.initialize(host, "P2PHANDSHAKE", "tcp", "") != 0:
-        raise RuntimeError(f"Mooncake engine failed to initialise on {host}")
-    return engine
-
-
 
 async def _measure(
     sizes: Sequence[int], repeats: int, host: str, progress: Callable[[str], None]
@@ -59,7 +52,7 @@ async def _measure(
     dst = ctypes.create_string_buffer(capacity)
     src_addr, dst_addr = ctypes.addressof(src), ctypes.addressof(dst)
 
-    raw_sender, raw_receiver = _open_raw_engine(host), _open_raw_engine(host)
+    raw_sender, raw_receiver = raw_engine(host), raw_engine(host)
     for engine, addr in ((raw_sender, src_addr), (raw_receiver, dst_addr)):
         if engine.register_memory(addr, capacity) != 0:
             raise RuntimeError("Mooncake refused to register the benchmark buffers")
