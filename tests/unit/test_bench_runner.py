@@ -96,3 +96,38 @@ def test_the_side_by_side_suite_reports_cpu_per_room_as_context(
     assert judged["CPU per room SGLang / pdflow, 256 x 4K"] == (1.25, "info")
     assert judged["pdflow CPU per room (both processes), 256 x 4K"] == (1200.0, "info")
     assert judged["SGLang CPU per room (both processes), 256 x 4K"] == (1500.0, "info")
+
+
+def test_the_data_suite_reports_the_completion_word_floor_as_context(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdflow.bench import runner
+
+    calls: list[dict[str, Any]] = []
+
+    def floor(*, size: int, ops: int, rounds: int) -> dict[str, Any]:
+        calls.append({"size": size, "ops": ops, "rounds": rounds})
+        return {"bytes": size, "ops": ops, "ratio": 0.85}
+
+    def transport_raw(**_: Any) -> dict[str, Any]:
+        return {"results": [{"size_bytes": runner.MIB, "pdflow_vs_raw": 0.5, "raw_vs_memcpy": 0.2}]}
+
+    modules = {"engine_notify_floor": floor, "transport_raw": transport_raw}
+
+    def load(name: str) -> ModuleType:
+        if name not in modules:
+            raise SuiteUnavailable(f"benchmarks/{name}.py is not available")
+        module = ModuleType(name)
+        module.run = modules[name]  # type: ignore[attr-defined]
+        return module
+
+    monkeypatch.setattr(runner, "load_benchmark", load)
+    data, checks = runner.data_suite(quick=False, progress=print)
+    assert [(c["size"], c["ops"]) for c in calls] == [(runner.MIB, 4), (4 * runner.MIB, 4)]
+    assert {c["rounds"] for c in calls} == {runner.NOTIFY_FLOOR_ROUNDS}
+    floors = [c for c in checks if c.measure.startswith("completion-word floor")]
+    assert [(c.measure, c.value, c.verdict) for c in floors] == [
+        ("completion-word floor vs raw Mooncake, 1 MiB", 0.85, "info"),
+        ("completion-word floor vs raw Mooncake, 4 MiB", 0.85, "info"),
+    ]
+    assert len(data["engine_notify_floor"]["results"]) == 2

@@ -60,6 +60,11 @@ DATA_QUICK_SIZES_MIB = (1, 4, 16)
 END_TO_END_KEYS = ("bytes", "pdflow_gbps", "raw_mooncake_gbps", "pdflow_vs_raw")
 DATA_RATIO_TARGET = 0.9
 HETERO_RATIO_TARGET = 10.0
+# (MiB, ops) as pdflow_vs_raw's plan writes those rooms: one op per K or V buffer of a layer.
+NOTIFY_FLOOR_SHAPES = ((1, 4), (4, 4))
+NOTIFY_FLOOR_QUICK = ((1, 4),)
+NOTIFY_FLOOR_ROUNDS = 300
+NOTIFY_FLOOR_QUICK_ROUNDS = 30
 CORE_STEPS_TARGET = 100_000.0
 CORE_BYTES_PER_ROOM_TARGET = 2048.0
 
@@ -325,7 +330,30 @@ def data_suite(quick: bool, progress: Progress) -> tuple[dict[str, Any], list[Ch
             baseline="memcpy",
         )
     )
+    floor_rows = _notify_floor_rows(quick, progress)
+    data["engine_notify_floor"] = {"results": floor_rows}
+    checks += [
+        Check(
+            "data",
+            f"completion-word floor vs raw Mooncake, {row['bytes'] / MIB:.0f} MiB",
+            row["ratio"],
+            "x",
+            None,
+            baseline="raw write, then an 8-byte word the receiver polls for",
+        )
+        for row in floor_rows
+    ]
     return data, checks
+
+
+def _notify_floor_rows(quick: bool, progress: Progress) -> list[dict[str, Any]]:
+    """The best a room could do with the cheapest correct notification (engine_notify_floor.py):
+    context for the one-room target at its small sizes, not judged."""
+    module = load_benchmark("engine_notify_floor")
+    shapes = NOTIFY_FLOOR_QUICK if quick else NOTIFY_FLOOR_SHAPES
+    return [_call_run(module, progress, size=size_mib * MIB, ops=ops,
+                      rounds=NOTIFY_FLOOR_QUICK_ROUNDS if quick else NOTIFY_FLOOR_ROUNDS)
+            for size_mib, ops in shapes]  # fmt: skip
 
 
 def _end_to_end_rows(
