@@ -38,13 +38,14 @@ import os
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from typing import Any
 
 from benchmarks.common import latency_summary, raw_engine, write_json
+from pdflow.bench.runner import DATA_RATIO_TARGET
 
 WORD = 8
 MODES = ("raw", "word_after", "word_in_batch")
-TARGET_RATIO = 0.9  # the one-room target of pdflow_vs_raw
 
 
 def _marks(base: int, size: int, ops: int) -> list[int]:
@@ -83,8 +84,8 @@ def receive(size: int, ops: int) -> None:
 class _Receiver:
     def __init__(self, size: int, ops: int) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "benchmarks.engine_notify_floor", "--receiver",
-             "--size-kib", str(size // 1024), "--ops", str(ops)],
+            [sys.executable, "-m", "benchmarks.engine_notify_floor", "--receiver", str(size),
+             "--ops", str(ops)],
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )  # fmt: skip
         hello = json.loads(self._line())
@@ -115,7 +116,7 @@ class _Receiver:
 
 
 def run(size: int = 1 << 20, ops: int = 4, rounds: int = 200,
-        progress: Any = print) -> dict[str, Any]:  # fmt: skip
+        progress: Callable[[str], None] = print) -> dict[str, Any]:  # fmt: skip
     """Measure the three modes; returns their latency summaries and the ratio."""
     if ops < 1 or size % ops or (size // ops) % WORD or rounds < 1:
         raise ValueError("need ops >= 1 dividing size into multiples of 8 bytes, rounds >= 1")
@@ -177,7 +178,7 @@ def run(size: int = 1 << 20, ops: int = 4, rounds: int = 200,
     progress(f"engine_notify_floor: {size // 1024} KiB in {ops} ops: raw "
              f"{result['raw']['median_us']:.0f} us, then a word "
              f"{result['word_after']['median_us']:.0f} us (ratio {result['ratio']:.2f} against "
-             f"a {TARGET_RATIO}x target), word in the batch "
+             f"a {DATA_RATIO_TARGET}x target), word in the batch "
              f"{result['word_in_batch']['median_us']:.0f} us, seen before the KV in "
              f"{early['word_in_batch']} of {rounds} (after it: {early['word_after']})")  # fmt: skip
     return result
@@ -189,10 +190,11 @@ def main() -> None:
     parser.add_argument("--ops", type=int, default=4)
     parser.add_argument("--rounds", type=int, default=200, help="rounds of each mode")
     parser.add_argument("--json", help="also write the result to this file")
-    parser.add_argument("--receiver", action="store_true", help=argparse.SUPPRESS)
+    # The child run() starts: its buffer's size in bytes, exactly the writer's.
+    parser.add_argument("--receiver", type=int, metavar="BYTES", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.receiver:
-        receive(args.size_kib * 1024, args.ops)
+    if args.receiver is not None:
+        receive(args.receiver, args.ops)
         return
     result = run(args.size_kib * 1024, args.ops, args.rounds)
     if args.json:

@@ -33,12 +33,11 @@ from typing import Any
 import zmq
 
 from benchmarks.common import latency_summary
+from pdflow.bench.runner import DATA_RATIO_TARGET
 
 PAYLOAD = b"x" * 60
 WARM_UP = 20
 IDLES = ("sleep", "spin", "none")
-# The one-room target: pdflow at least 0.9x the raw engine.
-TARGET_RATIO = 0.9
 
 # One send-and-wait: returns the seconds from just before the send to the message's arrival.
 OneWay = Callable[[], float]
@@ -170,7 +169,7 @@ def run(
     result: dict[str, Any] = {"benchmark": "socket_floor", "messages": messages,
                               "gap_ms": gap_s * 1e3, "floors": floors}  # fmt: skip
     if raw_ms is not None:
-        allowance_us = raw_ms * 1e3 * (1 / TARGET_RATIO - 1)
+        allowance_us = raw_ms * 1e3 * (1 / DATA_RATIO_TARGET - 1)
         result["raw_ms"] = raw_ms
         result["allowance_us"] = allowance_us
         result["within_allowance"] = {
