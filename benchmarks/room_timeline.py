@@ -176,8 +176,10 @@ def instrument(marks: Marks) -> None:
     _around(marks, node_prefill.PrefillNode, "transfer", "transfer job")
     _around(marks, node_prefill.TransferPlanner, "plan", "plan")
     _around(marks, mooncake.MooncakeTransport, "_engine_write", "transport write")
-    # A job of at most 1 MiB is polled on the loop inside "settle"; a larger one (or what is
-    # left of a small one after the loop's polling time) goes on to the "worker thread".
+    # A small call (up to 1 MiB in up to 8 ops) is polled on the loop inside "polled write";
+    # a worker job's small ops inside "settle"; a larger job (or what is left of a small call
+    # after the loop's polling time) goes on to the "worker thread".
+    _around(marks, mooncake.MooncakeTransport, "_write_polled", "polled write")
     _around(marks, mooncake.MooncakeTransport, "_settle", "settle")
     _around(marks, mooncake.MooncakeTransport, "_write_settled", "worker thread")
     _around(marks, control.ControlChannel, "send_soon",

@@ -628,14 +628,105 @@ async def test_one_process_rejects_misuse_with_clear_errors(
         sender.register_buffer(local.addr, 4096)
 
 
-async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
+async def _concurrent_rooms(sender: MooncakeTransport, receiver: MooncakeTransport,
+                            src: LocalBuffer, dst: LocalBuffer, rooms: int, page: int,
+                            ops_per_room: int, bad: int) -> dict[int, bool]:  # fmt: skip
+    """``rooms`` rooms' writes at once, a room a page in ``ops_per_room`` ops; room ``bad``
+    writes past the end of the destination. Each room's outcome."""
+    outcomes: dict[int, bool] = {}
+    piece = page // ops_per_room
+
+    async def write(room: int) -> None:
+        dst_base = dst.addr + dst.size - 10 if room == bad else dst.addr + room * page
+        ops = [Op(src.addr + room * page + i * piece, dst_base + i * piece, piece)
+               for i in range(ops_per_room)]  # fmt: skip
+        outcomes[room] = (await sender.batch_write(receiver.session_id, ops)).ok
+
+    with anyio.fail_after(60):
+        async with anyio.create_task_group() as tg:
+            for room in range(rooms):
+                tg.start_soon(write, room)
+    for room in range(rooms):
+        if room != bad:
+            assert dst.sha256(room * page, page) == src.sha256(room * page, page)
+    return outcomes
+
+
+async def test_one_process_concurrent_small_writes_share_one_poller_and_fail_alone(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # 64 rooms' writes at once through 2 workers: they are coalesced into far fewer jobs
-    # (counted, not timed; polled on the loop or in a thread), every byte lands, and the one
-    # bad call fails without the others.
+    # 64 rooms' one-op writes at once: each is submitted when it is made and all of them are
+    # polled by one task at a time (a poller per call spun the loop once per call), every
+    # byte lands and the one bad call fails without the others.
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)  # none goes to a worker
     sender, receiver = engine_pair
-    rooms, page = 64, 4096
+    rooms, page, bad = 64, 4096, 17
+    src, dst = registered_buffers(engine_pair, rooms * page, seed=8)
+    polling, most_polling, polled_calls = 0, 0, 0
+    real_poll, real_write = MooncakeTransport._poll_until_finished, MooncakeTransport._write_polled
+
+    async def counted_poll(self: MooncakeTransport, mine: object) -> None:
+        nonlocal polling, most_polling
+        polling += 1
+        most_polling = max(most_polling, polling)
+        try:
+            await real_poll(self, mine)  # type: ignore[arg-type]
+        finally:
+            polling -= 1
+
+    async def counted_write(self: MooncakeTransport, *args: object) -> object:
+        nonlocal polled_calls
+        polled_calls += 1
+        return await real_write(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(MooncakeTransport, "_poll_until_finished", counted_poll)
+    monkeypatch.setattr(MooncakeTransport, "_write_polled", counted_write)
+    outcomes = await _concurrent_rooms(sender, receiver, src, dst, rooms, page, 1, bad)
+    assert outcomes == {room: room != bad for room in range(rooms)}
+    assert polled_calls == rooms
+    assert most_polling == 1, f"{most_polling} tasks polled at once"
+
+
+async def test_one_process_small_writes_past_the_polled_ops_cap_go_to_worker_jobs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # With a window of 8 ops, 64 one-op writes at once: no more than 8 are ever polled from
+    # the loop, the rest go to worker jobs, and every byte lands.
+    config = MooncakeConfig(host="127.0.0.1", protocol="tcp", max_outstanding_ops=8)
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)
+    most_polled, jobs = 0, 0
+    real_poll, real_settle = MooncakeTransport._poll_until_finished, MooncakeTransport._settle
+
+    async def watched_poll(self: MooncakeTransport, mine: object) -> None:
+        nonlocal most_polled
+        most_polled = max(most_polled, self._polled_ops)
+        await real_poll(self, mine)  # type: ignore[arg-type]
+
+    async def counted_settle(self: MooncakeTransport, job: mooncake_module._WriteJob) -> object:
+        nonlocal jobs, most_polled
+        jobs += 1
+        most_polled = max(most_polled, self._polled_ops)
+        return await real_settle(self, job)
+
+    monkeypatch.setattr(MooncakeTransport, "_poll_until_finished", watched_poll)
+    monkeypatch.setattr(MooncakeTransport, "_settle", counted_settle)
+    async with MooncakeTransport.open(config) as sender, MooncakeTransport.open(config) as receiver:
+        rooms, page = 64, 4096
+        src, dst = registered_buffers((sender, receiver), rooms * page, seed=9)
+        outcomes = await _concurrent_rooms(sender, receiver, src, dst, rooms, page, 1, bad=-1)
+    assert outcomes == {room: True for room in range(rooms)}
+    assert 0 < most_polled <= 8, f"{most_polled} ops polled from the loop at once"
+    assert jobs > 0, "no write went to a worker job past the cap"
+
+
+async def test_one_process_concurrent_writes_of_many_ops_share_worker_jobs_and_fail_alone(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 64 rooms' writes of 16 ops each (more than a polled call takes) at once through 2
+    # workers: they are coalesced into far fewer jobs (counted, not timed), every byte lands,
+    # and the one bad call fails without the others.
+    sender, receiver = engine_pair
+    rooms, page, bad = 64, 4096, 17
     src, dst = registered_buffers(engine_pair, rooms * page, seed=8)
     jobs: list[int] = []
     real = MooncakeTransport._settle
@@ -645,24 +736,10 @@ async def test_one_process_concurrent_writes_share_worker_jobs_and_fail_alone(
         return await real(self, job)
 
     monkeypatch.setattr(MooncakeTransport, "_settle", counted)
-    outcomes: dict[int, bool] = {}
-    bad = 17
-
-    async def write(room: int) -> None:
-        dst_addr = dst.addr + dst.size - 10 if room == bad else dst.addr + room * page
-        op = Op(src.addr + room * page, dst_addr, page)
-        outcomes[room] = (await sender.batch_write(receiver.session_id, [op])).ok
-
-    with anyio.fail_after(60):
-        async with anyio.create_task_group() as tg:
-            for room in range(rooms):
-                tg.start_soon(write, room)
+    outcomes = await _concurrent_rooms(sender, receiver, src, dst, rooms, page, 16, bad)
     assert outcomes == {room: room != bad for room in range(rooms)}
     assert sum(jobs) == rooms
     assert len(jobs) < rooms // 4, f"{len(jobs)} worker jobs for {rooms} concurrent writes"
-    for room in range(rooms):
-        if room != bad:
-            assert dst.sha256(room * page, page) == src.sha256(room * page, page)
 
 
 async def test_two_processes_rotation_cuts_an_accepted_write_and_serves_through_the_new_engine(

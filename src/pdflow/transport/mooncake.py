@@ -25,14 +25,18 @@ the kernel's copies (benchmarks/README.md, fifth pass).
 Engine calls block, so writes are polled in `max_concurrent_calls` long-lived worker threads
 (`worker_threads.py`: one wake into a thread and one back per job); a job's first
 `_LOOP_SUBMIT_OPS` ops are submitted from the event loop before that wake (a submit only
-queues the op in the engine), so they are on the wire while the thread wakes. A job of at
-most 1 MiB is instead polled from the loop between its yields (up to 2 ms, then the thread
-takes what is left): no wake back from a thread on a small room's path. Concurrent small
-`batch_write` calls (up to 1 MiB each) are coalesced, every call queued while the workers were
-busy going into the next worker job (one thread hop, one submit/poll loop for many rooms'
-writes); a larger call gets a job of its own, so no small room waits behind its bytes. A worker
-is never abandoned on cancellation: cancelling `batch_write` waits for the engine to settle its
-ops.
+queues the op in the engine), so they are on the wire while the thread wakes. A small call
+(at most 1 MiB in at most `_LOOP_SUBMIT_OPS` ops) skips the jobs: it is submitted from the
+loop when it is made and polled there, up to 2 ms (then a worker thread takes what is left),
+by one shared poller that sweeps every small call in flight, yields the core and the loop
+once per sweep, and wakes each call as it settles (`_write_polled`); no wake back from a
+thread on a small room's path, and no room waits for a job to be free. The calls polled that
+way have one window of `max_outstanding_ops` between them, as a job has. Past it, and for
+larger calls, concurrent calls (up to 1 MiB each) are coalesced, every call queued while the
+workers were busy going into the next worker job (one thread hop, one submit/poll loop for
+many rooms' writes); a larger call gets a job of its own, so no small room waits behind its
+bytes. A worker is never abandoned on cancellation: cancelling `batch_write` waits for the
+engine to settle its ops.
 
 No receiver-side fence (`fence_is_real` is False). Over TCP the receiving engine checks a
 request's destination range against its registered buffers once, when the request header
@@ -291,6 +295,21 @@ class _WriteJob:
         return self.outcomes()
 
 
+class _PolledCall:
+    """One small call's job, submitted at once and polled from the loop by the shared poller
+    until it is settled or its polling time is up (then a worker thread takes it over)."""
+
+    __slots__ = ("deadline", "finished", "handed_off", "job", "woken")
+
+    def __init__(self, job: _WriteJob, deadline: float) -> None:
+        self.job = job
+        self.deadline = deadline
+        self.finished = False
+        self.handed_off = False
+        self.woken = anyio.Event()
+        """Set when the call finished, or when the poller's role is free for it to take."""
+
+
 class MooncakeTransport(GuardedTransport):
     """A pdflow `Transport` over one Mooncake `TransferEngine`; build with `open()`."""
 
@@ -304,6 +323,10 @@ class MooncakeTransport(GuardedTransport):
         self._queued: list[_WriteCall] = []
         self._worker_freed = anyio.Event()
         self._jobs_running = 0
+        # Small calls polled from the loop (_write_polled): one sweep serves all of them.
+        self._polled: list[_PolledCall] = []
+        self._polled_ops = 0
+        self._poller: _PolledCall | None = None
         # Engines of earlier sessions, still serving their rooms until `retire` destroys them.
         self._retiring: dict[str, Any] = {}
 
@@ -398,8 +421,15 @@ class MooncakeTransport(GuardedTransport):
         Once its writes are taken the caller waits shielded: cancelling it never returns
         before the engine has settled them (the fence contract of ``batch_write``).
         """
+        nbytes = sum(write.length for write in writes)
+        if (
+            nbytes <= _LOOP_POLL_MAX_BYTES
+            and len(writes) <= _LOOP_SUBMIT_OPS
+            and self._polled_ops + len(writes) <= self._config.max_outstanding_ops
+        ):
+            return await self._write_polled(peer, writes)
         job = _WriteCall(peer, writes)
-        if sum(write.length for write in writes) > _COALESCE_MAX_BYTES:
+        if nbytes > _COALESCE_MAX_BYTES:
             # A large write gets a job of its own: small rooms never wait behind its bytes.
             job.taken = True
             await self._run_calls([job])
@@ -419,6 +449,72 @@ class MooncakeTransport(GuardedTransport):
             with anyio.CancelScope(shield=True):
                 await job.settled.wait()
         return job.result()
+
+    async def _write_polled(self, peer: str, writes: Sequence[CheckedWrite]) -> TransferOutcome:
+        """A small call, submitted now from the loop and polled there with every other small
+        call in flight: one sweep, one yield of the core and one trip through the loop serve
+        them all, where a job each spun on its own and calls queued for one of the
+        `max_concurrent_calls` jobs. Past _LOOP_POLL_S a worker thread sees its ops settled.
+        Everything after the submit runs shielded: a cancelled caller returns only once every
+        op is settled (the fence contract of ``batch_write``)."""
+        self._writers.check_open()  # before any op is on the wire
+        job = _WriteJob(self._engine, len(writes), [(peer, writes)])
+        self._polled_ops += len(writes)
+        try:
+            job.submit(len(writes))
+            with anyio.CancelScope(shield=True):
+                if job.outstanding:
+                    call = _PolledCall(job, time.perf_counter() + _LOOP_POLL_S)
+                    self._polled.append(call)
+                    await self._until_settled(call)
+                    if call.handed_off:
+                        # Nothing of it to do on the loop until the thread returns: an idle
+                        # point, where deferred work such as trace batches is done.
+                        loop_idle.idle_point()
+                        return (await self._writers.run(self._write_settled, job))[0]
+            return job.outcomes()[0]
+        finally:
+            self._polled_ops -= len(writes)
+
+    async def _until_settled(self, call: _PolledCall) -> None:
+        """Wait for the poller to finish ``call``; be the poller while nobody else is."""
+        while not call.finished:
+            if self._poller is None:
+                self._poller = call
+                try:
+                    await self._poll_until_finished(call)
+                finally:
+                    self._poller = None
+                    if self._polled:  # the role passes to a call still on the wire
+                        self._polled[0].woken.set()
+            else:
+                await call.woken.wait()
+                call.woken = anyio.Event()
+
+    async def _poll_until_finished(self, mine: _PolledCall) -> None:
+        """Sweep every polled call until ``mine`` is finished, waking each other one that
+        finishes; offer the core to the engine's io threads (they move the bytes) and the
+        loop to every other ready task between sweeps."""
+        while not mine.finished:
+            settled_any = False
+            now = time.perf_counter()
+            on_the_wire: list[_PolledCall] = []
+            for call in self._polled:
+                if now >= call.deadline:
+                    call.handed_off = bool(call.job.outstanding)  # time up: a worker thread's
+                elif call.job.sweep():
+                    settled_any = True
+                if call.job.outstanding and not call.handed_off:
+                    on_the_wire.append(call)
+                    continue
+                call.finished = True
+                call.woken.set()
+            self._polled = on_the_wire
+            if mine.finished:
+                return
+            if not settled_any:
+                os.sched_yield()
+            await asyncio.sleep(0)
 
     async def _run_queued(self) -> None:
         calls, self._queued = self._queued, []
