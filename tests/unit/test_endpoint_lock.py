@@ -1,5 +1,5 @@
 """The endpoint lock: one step at a time per endpoint, its outputs carried out before the next
-step begins, and a free lock taken without a trip through the event loop (fast_acquire)."""
+step begins, and a free lock taken without a trip through the event loop."""
 
 from __future__ import annotations
 
@@ -64,8 +64,9 @@ def test_steps_of_concurrent_tasks_never_interleave() -> None:
 def test_a_free_lock_costs_no_trip_through_the_event_loop() -> None:
     """A step on a free endpoint runs straight through when its effects do not await: another
     task gets no turn between 200 such steps. The loops that feed steps in bursts yield
-    themselves (tests/unit/test_control_channel.py). Fails with the lock built without
-    fast_acquire (anyio's checkpoint then gives the other task a turn every step)."""
+    themselves (tests/unit/test_control_channel.py). Fails with a lock that checkpoints when
+    free, as anyio's Lock does without fast_acquire (the other task then gets a turn every
+    step)."""
 
     async def story() -> int:
         endpoint = Recording()

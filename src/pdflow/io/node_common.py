@@ -242,16 +242,18 @@ class EndpointHost:
         self.me = me
         self.metrics = metrics
         self.events = events
-        # Taken without anyio's checkpoint when free (fast_acquire): the checkpoint was a trip
-        # through the event loop on every step, about a tenth of the decode loop's busy samples.
-        # Serialisation is unchanged, and a contended lock is handed to its waiters in FIFO
-        # order (a task taking it again queues behind them). What the yield gave for free,
-        # the loops that feed steps in bursts now do themselves: the receive loop and the
+        # Taken without a checkpoint when free: a trip through the event loop on every step
+        # was about a tenth of the decode loop's busy samples. asyncio's own lock (the nodes
+        # run on anyio's asyncio backend) costs 0.4 us a step against 1.7 us for anyio's
+        # fast_acquire lock, which asks for the current task twice (benchmarks/README.md).
+        # Serialisation is unchanged, and a contended lock goes to its waiters in FIFO order
+        # (a task taking it again queues behind them). What the yield gave for free, the
+        # loops that feed steps in bursts now do themselves: the receive loop and the
         # SGLang command loop yield every YIELD_EVERY items, a transfer worker at each job it
         # takes (anyio's stream receive), the timer at each wait; nothing else runs steps
         # back to back. The chaos check of a no-op fence stops the writer inside its writes
         # (pause_mid_write), so it no longer rests on the interleaving this yield made.
-        self._lock = anyio.Lock(fast_acquire=True)
+        self._lock = asyncio.Lock()
         self._timer_at: float | None = None
         self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
