@@ -687,6 +687,28 @@ async def test_one_process_concurrent_small_writes_share_one_poller_and_fail_alo
     assert most_polling == 1, f"{most_polling} tasks polled at once"
 
 
+async def test_one_process_polled_calls_are_checked_in_submission_order(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 64 rooms' one-op writes of 64 KiB at once, polled from the loop: a sweep checks a peer's
+    # calls only up to the first one still on the wire (each check is a GIL release), and
+    # still sees every op settled.
+    monkeypatch.setattr(mooncake_module, "_LOOP_POLL_S", 60.0)  # none goes to a worker
+    sender, receiver = engine_pair
+    rooms, page = 64, 64 << 10
+    src, dst = registered_buffers(engine_pair, rooms * page, seed=11)
+    recorder = PollRecorder(sender._engine)
+    sender._engine = recorder
+    outcomes = await _concurrent_rooms(sender, receiver, src, dst, rooms, page, 1, bad=-1)
+    assert outcomes == {room: True for room in range(rooms)}
+    assert recorder.unsettled == {receiver.session_id: []}, "an op was never seen settled"
+    assert recorder.checks >= rooms
+    assert recorder.checks_behind_an_unsettled_op == 0, (
+        f"{recorder.checks_behind_an_unsettled_op} of {recorder.checks} checks asked about an "
+        "op queued behind one still on the wire"
+    )
+
+
 async def test_one_process_small_writes_past_the_polled_ops_cap_go_to_worker_jobs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -299,9 +299,10 @@ class _PolledCall:
     """One small call's job, submitted at once and polled from the loop by the shared poller
     until it is settled or its polling time is up (then a worker thread takes it over)."""
 
-    __slots__ = ("deadline", "finished", "handed_off", "job", "woken")
+    __slots__ = ("deadline", "finished", "handed_off", "job", "peer", "woken")
 
-    def __init__(self, job: _WriteJob, deadline: float) -> None:
+    def __init__(self, peer: str, job: _WriteJob, deadline: float) -> None:
+        self.peer = peer
         self.job = job
         self.deadline = deadline
         self.finished = False
@@ -464,7 +465,7 @@ class MooncakeTransport(GuardedTransport):
             job.submit(len(writes))
             with anyio.CancelScope(shield=True):
                 if job.outstanding:
-                    call = _PolledCall(job, time.perf_counter() + _LOOP_POLL_S)
+                    call = _PolledCall(peer, job, time.perf_counter() + _LOOP_POLL_S)
                     self._polled.append(call)
                     await self._until_settled(call)
                     if call.handed_off:
@@ -492,18 +493,27 @@ class MooncakeTransport(GuardedTransport):
                 call.woken = anyio.Event()
 
     async def _poll_until_finished(self, mine: _PolledCall) -> None:
-        """Sweep every polled call until ``mine`` is finished, waking each other one that
+        """Sweep the polled calls until ``mine`` is finished, waking each other one that
         finishes; offer the core to the engine's io threads (they move the bytes) and the
-        loop to every other ready task between sweeps."""
+        loop to every other ready task between sweeps.
+
+        As in a job's own sweep, a peer's calls are checked in submission order up to the
+        first one still on the wire: the engine serves a peer's ops in about that order, and
+        every check is an engine call (a GIL release). Every call is still checked until it is
+        settled, or handed to a worker thread once its polling time is up."""
         while not mine.finished:
             settled_any = False
             now = time.perf_counter()
             on_the_wire: list[_PolledCall] = []
+            waiting_peers: set[str] = set()  # peers whose oldest call is still on the wire
             for call in self._polled:
                 if now >= call.deadline:
                     call.handed_off = bool(call.job.outstanding)  # time up: a worker thread's
-                elif call.job.sweep():
-                    settled_any = True
+                elif call.peer not in waiting_peers:
+                    if call.job.sweep():
+                        settled_any = True
+                    if call.job.outstanding:
+                        waiting_peers.add(call.peer)
                 if call.job.outstanding and not call.handed_off:
                     on_the_wire.append(call)
                     continue
