@@ -544,6 +544,8 @@ class DecodeDriver:
                 entry["receiver"].send_metadata(
                     page_indices, entry["aux"], state,
                     decode_prefix_len=self.prefix_pages * self.args.page_size)  # fmt: skip
+                # Made once, as the scheduler's DecodeRequest is, not on every tick's poll.
+                entry["gate"] = _GateView(entry)
                 self.transfer.append(entry)
                 progressed = True
             else:
@@ -552,7 +554,7 @@ class DecodeDriver:
         # DecodeTransferQueue.pop_transferred, through SGLang's aux-row metadata gate
         self.sglang_queue.resolve_deferred_releases()
         polls = reduce_polls([e["receiver"] for e in self.transfer],
-                             [_GateView(e) for e in self.transfer], self.aux)  # fmt: skip
+                             [e["gate"] for e in self.transfer], self.aux)  # fmt: skip
         left: list[dict[str, Any]] = []
         for entry, poll in zip(self.transfer, polls, strict=True):
             receiver = entry["receiver"]
