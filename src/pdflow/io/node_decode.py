@@ -65,6 +65,7 @@ from pdflow.core.resources.page_ledger import (
     SessionClosed,
     SessionRetired,
 )
+from pdflow.core.resources.staging_ring import SMALL_ROOM_STAGING_LIMIT
 from pdflow.dataplane.executor import Executor
 from pdflow.io.admission_gate import AdmissionGate
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
@@ -75,8 +76,10 @@ from pdflow.io.kv_buffers import (
     EngineMemory,
     RankKv,
     StateIndices,
+    WriterRegion,
     aux_buffer_of,
     check_state_indices,
+    copy_staged_host,
     executor_for,
     kv_digest,
     staged_slices,
@@ -107,6 +110,9 @@ from pdflow.transport.base import RotationUnavailableError, Transport, Transport
 
 log = structlog.get_logger("pdflow.decode")
 
+SMALL_ROOM_RING_ROOMS = 512
+"""With small-room staging on, a rank's ring holds this many of the largest small rooms (8 MiB
+at the SGLang backend's 16 KiB); a room finding no free region is written directly."""
 DP_RANK_POLL_S = 0.01
 """How often the decode asks the registry for a room's DP rank the prefill has not registered
 yet (it does so as it opens the room, usually within milliseconds)."""
@@ -363,15 +369,20 @@ class DecodeNode(NodeLifecycle):
         self._hosts: list[EndpointHost] = []
         self._channels: dict[int, ControlChannel] = {}
         self._registered: list[int] = []
-        # Heterogeneous TP: each rank's staging ring (prefill ranks write head slices there in
-        # one bulk write per chunk; the node scatters them into pages before Success).
-        self.staging_bytes = staging_bytes
+        # Each rank's staging ring: prefill ranks write head slices there (heterogeneous TP),
+        # or a small room's pages (small-room staging), in one bulk write per chunk; the node
+        # scatters them into pages before Success.
+        small = self.settings.small_room_staging_bytes
+        self.staging_bytes = max(staging_bytes, small * SMALL_ROOM_RING_ROOMS)
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self.staging_memory = dict(staging_memory or {})
         """Per TP rank, the engine's own staging ring memory; a rank without one gets a host
         ring the node allocates."""
         self._staging_base: dict[int, int] = {}
         self.room_staging: dict[tuple[int, int], int] = {}
+        self._regions: dict[tuple[int, TpPlace], WriterRegion | None] = {}
+        self._page_bytes: dict[int, int] = {}
+        """Per TP rank, the bytes of one page over every buffer."""
         # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
         self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
         self.admission: dict[int, AdmissionGate] = {}
@@ -415,6 +426,7 @@ class DecodeNode(NodeLifecycle):
                  ranks=[h.me.address for h in self._hosts])  # fmt: skip
 
     def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
+        self._page_bytes[rank_kv.tp_rank] = staging_page_bytes(rank_kv.kv_buffers)
         layout = rank_kv.layout
         me = PeerId(channel.address, self.incarnation, rank_kv.tp_rank)
         config = DecodeEndpointConfig(
@@ -426,7 +438,11 @@ class DecodeNode(NodeLifecycle):
             heartbeat_max_failure=self.settings.heartbeat_max_failure,
             verify_checksums=self.settings.checksum,
             staging_capacity=self.staging_bytes,
-            staging_page_bytes=staging_page_bytes(rank_kv.kv_buffers),
+            # The small-room path copies with memmove: host-memory KV only.
+            stage_rooms_up_to=(
+                self.settings.small_room_staging_bytes if rank_kv.device == "cpu" else 0
+            ),
+            staging_page_bytes=self._page_bytes[rank_kv.tp_rank],
             kv_layout=rank_kv.kv_buffers, staging_addr=self._staging_addr(rank_kv.tp_rank),
             aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
             state=rank_kv.state,
@@ -708,7 +724,12 @@ class DecodeNode(NodeLifecycle):
         writers = host.endpoint.writers_of(request.room)
         reason = "the local verification was cancelled"
         try:
-            reason = await anyio.to_thread.run_sync(self._mismatch, host.rank, request, writers)
+            if self._finishes_inline(host.rank, request):
+                reason = self._mismatch(host.rank, request, writers, inline=True)
+            else:
+                reason = await anyio.to_thread.run_sync(
+                    self._mismatch, host.rank, request, writers
+                )
         except Exception as exc:
             reason = f"the local verification failed: {type(exc).__name__}: {exc}"
             log.error("verify_failed", endpoint=host.endpoint_id, room=request.room,
@@ -719,32 +740,55 @@ class DecodeNode(NodeLifecycle):
                     ChecksumChecked(request.room, request.generation, not reason, reason)
                 )
 
+    def _finishes_inline(self, rank: int, request: VerifyChecksums) -> bool:
+        """A small staged room in host memory with no digest to recompute is scattered on the
+        loop: a few copies cost less than a hop to a worker thread."""
+        pages = self.room_pages.get((rank, request.room))
+        kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
+        return (
+            not request.expected
+            and pages is not None
+            and kv.device == "cpu"
+            and len(pages) * self._page_bytes[rank] <= SMALL_ROOM_STAGING_LIMIT
+        )
+
     def _scatter(self, rank: int, kv: RankKv, pages: tuple[int, ...], offset: int,
-                 writers: tuple[PeerId, ...]) -> None:  # fmt: skip
-        """Move each writer's staged slices of the room into the room's pages."""
-        if self._executor is None:
-            return
+                 writers: tuple[PeerId, ...], inline: bool) -> None:  # fmt: skip
+        """Move each writer's staged slices of the room into the room's pages (``inline``: by
+        host copies on this thread, else with the node's executor)."""
         base = self._staging_base[rank] + offset
-        own = kv.kv_buffers
         for writer in writers:
-            region = writer_region(own, False, self._writer_place[writer], kv.tp, own)
+            region = self._region(kv, self._writer_place[writer])
             if region is None:
                 continue
             where = base + region.chunk_offset(len(pages), 0)
-            for page_slices in staged_slices(region, pages, where):
-                self._executor.scatter(page_slices)
+            if inline:
+                copy_staged_host(region, pages, where, gather=False)
+            elif self._executor is not None:
+                for page_slices in staged_slices(region, pages, where):
+                    self._executor.scatter(page_slices)
 
-    def _mismatch(self, rank: int, request: VerifyChecksums, writers: tuple[PeerId, ...]) -> str:
-        """Empty when every writer's digest matches the bytes in this room's pages."""
+    def _region(self, kv: RankKv, writer: TpPlace) -> WriterRegion | None:
+        """Where a writer at ``writer`` puts its slices in this rank's staging regions; the
+        same for every room, so worked out once per (rank, writer place)."""
+        key = (kv.tp_rank, writer)
+        if key not in self._regions:
+            own = kv.kv_buffers
+            self._regions[key] = writer_region(own, False, writer, kv.tp, own)
+        return self._regions[key]
+
+    def _mismatch(self, rank: int, request: VerifyChecksums, writers: tuple[PeerId, ...],
+                  inline: bool = False) -> str:  # fmt: skip
+        """Empty when every writer's digest matches the bytes in this room's pages, after the
+        scatter of a staged room."""
         pages = self.room_pages.get((rank, request.room))
         kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
         if pages is None or self._executor is None:
             return "the node has no record of this room's pages; cannot verify"
         offset = self.room_staging.get((rank, request.room))
         if offset is not None:
-            self._scatter(rank, kv, pages, offset, writers)
+            self._scatter(rank, kv, pages, offset, writers, inline)
         problems = []
-        own = kv.kv_buffers
         # The writers of one TP rank (one per pipeline stage) fill that rank's slices of every
         # layer between them: their digests add up to the digest of those slices.
         by_place: dict[TpPlace, list[tuple[PeerId, int]]] = {}
@@ -754,6 +798,9 @@ class DecodeNode(NodeLifecycle):
                 problems.append(f"{peer.address}#{peer.rank}: its TP rank is unknown here")
                 continue
             by_place.setdefault(place, []).append((peer, expected))
+        if not by_place:
+            return "; ".join(problems)
+        own = kv.kv_buffers  # built per call: asked only when a digest is to be checked
         for place, sent in by_place.items():
             slices = destination_slices(own, place, kv.tp)
             state = self.room_state.get((rank, request.room), ())

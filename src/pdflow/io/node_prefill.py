@@ -33,7 +33,6 @@ from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.buffers import exchanged_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
 from pdflow.core.dataplane.planning import (
-    StagedSlices,
     WriteOp,
     pages_after_prefix,
     partition_chunks,
@@ -58,6 +57,7 @@ from pdflow.core.protocol.inputs import (
 )
 from pdflow.core.protocol.messages import PROTOCOL_VERSION, AnyMessage, KvArgs, PeerId
 from pdflow.core.protocol.outputs import StartTransfer
+from pdflow.core.resources.staging_ring import SMALL_ROOM_STAGING_LIMIT
 from pdflow.core.rooms.sender_room import SenderState
 from pdflow.dataplane.executor import Executor
 from pdflow.io.bootstrap_client import (
@@ -74,18 +74,18 @@ from pdflow.io.kv_buffers import (
     EngineMemory,
     RankKv,
     TransferPlanner,
+    WriterRegion,
     aux_buffer_of,
     check_state_indices,
+    copy_staged_host,
     executor_for,
     kv_digest,
-    peer_heads,
     peer_place,
     plan_state,
     read_aux_row,
     staged_slices,
     state_digest,
     state_slices,
-    writer_region,
 )
 from pdflow.io.limits import PrefillRankLimits
 from pdflow.io.node_common import (
@@ -309,10 +309,19 @@ class PrefillRankEffects(RankEffects):
 
 
 class StagedWrite(msgspec.Struct, frozen=True):
-    """A staged chunk: gather the head slices into the local slot, then these writes."""
+    """A staged chunk: gather this rank's slices of ``pages`` into the local slot, then these
+    writes."""
 
-    gather: tuple[StagedSlices, ...]
+    region: WriterRegion
+    pages: tuple[int, ...]
+    slot: int
     write_ops: tuple[WriteOp, ...]
+    inline: bool
+    """Gathered on the loop: a few host-memory copies cost less than a hop to a thread."""
+
+    def gather(self, executor: Executor) -> None:
+        for page in staged_slices(self.region, self.pages, self.slot):
+            executor.gather(page)
 
 
 class PrefillNode(NodeLifecycle):
@@ -380,9 +389,16 @@ class PrefillNode(NodeLifecycle):
         self._registered: list[tuple[int, int]] = []
         self.registration = RegistrationKeeper()
         """This node's hold on its standalone registry entry (re-registers after a restart)."""
-        # Heterogeneous TP: one local staging slot per transfer queue (a queue runs one write
-        # at a time, so its slot is never shared); 0 keeps the per-head-slice path.
-        self.staging_slot_bytes = staging_slot_bytes
+        # One local staging slot per transfer queue (a queue runs one write at a time, so its
+        # slot is never shared), for heterogeneous TP and for small rooms: a host-memory node
+        # that allocates its own slots makes each hold at least a small room (a decode may
+        # stage any room up to SMALL_ROOM_STAGING_LIMIT).
+        host_memory = all(rank.device == "cpu" for rank in ranks)
+        self.staging_slot_bytes = (
+            max(staging_slot_bytes, SMALL_ROOM_STAGING_LIMIT)
+            if staging_memory is None and host_memory
+            else staging_slot_bytes
+        )
         self._staging: ctypes.Array[ctypes.c_uint8] | None = None
         self.staging_memory = staging_memory
         """The engine's own staging memory (device memory, say); None: the node allocates it."""
@@ -601,8 +617,10 @@ class PrefillNode(NodeLifecycle):
         ready = self.source_ready.get((host.rank, start.room))
         if ready is not None:
             await anyio.to_thread.run_sync(ready.synchronize)
-        if staged is not None and staged.gather and self._executor is not None:
-            await anyio.to_thread.run_sync(self._gather, self._executor, staged.gather)
+        if staged is not None and staged.inline:
+            copy_staged_host(staged.region, staged.pages, staged.slot, gather=True)
+        elif staged is not None and self._executor is not None:
+            await anyio.to_thread.run_sync(staged.gather, self._executor)
         checksum = None
         if self.settings.checksum and self._executor is not None:
             checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
@@ -637,25 +655,21 @@ class PrefillNode(NodeLifecycle):
             and summary.state == SenderState.TRANSFERRING.name
         )
 
-    @staticmethod
-    def _gather(executor: Executor, pages: tuple[StagedSlices, ...]) -> None:
-        for page in pages:
-            executor.gather(page)
-
     def _staged_plan(
         self, rank: int, start: StartTransfer, args: KvArgs, worker: int
     ) -> StagedWrite | None:
         """Gather-then-one-write when the decode placed a staging region for the room; the
         gather goes to the running worker's own slot."""
         local = self._planners[rank].local
-        if (
-            self.staging_base is None
-            or start.staging_offset is None
-            or args.staging_addr is None
-            or local.heads == peer_heads(args)
-        ):
+        if start.staging_offset is None:
             return None
-        region = writer_region(local.kv_buffers, True, local.tp, peer_place(args), args.layout)
+        if self.staging_base is None or args.staging_addr is None:
+            raise InvalidInput(
+                "the decode placed a staging region for this chunk but "
+                + ("this prefill has no staging slots" if self.staging_base is None
+                   else "announced no staging ring")
+            )  # fmt: skip
+        region = self._planners[rank].region(args)
         if region is None:
             raise InvalidInput(f"rank {rank} shares no heads with {start.peer.address}")
         nbytes = len(start.src_pages) * region.page_bytes
@@ -665,13 +679,14 @@ class PrefillNode(NodeLifecycle):
                 f"slot holds {self.staging_slot_bytes}; raise staging_slot_bytes or send "
                 "smaller chunks"
             )
-        if not start.src_pages:
-            return StagedWrite((), ())
         slot = self.staging_base + worker * self.staging_slot_bytes
+        if not start.src_pages:
+            return StagedWrite(region, (), slot, (), True)
         dst = (args.staging_addr + start.staging_offset
                + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
-        gather = staged_slices(region, start.src_pages, slot)
-        return StagedWrite(gather, (WriteOp(slot, dst, nbytes),))
+        inline = local.device == "cpu" and nbytes <= SMALL_ROOM_STAGING_LIMIT
+        return StagedWrite(region, tuple(start.src_pages), slot, (WriteOp(slot, dst, nbytes),),
+                           inline)  # fmt: skip
 
     def _state_plan(self, rank: int, start: StartTransfer, args: KvArgs) -> tuple[WriteOp, ...]:
         """The last chunk's model-state writes, split by the TP rule as KV is."""

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
+from pdflow.core.resources.staging_ring import SMALL_ROOM_STAGING_LIMIT
 
 TRANSPORT_PROTOCOLS = ("tcp", "rdma")
 _MAX_PORT = 65535
@@ -52,6 +53,12 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     rank's pages held only for dead writers exceed this percent of its pool, or when any
     staging-ring region is held only for dead writers (however small, it pins the ring's
     watermark); 0 turns it off."""
+    small_room_staging_bytes: int = 0
+    """Decode: a room of one writer whose pages take at most this many bytes goes as ONE bulk
+    write through the staging ring (the prefill gathers it, this node scatters it) instead of
+    one write per buffer, when a ring region is free at once (docs/operations.md, "Small-room
+    staging"); at most 65536 (every prefill keeps slots that size); 0: off. The SGLang backend
+    turns it on (16384) unless this variable is set."""
     metrics_port: int | None = None
     """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
     collect_garbage_at_start: bool = True
@@ -153,6 +160,12 @@ def _percent(value: Any) -> str | None:
     return None if ok else f"{value!r} must be a percent between 0 and 100 (0: off)"
 
 
+def _small_room_bytes(value: Any) -> str | None:
+    ok = (isinstance(value, int) and not isinstance(value, bool)
+          and 0 <= value <= SMALL_ROOM_STAGING_LIMIT)  # fmt: skip
+    return None if ok else f"{value!r} must be bytes in [0, {SMALL_ROOM_STAGING_LIMIT}] (0: off)"
+
+
 def _policy(value: Any) -> str | None:
     ok = isinstance(value, AllocationPolicy)
     return None if ok else f"{value!r} must be an AllocationPolicy"
@@ -193,6 +206,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_peers": _Field(_parse_int, _positive_int),
     "control_max_early_pages": _Field(_parse_int, _positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
+    "small_room_staging_bytes": _Field(_parse_int, _small_room_bytes),
     "metrics_port": _Field(_parse_int, _optional_port),
     "collect_garbage_at_start": _Field(_parse_bool, _boolean),
     "rotate_quarantine_percent": _Field(_parse_float, _percent),

@@ -21,6 +21,7 @@ Two guarantees SGLang's own backends do not give, and how they are kept:
 
 from __future__ import annotations
 
+import os
 import random
 import threading
 import time
@@ -54,7 +55,7 @@ from pdflow.io.bootstrap_server import serve
 from pdflow.io.node_common import NodeEvent, RoomStatus
 from pdflow.io.node_decode import DecodeNode, DecodeRank
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
-from pdflow.io.settings import Settings, load_settings
+from pdflow.io.settings import Settings, load_settings, pdflow_variable
 from pdflow.sglang.identity import instance_identity
 from pdflow.sglang.layout import (
     UnsupportedByPdflow,
@@ -69,6 +70,9 @@ from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
 
 log = structlog.get_logger("pdflow.sglang")
 
+SMALL_ROOM_STAGING_BYTES = 16 * 1024
+"""The backend stages rooms up to this size (one bulk write instead of one per layer's K and V:
+the engine's per-write cost dominates them); PDFLOW_SMALL_ROOM_STAGING_BYTES overrides it."""
 GENERATION = 0  # SGLang room ids are random per request; a room id is never reused.
 # How long the decode scheduler may wait for a prefill's topology on its first request there
 # (a registry answers in milliseconds; an unreachable one costs at most this per retry).
@@ -128,7 +132,10 @@ class PdflowKVManager(BaseKVManager):
         # it governs pdflow's nodes too (early, or prefill_complete: the decode reserves pages
         # only once the prefill's forward pass ended, mark_prefill_complete).
         policy = AllocationPolicy(get_disagg().disaggregation_decode_allocation_policy)
-        self.settings: Settings = load_settings(host=self.local_ip, allocation_policy=policy)
+        self.settings: Settings = load_settings(
+            host=self.local_ip, allocation_policy=policy,
+            small_room_staging_bytes=_small_room_staging_default(),
+        )  # fmt: skip
         self.book = RoomBook()
         # Decode: prefill topologies by bootstrap address, as SGLang's decode queue reads them.
         self.prefill_info_table: dict[str, PrefillServerInfo] = {}
@@ -579,3 +586,10 @@ class PdflowKVBootstrapServer(BaseKVBootstrapServer):
             self._server_cm.__exit__(None, None, None)
         finally:
             self.loop.close()
+
+
+def _small_room_staging_default() -> int | None:
+    """The backend's small-room staging, unless the deployment set the variable itself."""
+    if os.environ.get(pdflow_variable("small_room_staging_bytes")):
+        return None
+    return SMALL_ROOM_STAGING_BYTES

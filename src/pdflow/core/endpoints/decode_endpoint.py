@@ -17,6 +17,7 @@ SessionRetired, which frees every fenced room published under it.
 from __future__ import annotations
 
 from collections import Counter
+from enum import Enum
 from typing import Any
 
 import msgspec
@@ -119,6 +120,15 @@ from pdflow.core.resources.staging_ring import (
     WatermarkAdvanced,
 )
 from pdflow.core.rooms.receiver_room import ReceiverRoom, ReceiverState
+
+
+class _StagingNeed(Enum):
+    """Whether a room's pages are written through the staging ring."""
+
+    NONE = "direct"
+    REQUIRED = "required"  # several writers share each page: only staging can pack them
+    IF_FREE = "if_free"  # a small room: one bulk write if a region is free now, else direct
+
 
 _UNFENCED = (RoomPagesState.RESERVED, RoomPagesState.VERIFYING)
 _VERIFYING = (RoomPagesState.VERIFYING, RoomPagesState.RELEASING)
@@ -283,8 +293,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             room_id, generation, self.me, now,
             policy=cfg.policy, timeouts=cfg.timeouts,
             session_id=self.session_id,
-            # A staged room is finished by the shell (scatter, then checksums) before Success.
-            verify_checksums=self.staging is not None,
+            # A staged room is also finished by the shell (scatter, then any checksums) before
+            # Success: the room knows it is staged once the endpoint placed its region.
             require_checksums=cfg.verify_checksums,
             aux_row_bytes=cfg.aux_row_bytes,
         )  # fmt: skip
@@ -519,8 +529,12 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             )
         # The ledger refuses pages that are not free (e.g. still quarantined) before any change.
         self._ledger(Reserve(room.key, room.generation, inp.dst_pages), now, out, fired)
-        if not self._stages(room):
+        staging = self._staging_need(room, inp)
+        if staging is _StagingNeed.NONE:
             self._room_input(room, inp, now, out, fired)
+            return
+        if staging is _StagingNeed.IF_FREE:
+            self._stage_if_free(room, inp, now, out, fired)
             return
         self.waiting_for_staging[room.key] = inp
         self._place_staging(room, inp, now, out, fired)
@@ -528,15 +542,42 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             # Deferred: the room holds its pages and a ring region; its waiting budget runs.
             self._room_input(room, StagingWait(), now, out, fired)
 
-    def _stages(self, room: ReceiverRoom) -> bool:
-        """Staged when the ring is on and several prefill TP ranks write slices of one page.
-        A prefill with pipeline stages writes its layers directly (its writer regions would
-        depend on each stage's layers)."""
+    def _staging_need(self, room: ReceiverRoom, inp: PublishPages) -> _StagingNeed:
+        """Staging is required when several prefill TP ranks write slices of one page, and
+        taken if free for a small room of one writer (``stage_rooms_up_to``): one bulk write
+        costs the engine far less than one write per buffer. A prefill with pipeline stages
+        writes its layers directly (its writer regions would depend on each stage's layers)."""
         if self.staging is None:
-            return False
+            return _StagingNeed.NONE
         info = self.topologies.get(self.room_bootstrap.get(room.key, ""))
-        single_stage = info is None or info.pp_size == 1
-        return len(room.writers) > 1 and single_stage
+        if info is not None and info.pp_size != 1:
+            return _StagingNeed.NONE
+        writers = len(room.writers)
+        if writers > 1:
+            return _StagingNeed.REQUIRED
+        nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
+        if writers == 1 and 0 < nbytes <= self.config.stage_rooms_up_to:
+            return _StagingNeed.IF_FREE
+        return _StagingNeed.NONE
+
+    def _stage_if_free(
+        self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> None:  # fmt: skip
+        """A small room takes a ring region only if it is free now, else it is written directly:
+        it never waits, so a region pinned by a dead writer slows small rooms, never stalls
+        them."""
+        nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
+        placed = self._ring(Assign(room.key, room.generation, nbytes), now, out, fired)
+        assigned = next((o for o in placed if isinstance(o, StagingAssigned)), None)
+        if assigned is not None:
+            ready = self._ring(CheckReady(room.key, room.generation), now, out, fired)
+            if any(isinstance(o, StagingReady) for o in ready):
+                out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
+                room.staging_offset = assigned.offset
+            else:
+                self._ring(Free(room.key, room.generation), now, out, fired)
+        self._room_input(room, inp, now, out, fired)
 
     def _place_staging(
         self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],

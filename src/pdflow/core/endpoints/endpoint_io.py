@@ -244,7 +244,13 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     heartbeat_max_failure: int = 2
     verify_checksums: bool = False
     staging_capacity: int = 0
-    """Bytes of the staging ring for heterogeneous TP (prefill TP > decode TP); 0 turns it off."""
+    """Bytes of the staging ring: heterogeneous TP (prefill TP > decode TP) needs it, small rooms
+    use it when ``stage_rooms_up_to`` allows; 0 turns it off."""
+    stage_rooms_up_to: int = 0
+    """Small-room staging: a room of one writer whose pages take at most this many bytes is
+    written as ONE bulk write into the staging ring (gathered by the prefill, scattered here)
+    instead of one write per buffer and page run, when a ring region is free at once; it never
+    waits for one (it is then written directly). 0 turns it off."""
     staging_page_bytes: int = 0
     """Bytes one destination page takes in the staging region (all layers, K and V)."""
     kv_layout: KvBuffers | None = None

@@ -1,4 +1,4 @@
-"""StagingRing: the decode's staging buffer for heterogeneous TP, as an overcommitting ring.
+"""StagingRing: the decode's staging buffer (heterogeneous TP, small rooms), an overcommitting ring.
 
 ``Assign`` hands out ``(offset, round)`` at the head and wraps to offset 0 with ``round + 1``
 when the tail of the ring cannot hold the chunk; it never waits, so a new chunk may overlap an
@@ -23,6 +23,11 @@ from pdflow.core.framework.errors import InvalidInput, RemoteProtocolError
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
 from pdflow.core.protocol.outputs import Output
+
+SMALL_ROOM_STAGING_LIMIT = 64 * 1024
+"""The largest room a decode may stage as a small room (``stage_rooms_up_to``). Every prefill
+keeps a staging slot of at least this size per transfer queue, so any decode's small rooms fit
+any prefill's slots without asking."""
 
 
 class RingState(enum.Enum):

@@ -110,8 +110,8 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         self.me = me
         self.policy = policy
         self.timeouts = timeouts
-        # Verifying finishes the data (staging scatter, then any checksums); requiring them
-        # fails the room closed when a writer sent none (the decode's checksum setting).
+        # Verifying finishes the data (a staged room's scatter, then any checksums); requiring
+        # them fails the room closed when a writer sent none (the decode's checksum setting).
         self.verify_checksums = verify_checksums or require_checksums
         self.require_checksums = require_checksums
         self.session_id = session_id
@@ -225,7 +225,8 @@ class ReceiverRoom(TableMachine[ReceiverState]):
         return self._completes(inp) and bool(self._aux_problem(inp))
 
     def _guard_completes_with_checksums(self, inp: SuccessArrived, now: float) -> bool:
-        return self.verify_checksums and self._completes(inp)
+        staged = self.staging_offset is not None
+        return (self.verify_checksums or staged) and self._completes(inp)
 
     def _guard_completes(self, inp: SuccessArrived, now: float) -> bool:
         return self._completes(inp)
