@@ -147,3 +147,18 @@ def test_prefill_complete_accepts_pdflow_and_keeps_sglangs_other_refusals(
     # Other backends keep SGLang's refusal.
     with pytest.raises(ValueError, match="transfer backends other than Mooncake"):
         _resolved(disaggregation_mode="prefill", disaggregation_transfer_backend="nixl")
+
+
+def test_the_backend_stages_small_rooms_unless_the_deployment_says_otherwise(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from pdflow.io.settings import load_settings
+    from pdflow.sglang import conn
+
+    monkeypatch.delenv("PDFLOW_SMALL_ROOM_STAGING_BYTES", raising=False)
+    chosen = conn._small_room_staging_default()
+    assert chosen == conn.SMALL_ROOM_STAGING_BYTES == 16384
+    assert load_settings(small_room_staging_bytes=chosen).small_room_staging_bytes == 16384
+    monkeypatch.setenv("PDFLOW_SMALL_ROOM_STAGING_BYTES", "0")
+    kept = conn._small_room_staging_default()
+    assert load_settings(small_room_staging_bytes=kept).small_room_staging_bytes == 0

@@ -92,6 +92,8 @@ def test_booleans_choices_and_empty_variables() -> None:
         ({"PDFLOW_TRANSPORT_PROTOCOL": "udp"}, "must be one of tcp, rdma"),
         ({"PDFLOW_ALLOCATION_POLICY": "late"}, "not an allocation policy"),
         ({"PDFLOW_TRACE_MAX_BYTES": "0"}, "PDFLOW_TRACE_MAX_BYTES='0'"),
+        ({"PDFLOW_SMALL_ROOM_STAGING_BYTES": "65537"}, "must be bytes in [0, 65536] (0: off)"),
+        ({"PDFLOW_SMALL_ROOM_STAGING_BYTES": "-1"}, "PDFLOW_SMALL_ROOM_STAGING_BYTES='-1'"),
     ],
 )
 def test_bad_environment_values_name_the_variable(env: dict[str, str], needle: str) -> None:
