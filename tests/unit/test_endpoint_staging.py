@@ -1,4 +1,5 @@
-"""Heterogeneous TP through the decode endpoint's staging ring (prefill TP=2 -> decode TP=1)."""
+"""The decode endpoint's staging ring: heterogeneous TP (prefill TP=2 -> decode TP=1), and small
+rooms of one writer (equal TP), which take a region only when one is free at once."""
 
 from __future__ import annotations
 
@@ -32,22 +33,28 @@ INFO = PrefillInfo(
     kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
     ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0), RegisteredPrefillRank(0, 0, 1, 0, RANK1)),
 )  # fmt: skip
+ONE_WRITER = PrefillInfo(
+    bootstrap="127.0.0.1:8997", tp_size=1, cp_size=1, pp_size=1, dp_size=1, page_size=16,
+    kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
+    ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0),),
+)  # fmt: skip
 PAGE_BYTES = 1024
 
 
-def decode_endpoint(capacity_pages: int) -> DecodeEndpoint:
+def decode_endpoint(capacity_pages: int, small_room_pages: int = 0) -> DecodeEndpoint:
     endpoint = DecodeEndpoint(
         DecodeEndpointConfig(
             me=DECODE, num_pages=64, num_kv_heads=8, staging_capacity=capacity_pages * PAGE_BYTES,
-            staging_page_bytes=PAGE_BYTES,
+            staging_page_bytes=PAGE_BYTES, stage_rooms_up_to=small_room_pages * PAGE_BYTES,
         )
     )  # fmt: skip
     endpoint.handle(TopologyKnown(INFO), 0.0)
+    endpoint.handle(TopologyKnown(ONE_WRITER), 0.0)
     return endpoint
 
 
-def opened(endpoint: DecodeEndpoint, room: int) -> None:
-    endpoint.handle(OpenReceiver(room, 1, INFO.bootstrap), 0.0)
+def opened(endpoint: DecodeEndpoint, room: int, info: PrefillInfo = INFO) -> None:
+    endpoint.handle(OpenReceiver(room, 1, info.bootstrap), 0.0)
 
 
 def sent(step: Step) -> list[object]:
@@ -186,3 +193,83 @@ def test_the_quarantine_report_shows_the_staging_bytes_a_fenced_room_holds() -> 
     endpoint.handle(Received(AbortAck(1, 1, RANK0, DECODE)), 2.0)
     endpoint.handle(Received(AbortAck(1, 1, RANK1, DECODE)), 2.1)
     assert endpoint.quarantined_staging_bytes == 0 and endpoint.quarantine(2.2) == ()
+
+
+# ---- small rooms of one writer (stage_rooms_up_to) ---------------------------------------------
+def publish_small(endpoint: DecodeEndpoint, room: int, pages: tuple[int, ...],
+                  now: float) -> Step:  # fmt: skip
+    opened(endpoint, room, ONE_WRITER)
+    return endpoint.handle(PublishPages(room, pages, None), now)
+
+
+def placed(step: Step) -> list[StagingPlaced]:
+    return [o for o in step.outputs if isinstance(o, StagingPlaced)]
+
+
+def metadata(step: Step) -> RoomMetadata:
+    [found] = [m for m in sent(step) if isinstance(m, RoomMetadata)]
+    return found
+
+
+def small_success(endpoint: DecodeEndpoint, room: int, now: float) -> Step:
+    return endpoint.handle(Received(StatusReport(room, 1, KVPoll.Success, RANK0, DECODE)), now)
+
+
+def test_a_small_room_is_staged_and_finishes_after_its_scatter() -> None:
+    endpoint = decode_endpoint(capacity_pages=8, small_room_pages=4)
+    step = publish_small(endpoint, 1, (10, 11, 12), 1.0)
+    [region] = placed(step)
+    assert region.nbytes == 3 * PAGE_BYTES
+    assert metadata(step).staging_offset == region.offset
+    last = small_success(endpoint, 1, 2.0)
+    assert any(isinstance(o, VerifyChecksums) for o in last.outputs), "the scatter is asked for"
+    assert endpoint.summary(1).poll is KVPoll.Transferring  # type: ignore[union-attr]
+    endpoint.handle(ChecksumChecked(1, 1, True), 2.1)
+    assert endpoint.summary(1).poll is KVPoll.Success  # type: ignore[union-attr]
+    assert endpoint.staging is not None and endpoint.staging.snapshot().live == ()
+
+
+def test_a_room_over_the_limit_is_written_directly_and_needs_no_scatter() -> None:
+    endpoint = decode_endpoint(capacity_pages=8, small_room_pages=2)
+    step = publish_small(endpoint, 1, (10, 11, 12), 1.0)
+    assert placed(step) == [] and metadata(step).staging_offset is None
+    last = small_success(endpoint, 1, 2.0)
+    assert not any(isinstance(o, VerifyChecksums) for o in last.outputs)
+    assert endpoint.summary(1).poll is KVPoll.Success  # type: ignore[union-attr]
+
+
+def test_no_limit_means_no_small_room_staging() -> None:
+    endpoint = decode_endpoint(capacity_pages=8)
+    step = publish_small(endpoint, 1, (10,), 1.0)
+    assert placed(step) == [] and metadata(step).staging_offset is None
+
+
+def test_a_small_room_never_waits_for_ring_space() -> None:
+    # Room 1 holds the whole ring; room 2's region would overlap it: it is written directly
+    # at once (published, no StagingWait), and the region it was assigned is handed back.
+    endpoint = decode_endpoint(capacity_pages=3, small_room_pages=4)
+    assert len(placed(publish_small(endpoint, 1, (10, 11, 12), 1.0))) == 1
+    second = publish_small(endpoint, 2, (20, 21), 1.0)
+    assert placed(second) == [] and metadata(second).staging_offset is None
+    assert endpoint.summary(2).poll is KVPoll.Transferring  # type: ignore[union-attr]
+    assert endpoint.staging is not None
+    assert [live.room for live in endpoint.staging.snapshot().live] == [1]
+    small_success(endpoint, 2, 2.0)
+    assert endpoint.summary(2).poll is KVPoll.Success  # type: ignore[union-attr]
+
+
+def test_a_fenced_small_room_pins_a_region_but_later_small_rooms_still_run() -> None:
+    # The hazard staging brings: a region held for a writer that may still write. A small room
+    # behind it is written directly rather than waiting on the fence.
+    endpoint = decode_endpoint(capacity_pages=4, small_room_pages=4)
+    publish_small(endpoint, 1, (10, 11), 1.0)
+    endpoint.handle(RoomCall(1, AbortRequested("client went away")), 1.5)
+    endpoint.handle(ClearRoom(1), 1.6)
+    assert endpoint.staging is not None and len(endpoint.staging.snapshot().live) == 1
+    later = publish_small(endpoint, 2, (20, 21, 22), 2.0)
+    assert placed(later) == [] and metadata(later).staging_offset is None
+    small_success(endpoint, 2, 3.0)
+    assert endpoint.summary(2).poll is KVPoll.Success  # type: ignore[union-attr]
+    endpoint.handle(Received(AbortAck(1, 1, RANK0, DECODE)), 4.0)
+    assert endpoint.staging.snapshot().live == ()
+    assert len(placed(publish_small(endpoint, 3, (30,), 5.0))) == 1, "the ring is free again"
