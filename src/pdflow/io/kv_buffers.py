@@ -177,7 +177,6 @@ class TransferPlanner:
         return plan_buffers(self._local_buffers, self.local.tp, peer.layout, peer_place(peer),
                             start.src_pages, start.dst_pages, self.stage, pairs)  # fmt: skip
 
-
     def region(self, peer: KvArgs) -> WriterRegion | None:
         """This rank's staged region in the decode rank ``peer`` (None: they share no heads),
         worked out once per announced layout: finding the slices costs more than a small

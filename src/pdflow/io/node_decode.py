@@ -372,7 +372,9 @@ class DecodeNode(NodeLifecycle):
         # Each rank's staging ring: prefill ranks write head slices there (heterogeneous TP),
         # or a small room's pages (small-room staging), in one bulk write per chunk; the node
         # scatters them into pages before Success.
-        small = self.settings.small_room_staging_bytes
+        host_memory = all(rank.device == "cpu" for rank in ranks)
+        small = self.settings.small_room_staging_bytes if host_memory else 0
+        self._small_room_bytes = small
         self.staging_bytes = max(staging_bytes, small * SMALL_ROOM_RING_ROOMS)
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
         self.staging_memory = dict(staging_memory or {})
@@ -439,9 +441,7 @@ class DecodeNode(NodeLifecycle):
             verify_checksums=self.settings.checksum,
             staging_capacity=self.staging_bytes,
             # The small-room path copies with memmove: host-memory KV only.
-            stage_rooms_up_to=(
-                self.settings.small_room_staging_bytes if rank_kv.device == "cpu" else 0
-            ),
+            stage_rooms_up_to=self._small_room_bytes,
             staging_page_bytes=self._page_bytes[rank_kv.tp_rank],
             kv_layout=rank_kv.kv_buffers, staging_addr=self._staging_addr(rank_kv.tp_rank),
             aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
