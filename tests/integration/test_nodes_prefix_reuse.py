@@ -38,8 +38,10 @@ def copy_page(src: HostKvCache, src_page: int, dst: HostKvCache, dst_page: int) 
                        src.layout.item_len)  # fmt: skip
 
 
-async def transfer(prefix: int) -> dict[str, object]:
-    settings = load_settings(trace_enabled=False, checksum=True)
+async def transfer(prefix: int, staging: tuple[int, bool] = (0, True)) -> dict[str, object]:
+    small_room_bytes, checksum = staging
+    settings = load_settings(trace_enabled=False, checksum=checksum,
+                             small_room_staging_bytes=small_room_bytes)  # fmt: skip
     p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     src_pages = [5, 9, 2]
@@ -70,16 +72,25 @@ async def transfer(prefix: int) -> dict[str, object]:
     }  # fmt: skip
 
 
-def test_the_prefill_sends_only_the_pages_after_the_decodes_prefix() -> None:
-    result = anyio.run(transfer, PREFIX, backend="asyncio")
+# Direct writes; small-room staging (one write per chunk into the decode's ring, scattered at
+# Success) with checksums (scatter on a worker thread) and without (scatter on the loop).
+STAGING = [(0, True), (65536, True), (65536, False)]
+
+
+@pytest.mark.parametrize("staging", STAGING)
+def test_the_prefill_sends_only_the_pages_after_the_decodes_prefix(
+    staging: tuple[int, bool],
+) -> None:
+    result = anyio.run(transfer, PREFIX, staging, backend="asyncio")
     assert result["poll"] is KVPoll.Success, result["reason"]
     assert result["prefix"] == PREFIX and result["sent"] == 2
     assert result["bytes"] == 2 * result["page_bytes"], "one page fewer on the wire"
     assert result["equal"] == [True, True, True], "cached prefix + received pages = the sequence"
 
 
-def test_without_a_prefix_every_page_is_sent() -> None:
-    result = anyio.run(transfer, 0, backend="asyncio")
+@pytest.mark.parametrize("staging", STAGING)
+def test_without_a_prefix_every_page_is_sent(staging: tuple[int, bool]) -> None:
+    result = anyio.run(transfer, 0, staging, backend="asyncio")
     assert result["poll"] is KVPoll.Success, result["reason"]
     assert result["sent"] == 3 and result["bytes"] == 3 * result["page_bytes"]
     assert result["equal"] == [True, True, True]
