@@ -389,10 +389,10 @@ class PrefillNode(NodeLifecycle):
         self._registered: list[tuple[int, int]] = []
         self.registration = RegistrationKeeper()
         """This node's hold on its standalone registry entry (re-registers after a restart)."""
-        # One local staging slot per transfer queue (a queue runs one write at a time, so its
-        # slot is never shared), for heterogeneous TP and for small rooms: a host-memory node
-        # that allocates its own slots makes each hold at least a small room (a decode may
-        # stage any room up to SMALL_ROOM_STAGING_LIMIT).
+        # One local staging slot per transfer worker (a queue's lane runs one write at a
+        # time, so its slot is never shared), for heterogeneous TP and for small rooms: a
+        # host-memory node that allocates its own slots makes each hold at least a small room
+        # (a decode may stage any room up to SMALL_ROOM_STAGING_LIMIT).
         host_memory = all(rank.device == "cpu" for rank in ranks)
         self.staging_slot_bytes = (
             max(staging_slot_bytes, SMALL_ROOM_STAGING_LIMIT)
@@ -432,7 +432,9 @@ class PrefillNode(NodeLifecycle):
                 self._staging = (ctypes.c_uint8 * size)()
                 self.staging_base = ctypes.addressof(self._staging)
             else:
-                self.staging_memory.check_holds(size, "a staging slot per transfer queue")
+                self.staging_memory.check_holds(
+                    size, "a staging slot per transfer worker (queues x lanes)"
+                )
                 self.staging_base = self.staging_memory.addr
             self.transport.register_buffer(self.staging_base, size)
             self._registered.append((self.staging_base, size))

@@ -26,7 +26,7 @@ from pdflow.core.protocol.outputs import Output
 
 SMALL_ROOM_STAGING_LIMIT = 64 * 1024
 """The largest room a decode may stage as a small room (``stage_rooms_up_to``). Every prefill
-keeps a staging slot of at least this size per transfer queue, so any decode's small rooms fit
+keeps a staging slot of at least this size per transfer worker, so any decode's small rooms fit
 any prefill's slots without asking."""
 
 
