@@ -372,8 +372,8 @@ class DecodeNode(NodeLifecycle):
         # Each rank's staging ring: prefill ranks write head slices there (heterogeneous TP),
         # or a small room's pages (small-room staging), in one bulk write per chunk; the node
         # scatters them into pages before Success.
-        host_memory = all(rank.device == "cpu" for rank in ranks)
-        small = self.settings.small_room_staging_bytes if host_memory else 0
+        self._host_memory = all(rank.device == "cpu" for rank in ranks)
+        small = self.settings.small_room_staging_bytes if self._host_memory else 0
         self._small_room_bytes = small
         self.staging_bytes = max(staging_bytes, small * SMALL_ROOM_RING_ROOMS)
         self._staging: dict[int, ctypes.Array[ctypes.c_uint8]] = {}
@@ -744,11 +744,10 @@ class DecodeNode(NodeLifecycle):
         """A small staged room in host memory with no digest to recompute is scattered on the
         loop: a few copies cost less than a hop to a worker thread."""
         pages = self.room_pages.get((rank, request.room))
-        kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
         return (
             not request.expected
             and pages is not None
-            and kv.device == "cpu"
+            and self._host_memory
             and len(pages) * self._page_bytes[rank] <= SMALL_ROOM_STAGING_LIMIT
         )
 
