@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Sequence
-from typing import Any, Protocol
+from collections.abc import Callable, Sequence
+from typing import Any, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -143,6 +143,28 @@ def peer_place(args: KvArgs) -> TpPlace:
 # Peer layouts whose slice pairs a planner keeps; past this the oldest is dropped.
 _KEPT_PEER_LAYOUTS = 256
 
+_Kept = TypeVar("_Kept")
+
+
+class _PerLayout(Generic[_Kept]):
+    """A value worked out once per decode rank's announced layout (the ``KvArgs`` object the
+    core keeps for it) and a variant of this side, kept while that object is; past
+    ``_KEPT_PEER_LAYOUTS`` layouts the oldest is dropped. Holding the KvArgs keeps its id from
+    being reused by another object while the entry lives."""
+
+    def __init__(self) -> None:
+        self._kept: dict[int, tuple[KvArgs, object, _Kept]] = {}
+
+    def get(self, peer: KvArgs, variant: object, make: Callable[[], _Kept]) -> _Kept:
+        kept = self._kept.get(id(peer))
+        if kept is not None and kept[0] is peer and kept[1] == variant:
+            return kept[2]
+        value = make()
+        if len(self._kept) >= _KEPT_PEER_LAYOUTS:
+            del self._kept[next(iter(self._kept))]
+        self._kept[id(peer)] = (peer, variant, value)
+        return value
+
 
 class TransferPlanner:
     """Plans the writes of one prefill rank. Override :meth:`plan` for a staged path.
@@ -157,23 +179,13 @@ class TransferPlanner:
     def __init__(self, local: RankKv) -> None:
         self.local = local
         self._local_buffers = local.kv_buffers
-        # id(KvArgs) -> (that KvArgs, stage, its slice pairs); holding the KvArgs keeps its id
-        # from being reused by another object while the entry lives.
-        self._pairs: dict[int, tuple[KvArgs, bool, SlicePairs]] = {}
-        # id(KvArgs) -> (that KvArgs, this rank's staged region in that decode rank).
-        self._regions: dict[int, tuple[KvArgs, WriterRegion | None]] = {}
+        self._pairs: _PerLayout[SlicePairs] = _PerLayout()
+        self._regions: _PerLayout[WriterRegion | None] = _PerLayout()
 
     def plan(self, start: StartTransfer, peer: KvArgs) -> tuple[WriteOp, ...]:
         """Raises ``InvalidInput`` (from planning) when the two layouts cannot exchange pages."""
-        kept = self._pairs.get(id(peer))
-        if kept is not None and kept[0] is peer and kept[1] == self.stage:
-            pairs = kept[2]
-        else:
-            pairs = buffer_slice_pairs(self._local_buffers, self.local.tp, peer.layout,
-                                       peer_place(peer), self.stage)  # fmt: skip
-            if len(self._pairs) >= _KEPT_PEER_LAYOUTS:
-                del self._pairs[next(iter(self._pairs))]
-            self._pairs[id(peer)] = (peer, self.stage, pairs)
+        pairs = self._pairs.get(peer, self.stage, lambda: buffer_slice_pairs(
+            self._local_buffers, self.local.tp, peer.layout, peer_place(peer), self.stage))
         return plan_buffers(self._local_buffers, self.local.tp, peer.layout, peer_place(peer),
                             start.src_pages, start.dst_pages, self.stage, pairs)  # fmt: skip
 
@@ -181,15 +193,8 @@ class TransferPlanner:
         """This rank's staged region in the decode rank ``peer`` (None: they share no heads),
         worked out once per announced layout: finding the slices costs more than a small
         room's whole gather."""
-        kept = self._regions.get(id(peer))
-        if kept is not None and kept[0] is peer:
-            return kept[1]
-        local = self.local
-        found = writer_region(local.kv_buffers, True, local.tp, peer_place(peer), peer.layout)
-        if len(self._regions) >= _KEPT_PEER_LAYOUTS:
-            del self._regions[next(iter(self._regions))]
-        self._regions[id(peer)] = (peer, found)
-        return found
+        return self._regions.get(peer, None, lambda: writer_region(
+            self._local_buffers, True, self.local.tp, peer_place(peer), peer.layout))
 
 
 # ---- model state ---------------------------------------------------------------------------------
