@@ -570,14 +570,23 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
         placed = self._ring(Assign(room.key, room.generation, nbytes), now, out, fired)
         assigned = next((o for o in placed if isinstance(o, StagingAssigned)), None)
-        if assigned is not None:
-            ready = self._ring(CheckReady(room.key, room.generation), now, out, fired)
-            if any(isinstance(o, StagingReady) for o in ready):
-                out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
-                room.staging_offset = assigned.offset
-            else:
-                self._ring(Free(room.key, room.generation), now, out, fired)
+        if assigned is not None and not self._placed_if_ready(
+            room, assigned.offset, nbytes, now, out, fired
+        ):
+            self._ring(Free(room.key, room.generation), now, out, fired)
         self._room_input(room, inp, now, out, fired)
+
+    def _placed_if_ready(
+        self, room: ReceiverRoom, offset: int, nbytes: int, now: float, out: list[Output],
+        fired: list[Fired],
+    ) -> bool:  # fmt: skip
+        """Whether the room's assigned region is free to write now; if so it is the room's."""
+        ready = self._ring(CheckReady(room.key, room.generation), now, out, fired)
+        if not any(isinstance(o, StagingReady) for o in ready):
+            return False
+        out.append(StagingPlaced(room.key, room.generation, offset, nbytes))
+        room.staging_offset = offset
+        return True
 
     def _place_staging(
         self, room: ReceiverRoom, inp: PublishPages, now: float, out: list[Output],
@@ -592,13 +601,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             self._release_unpublished(room, now, out, fired)
             return
         assigned = next(o for o in placed if isinstance(o, StagingAssigned))
-        if any(
-            isinstance(o, StagingReady)
-            for o in self._ring(CheckReady(room.key, room.generation), now, out, fired)
-        ):
+        if self._placed_if_ready(room, assigned.offset, nbytes, now, out, fired):
             del self.waiting_for_staging[room.key]
-            out.append(StagingPlaced(room.key, room.generation, assigned.offset, nbytes))
-            room.staging_offset = assigned.offset
             self._room_input(room, inp, now, out, fired)
 
     def _retry_staging(self, now: float, out: list[Output], fired: list[Fired]) -> None:
