@@ -15,7 +15,7 @@ import pytest
 
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank
+from pdflow.io.kv_buffers import EngineMemory, HostKvCache, RankKv, host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
@@ -53,15 +53,22 @@ class CountedWrites:
 
 
 @asynccontextmanager
-async def nodes(small_room_bytes: int) -> AsyncIterator[
+async def nodes(small_room_bytes: int, prefill_slots: bool = True) -> AsyncIterator[
         tuple[PrefillNode, DecodeNode, Cache, Cache, CountedWrites]]:  # fmt: skip
+    """``prefill_slots=False``: a prefill with no staging slot, as a device-memory prefill
+    whose engine lends no staging memory (its KV here stays in host memory: an engine that
+    lends its own staging memory and asks for no slots gets the same node)."""
     settings = load_settings(trace_enabled=False, small_room_staging_bytes=small_room_bytes)
     prefill, decode = cache(), cache()
+    no_slots: dict[str, Any] = (
+        {} if prefill_slots
+        else {"staging_memory": EngineMemory(prefill[0].base_addr, 1), "staging_slot_bytes": 0}
+    )  # fmt: skip
     fabric = InProcessFabric()
     async with (
         fabric.create_transport() as p_transport, fabric.create_transport() as d_transport,
         PrefillNode(ranks=[prefill[1]], transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
+                    settings=settings, **no_slots) as p_node,
         DecodeNode(ranks=[decode[1]], transport=d_transport, settings=settings) as d_node,
     ):  # fmt: skip
         yield p_node, d_node, prefill, decode, CountedWrites(p_transport)
@@ -121,3 +128,19 @@ async def test_rooms_over_the_limit_and_nodes_without_it_write_every_buffer() ->
             assert writes.calls == [2 * 2 * GEOMETRY["num_layers"]]
             results[limit_pages] = bytes(decode[0].memory)
     assert results[0] == results[2]
+
+
+async def test_a_prefill_without_staging_slots_gets_its_small_rooms_written_directly() -> None:
+    # It registers no slot, so the decode places no region: every buffer is written directly
+    # and the room succeeds (before the declaration the chunk failed: "the decode placed a
+    # staging region for this chunk but this prefill has no staging slots").
+    async with nodes(small_room_bytes=4 * page_bytes(cache()[1]), prefill_slots=False) as (
+        p_node, d_node, prefill, decode, writes,
+    ):  # fmt: skip
+        assert p_node.staging_base is None
+        src, dst, chunk = ROOMS[5]
+        assert await run_room(p_node, d_node, prefill, 5, src, dst, chunk) is KVPoll.Success
+        assert matches(*decode, 5, dst)
+        assert writes.calls == [2 * 2 * GEOMETRY["num_layers"]]
+        endpoint = d_node.ranks[0]._host.endpoint
+        assert endpoint.staging is not None and endpoint.staging.snapshot().live == ()

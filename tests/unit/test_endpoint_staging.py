@@ -3,6 +3,8 @@ rooms of one writer (equal TP), which take a region only when one is free at onc
 
 from __future__ import annotations
 
+import msgspec
+
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import (
     ChecksumChecked,
@@ -33,15 +35,16 @@ INFO = PrefillInfo(
     kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
     ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0), RegisteredPrefillRank(0, 0, 1, 0, RANK1)),
 )  # fmt: skip
+PAGE_BYTES = 1024
 ONE_WRITER = PrefillInfo(
     bootstrap="127.0.0.1:8997", tp_size=1, cp_size=1, pp_size=1, dp_size=1, page_size=16,
     kv_cache_dtype="auto", policy=AllocationPolicy.EARLY,
-    ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0),),
+    ranks=(RegisteredPrefillRank(0, 0, 0, 0, RANK0),), staging_slot_bytes=64 * PAGE_BYTES,
 )  # fmt: skip
-PAGE_BYTES = 1024
 
 
-def decode_endpoint(capacity_pages: int, small_room_pages: int = 0) -> DecodeEndpoint:
+def decode_endpoint(capacity_pages: int, small_room_pages: int = 0,
+                    one_writer: PrefillInfo = ONE_WRITER) -> DecodeEndpoint:  # fmt: skip
     endpoint = DecodeEndpoint(
         DecodeEndpointConfig(
             me=DECODE, num_pages=64, num_kv_heads=8, staging_capacity=capacity_pages * PAGE_BYTES,
@@ -49,7 +52,7 @@ def decode_endpoint(capacity_pages: int, small_room_pages: int = 0) -> DecodeEnd
         )
     )  # fmt: skip
     endpoint.handle(TopologyKnown(INFO), 0.0)
-    endpoint.handle(TopologyKnown(ONE_WRITER), 0.0)
+    endpoint.handle(TopologyKnown(one_writer), 0.0)
     return endpoint
 
 
@@ -242,6 +245,25 @@ def test_no_limit_means_no_small_room_staging() -> None:
     endpoint = decode_endpoint(capacity_pages=8)
     step = publish_small(endpoint, 1, (10,), 1.0)
     assert placed(step) == [] and metadata(step).staging_offset is None
+
+
+def test_a_small_room_is_staged_only_for_a_prefill_whose_slot_holds_it() -> None:
+    # A writer that declared no slot (SGLang's own prefill, or a device-memory one without
+    # staging memory) would write the pages directly, and the ring's scatter would then
+    # overwrite them; one whose slot is smaller than the room could not gather it.
+    undeclared = msgspec.structs.replace(ONE_WRITER, staging_slot_bytes=0)
+    endpoint = decode_endpoint(capacity_pages=8, small_room_pages=4, one_writer=undeclared)
+    step = endpoint_publish(endpoint, 1, (10,))
+    assert placed(step) == [] and metadata(step).staging_offset is None
+    small = msgspec.structs.replace(ONE_WRITER, staging_slot_bytes=2 * PAGE_BYTES)
+    endpoint = decode_endpoint(capacity_pages=8, small_room_pages=4, one_writer=small)
+    assert placed(endpoint_publish(endpoint, 1, (10, 11, 12))) == [], "3 pages > a 2-page slot"
+    assert len(placed(endpoint_publish(endpoint, 2, (20, 21)))) == 1, "2 pages fit it"
+
+
+def endpoint_publish(endpoint: DecodeEndpoint, room: int, pages: tuple[int, ...]) -> Step:
+    opened(endpoint, room, ONE_WRITER)
+    return endpoint.handle(PublishPages(room, pages, None), 1.0)
 
 
 def test_a_small_room_never_waits_for_ring_space() -> None:

@@ -10,6 +10,7 @@ import pytest
 from pdflow.core.cluster.registry import (
     REGISTRY_TABLE,
     CheckHealth,
+    PrefillRankInfo,
     PrefillServerInfo,
     QueryDpRanks,
     QueryRank,
@@ -18,6 +19,7 @@ from pdflow.core.cluster.registry import (
     Registry,
     RegistryState,
     Reply,
+    declared_staging_slot_bytes,
     route_query,
 )
 from pdflow.core.protocol.inputs import Input, Tick
@@ -207,6 +209,7 @@ def test_inconsistent_registration_is_refused_naming_field_and_values(
         ({"started_at": 5.0}, "send an incarnation too"),
         ({"health": "nohost"}, "health='nohost' must be host:port"),
         ({"health": "h:0"}, "health='h:0'"),
+        ({"staging_slot_bytes": -1}, "staging_slot_bytes=-1 must be >= 0"),
     ],
 )
 def test_malformed_registration_is_refused_and_changes_nothing(
@@ -260,6 +263,25 @@ def test_restarted_rank_with_new_incarnation_replaces_the_old() -> None:
     assert _reply(registry, QueryRank(0, 0, 0, 0)).body == {
         "rank_ip": "127.0.0.1", "rank_port": 41001, "incarnation": "inc-a2", "protocol_version": 1
     }
+
+
+def test_rank_answer_carries_its_staging_slot_and_the_instance_has_the_smallest() -> None:
+    registry = Registry()
+    registry.handle(rank(0, staging_slot_bytes=65536), 0.0)
+    registry.handle(rank(1, staging_slot_bytes=16384), 0.0)
+    answers = []
+    for tp in (0, 1):
+        body = _reply(registry, QueryRank(0, 0, tp, 0)).body
+        answers.append(msgspec.convert(body, PrefillRankInfo))
+    assert [a.staging_slot_bytes for a in answers] == [65536, 16384]
+    assert declared_staging_slot_bytes(answers) == 16384
+    # A rank that declared none (SGLang's prefill) means no small room is staged at all.
+    registry.handle(rank(1), 0.0)
+    body = _reply(registry, QueryRank(0, 0, 1, 0)).body
+    assert isinstance(body, dict) and "staging_slot_bytes" not in body
+    answers[1] = msgspec.convert(body, PrefillRankInfo)
+    assert declared_staging_slot_bytes(answers) == 0
+    assert declared_staging_slot_bytes([]) == 0
 
 
 @pytest.mark.parametrize(

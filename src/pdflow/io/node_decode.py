@@ -23,7 +23,11 @@ import anyio.to_thread
 import msgspec
 import structlog
 
-from pdflow.core.cluster.registry import declared_checksum, declared_is_mla
+from pdflow.core.cluster.registry import (
+    declared_checksum,
+    declared_is_mla,
+    declared_staging_slot_bytes,
+)
 from pdflow.core.cluster.topology import Parallelism, prefill_unique_rank
 from pdflow.core.dataplane.buffers import TpPlace, destination_slices
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
@@ -658,6 +662,7 @@ class DecodeNode(NodeLifecycle):
             ranks=tuple(ranks), is_mla=is_mla,
             follow_bootstrap_room=server.follow_bootstrap_room,
             checksum=declared_checksum(answers),
+            staging_slot_bytes=declared_staging_slot_bytes(answers),
         )  # fmt: skip
 
     # ---- heartbeat -----------------------------------------------------------------------------

@@ -496,7 +496,7 @@ class PrefillNode(NodeLifecycle):
                     incarnation=self.incarnation, protocol_version=PROTOCOL_VERSION,
                     started_at=self.started_at, checksum=self.settings.checksum,
                     is_mla=self.is_mla,
-                    health=self.health,
+                    health=self.health, staging_slot_bytes=self.staging_slot_bytes,
                 ))  # fmt: skip
 
     async def _keep_registered(self) -> None:

@@ -81,6 +81,10 @@ class RegisterRank(Input, frozen=True, gc=True, tag="RegisterRank"):  # holds a 
     health: str | None = None
     """``host:port`` of the rank's process's own health endpoint (pdflow's PrefillNode serves
     one), so the decode notices a dead process even behind an external registry."""
+    staging_slot_bytes: int | None = None
+    """How many bytes one of this rank's local staging slots holds (one slot per transfer
+    worker): a decode stages a small room for this prefill only when a slot holds it.
+    None: not declared (SGLang sends none), so no small room is staged for it."""
     token: str | None = None
     """From the HTTP header, never from the body."""
 
@@ -141,6 +145,12 @@ def declared_checksum(ranks: Iterable[PrefillRankInfo]) -> bool | None:
     """The prefill instance's checksum setting from its rank answers: None unless every rank
     declared the same one (the registry keeps declared settings consistent)."""
     return _declared({rank.checksum for rank in ranks})
+
+
+def declared_staging_slot_bytes(ranks: Iterable[PrefillRankInfo]) -> int:
+    """The staging slot every rank of the prefill instance holds: the smallest one declared,
+    0 when any rank declared none (a decode then stages no small room for that instance)."""
+    return min((rank.staging_slot_bytes or 0 for rank in ranks), default=0)
 
 
 def declared_is_mla(ranks: Iterable[PrefillRankInfo]) -> bool | None:
@@ -226,6 +236,7 @@ class PrefillRankInfo(msgspec.Struct, frozen=True, omit_defaults=True):
     checksum: bool | None = None
     is_mla: bool | None = None
     health: str | None = None
+    staging_slot_bytes: int | None = None
 
 
 class RegistrySnapshot(msgspec.Struct, frozen=True):
@@ -443,7 +454,7 @@ class Registry(TableMachine[RegistryState]):
             self.superseded.add(held.incarnation)
         self.ranks[reg.rank_key] = PrefillRankInfo(
             reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version, reg.started_at,
-            reg.checksum, reg.is_mla, reg.health,
+            reg.checksum, reg.is_mla, reg.health, reg.staging_slot_bytes,
         )
         return [Reply(200, OK)]
 
@@ -632,6 +643,11 @@ def _malformation(reg: RegisterRank) -> str | None:
         return (
             f"Malformed registration: started_at={reg.started_at!r} must be seconds since the "
             "Unix epoch (finite, >= 0)"
+        )
+    if reg.staging_slot_bytes is not None and reg.staging_slot_bytes < 0:
+        return (
+            f"Malformed registration: staging_slot_bytes={reg.staging_slot_bytes} must be >= 0 "
+            "(0 or absent: this rank holds no staging slots)"
         )
     if reg.health is not None and not _is_host_port(reg.health):
         return f"Malformed registration: health={reg.health!r} must be host:port"

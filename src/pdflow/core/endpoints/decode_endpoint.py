@@ -545,8 +545,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
     def _staging_need(self, room: ReceiverRoom, inp: PublishPages) -> _StagingNeed:
         """Staging is required when several prefill TP ranks write slices of one page, and
         taken if free for a small room of one writer (``stage_rooms_up_to``): one bulk write
-        costs the engine far less than one write per buffer. A prefill with pipeline stages
-        writes its layers directly (its writer regions would depend on each stage's layers)."""
+        costs the engine far less than one write per buffer. A small room is staged only for
+        a prefill that registered a staging slot holding it: a writer without one could not
+        gather the room, and one that wrote the pages directly would see them overwritten
+        by the ring's scatter. A prefill with pipeline stages writes its layers directly (its
+        writer regions would depend on each stage's layers)."""
         if self.staging is None:
             return _StagingNeed.NONE
         info = self.topologies.get(self.room_bootstrap.get(room.key, ""))
@@ -556,7 +559,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         if writers > 1:
             return _StagingNeed.REQUIRED
         nbytes = len(inp.dst_pages) * self.config.staging_page_bytes
-        if writers == 1 and 0 < nbytes <= self.config.stage_rooms_up_to:
+        if (
+            writers == 1
+            and info is not None
+            and 0 < nbytes <= min(self.config.stage_rooms_up_to, info.staging_slot_bytes)
+        ):
             return _StagingNeed.IF_FREE
         return _StagingNeed.NONE
 

@@ -95,6 +95,9 @@ class PrefillInfo(msgspec.Struct, frozen=True, gc=False):
     follow_bootstrap_room: bool = True
     checksum: bool | None = None
     """Whether the prefill registered as sending KV checksums; None: it did not say (SGLang)."""
+    staging_slot_bytes: int = 0
+    """The staging slot every rank of the prefill holds (bytes): a small room larger than it,
+    or any small room of a prefill that declared none (0), is written directly."""
 
 
 class OpenReceiver(EndpointInput, frozen=True, tag="OpenReceiver"):
