@@ -253,17 +253,12 @@ def test_a_small_room_is_staged_only_for_a_prefill_whose_slot_holds_it() -> None
     # overwrite them; one whose slot is smaller than the room could not gather it.
     undeclared = msgspec.structs.replace(ONE_WRITER, staging_slot_bytes=0)
     endpoint = decode_endpoint(capacity_pages=8, small_room_pages=4, one_writer=undeclared)
-    step = endpoint_publish(endpoint, 1, (10,))
+    step = publish_small(endpoint, 1, (10,), 1.0)
     assert placed(step) == [] and metadata(step).staging_offset is None
     small = msgspec.structs.replace(ONE_WRITER, staging_slot_bytes=2 * PAGE_BYTES)
     endpoint = decode_endpoint(capacity_pages=8, small_room_pages=4, one_writer=small)
-    assert placed(endpoint_publish(endpoint, 1, (10, 11, 12))) == [], "3 pages > a 2-page slot"
-    assert len(placed(endpoint_publish(endpoint, 2, (20, 21)))) == 1, "2 pages fit it"
-
-
-def endpoint_publish(endpoint: DecodeEndpoint, room: int, pages: tuple[int, ...]) -> Step:
-    opened(endpoint, room, ONE_WRITER)
-    return endpoint.handle(PublishPages(room, pages, None), 1.0)
+    assert placed(publish_small(endpoint, 1, (10, 11, 12), 1.0)) == [], "3 pages > a 2-page slot"
+    assert len(placed(publish_small(endpoint, 2, (20, 21), 1.0))) == 1, "2 pages fit it"
 
 
 def test_a_small_room_never_waits_for_ring_space() -> None:
