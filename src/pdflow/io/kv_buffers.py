@@ -395,6 +395,12 @@ def default_executor() -> Executor:
     return PythonExecutor() if numpy is None else NumpyExecutor(numpy)
 
 
+def in_host_memory(ranks: Sequence[RankKv]) -> bool:
+    """Whether every rank's KV lives in host memory (what the small-room copies, `memmove`s,
+    need)."""
+    return all(rank.device == "cpu" for rank in ranks)
+
+
 def executor_for(ranks: Sequence[RankKv]) -> Executor:
     """The executor for the memory the ranks' buffers live in: host memory as
     :func:`default_executor`, device memory the best of Triton and torch there."""

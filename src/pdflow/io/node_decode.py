@@ -85,6 +85,7 @@ from pdflow.io.kv_buffers import (
     check_state_indices,
     copy_staged_host,
     executor_for,
+    in_host_memory,
     kv_digest,
     staged_slices,
     staging_page_bytes,
@@ -376,7 +377,7 @@ class DecodeNode(NodeLifecycle):
         # Each rank's staging ring: prefill ranks write head slices there (heterogeneous TP),
         # or a small room's pages (small-room staging), in one bulk write per chunk; the node
         # scatters them into pages before Success.
-        self._host_memory = all(rank.device == "cpu" for rank in ranks)
+        self._host_memory = in_host_memory(ranks)
         small = self.settings.small_room_staging_bytes if self._host_memory else 0
         self._small_room_bytes = small
         self.staging_bytes = max(staging_bytes, small * SMALL_ROOM_RING_ROOMS)

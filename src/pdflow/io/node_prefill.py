@@ -79,6 +79,7 @@ from pdflow.io.kv_buffers import (
     check_state_indices,
     copy_staged_host,
     executor_for,
+    in_host_memory,
     kv_digest,
     peer_place,
     plan_state,
@@ -393,10 +394,10 @@ class PrefillNode(NodeLifecycle):
         # time, so its slot is never shared), for heterogeneous TP and for small rooms: a
         # host-memory node that allocates its own slots makes each hold at least a small room
         # (a decode may stage any room up to SMALL_ROOM_STAGING_LIMIT).
-        host_memory = all(rank.device == "cpu" for rank in ranks)
+        self._host_memory = in_host_memory(ranks)
         self.staging_slot_bytes = (
             max(staging_slot_bytes, SMALL_ROOM_STAGING_LIMIT)
-            if staging_memory is None and host_memory
+            if staging_memory is None and self._host_memory
             else staging_slot_bytes
         )
         self._staging: ctypes.Array[ctypes.c_uint8] | None = None
@@ -662,7 +663,6 @@ class PrefillNode(NodeLifecycle):
     ) -> StagedWrite | None:
         """Gather-then-one-write when the decode placed a staging region for the room; the
         gather goes to the running worker's own slot."""
-        local = self._planners[rank].local
         if start.staging_offset is None:
             return None
         if self.staging_base is None or args.staging_addr is None:
@@ -686,7 +686,7 @@ class PrefillNode(NodeLifecycle):
             return StagedWrite(region, (), slot, (), True)
         dst = (args.staging_addr + start.staging_offset
                + region.chunk_offset(start.room_pages, start.page_start))  # fmt: skip
-        inline = local.device == "cpu" and nbytes <= SMALL_ROOM_STAGING_LIMIT
+        inline = self._host_memory and nbytes <= SMALL_ROOM_STAGING_LIMIT
         return StagedWrite(region, tuple(start.src_pages), slot, (WriteOp(slot, dst, nbytes),),
                            inline)  # fmt: skip
 
