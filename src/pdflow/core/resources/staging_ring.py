@@ -25,9 +25,9 @@ from pdflow.core.protocol.inputs import Input
 from pdflow.core.protocol.outputs import Output
 
 SMALL_ROOM_STAGING_LIMIT = 64 * 1024
-"""The largest room a decode may stage as a small room (``stage_rooms_up_to``). Every prefill
-keeps a staging slot of at least this size per transfer worker, so any decode's small rooms fit
-any prefill's slots without asking."""
+"""The largest room a decode may stage as a small room (``stage_rooms_up_to``). A host-memory
+prefill that allocates its own slots makes each at least this size; every prefill registers
+its slot size, and a decode stages a small room only for a prefill whose slots hold it."""
 
 
 class RingState(enum.Enum):
