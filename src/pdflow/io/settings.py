@@ -57,8 +57,8 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     """Decode: a room of one writer whose pages take at most this many bytes goes as ONE bulk
     write through the staging ring (the prefill gathers it, this node scatters it) instead of
     one write per buffer, when a ring region is free at once (docs/operations.md, "Small-room
-    staging"); at most 65536 (every prefill keeps slots that size); 0: off. The SGLang backend
-    turns it on (16384) unless this variable is set."""
+    staging"), and only for a prefill whose registered staging slots hold the room; at most
+    65536; 0: off. The SGLang backend turns it on (16384) unless this variable is set."""
     metrics_port: int | None = None
     """Serve ``GET /metrics`` on this port of ``host`` (0: any free port; None: not served)."""
     collect_garbage_at_start: bool = True
