@@ -128,7 +128,10 @@ class EventHub:
         self._subscribers: list[MemoryObjectSendStream[NodeEvent]] = []
         self._watchers: list[Callable[[NodeEvent], None]] = []
         self._status: dict[tuple[int, int], RoomStatus] = {}
-        self._changed: dict[tuple[int, int], anyio.Event] = {}
+        # One bare loop future per waiting caller, not an anyio.Event: a wait is what each
+        # waiting room keeps alive, and the Event's wrapper, deque and coroutines were most
+        # of the objects a full collection walks per waiting room (benchmarks/README.md).
+        self._waiters: dict[tuple[int, int], list[asyncio.Future[None]]] = {}
 
     def subscribe(self) -> MemoryObjectReceiveStream[NodeEvent]:
         """A stream of every later event. Unbounded, so a slow reader never stalls an endpoint;
@@ -154,9 +157,9 @@ class EventHub:
         if isinstance(event, RoomStatus):
             key = (event.rank, event.room)
             self._status[key] = event
-            changed = self._changed.pop(key, None)
-            if changed is not None:
-                changed.set()
+            for waiter in self._waiters.pop(key, ()):
+                if not waiter.done():  # a cancelled caller's future stays done
+                    waiter.set_result(None)
         elif isinstance(event, RoomClosed):
             self._status.pop((event.rank, event.room), None)
         if not self._subscribers:
@@ -170,17 +173,34 @@ class EventHub:
     def status(self, rank: int, room: int) -> RoomStatus | None:
         return self._status.get((rank, room))
 
-    async def wait_status(self, rank: int, room: int, done: Callable[[KVPoll], bool]) -> RoomStatus:
-        """The room's first status (from now on, or the current one) for which ``done`` holds."""
+    async def wait_status(self, rank: int, room: int, at_least: KVPoll) -> RoomStatus:
+        """The room's first status (the current one, or a later one) that is Failed or at least
+        ``at_least``."""
         key = (rank, room)
         while True:
             current = self._status.get(key)
-            if current is not None and done(current.poll):
+            if current is not None and (current.poll is KVPoll.Failed or current.poll >= at_least):
                 return current
-            event = self._changed.get(key)
-            if event is None:
-                event = self._changed[key] = anyio.Event()
-            await event.wait()
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            self._waiters.setdefault(key, []).append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter.cancelled():
+                    self._forget_waiter(key, waiter)
+
+    def waiting_rooms(self) -> int:
+        """How many rooms someone is waiting on (for tests and leak checks)."""
+        return len(self._waiters)
+
+    def _forget_waiter(self, key: tuple[int, int], waiter: asyncio.Future[None]) -> None:
+        """A cancelled caller's future leaves at once, not at the room's next status, which a
+        room that was abandoned may never get."""
+        waiters = self._waiters.get(key)
+        if waiters is not None and waiter in waiters:
+            waiters.remove(waiter)
+            if not waiters:
+                del self._waiters[key]
 
     def forget_room(self, rank: int, room: int) -> None:
         """Clear a previous use of a room id before it is opened again."""

@@ -244,9 +244,7 @@ class DecodeRank:
     async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
         """Until the room wants pages (WaitingForInput) or later; with ``terminal``, its end."""
         threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
-        return await self._node.runtime.events.wait_status(
-            self.rank, room, lambda poll: poll is KVPoll.Failed or poll >= threshold
-        )
+        return await self._node.runtime.events.wait_status(self.rank, room, threshold)
 
     @property
     def allocatable(self) -> int:

@@ -283,9 +283,7 @@ class PrefillRank:
     async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
         """Until the room is ready for input (or past it), or with ``terminal`` until it ends."""
         threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
-        return await self._node.runtime.events.wait_status(
-            self.rank, room, lambda poll: poll is KVPoll.Failed or poll >= threshold
-        )
+        return await self._node.runtime.events.wait_status(self.rank, room, threshold)
 
 
 class PrefillRankEffects(RankEffects):
