@@ -3,9 +3,11 @@
 Both nodes run in this process but talk as in production: ZMQ on loopback for control, the
 bootstrap registry over HTTP, Mooncake TCP for the KV. Each room moves ``room_bytes`` of KV per
 prefill rank. Reported: rooms per second over the whole batch, and the handshake latency of each
-room (decode open -> decode Success: topology, metadata, write, status) as p50/p99.
+room (decode open -> decode Success: topology, metadata, write, status) as p50/p99. Each room
+is driven by one task that makes the prefill's and the decode's calls in order, as an engine
+runs one task per request.
 
-    python benchmarks/control_plane.py --rooms 256 --room-bytes 4096
+    python -m benchmarks.control_plane --rooms 256
 
 `run(...)` returns the figures as a dict, for `pdflow bench`.
 """
@@ -28,7 +30,7 @@ from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode, DecodeRank
-from pdflow.io.node_prefill import PrefillNode, PrefillRank
+from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
@@ -60,40 +62,40 @@ async def _measure(rooms: int, trace: bool, progress: Callable[[str], None],
         p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
         latencies: list[float] = []
 
-        async def prefill_side(room: int) -> None:
+        async def room_flow(room: int, rank: DecodeRank) -> None:
+            # One task per room, as an engine runs one per request: a second task per room
+            # (one per side) doubled the harness's share of what each full GC pass walks, and
+            # at 16,000 rooms that share was most of the heap (benchmarks/README.md).
             await p_rank.open_room(room, 0)
-            await p_rank.wait(room)
-            await p_rank.init_transfer(room, 1)
-            await p_rank.send_chunk(room, [room % pages], True)
-            await p_rank.wait(room, terminal=True)
-            await p_rank.clear(room)
-
-        async def decode_side(room: int, rank: DecodeRank) -> None:
             started = time.perf_counter()
             await rank.open(room, 0, p_node.bootstrap)
             await rank.wait(room)
             await rank.admit(room, input_len=GEOMETRY["page_size"], max_new=0)
             await rank.publish_pages(room, [room % pages])
+            await p_rank.wait(room)
+            await p_rank.init_transfer(room, 1)
+            await p_rank.send_chunk(room, [room % pages], True)
             status = await rank.wait(room, terminal=True)
             if status.poll is not KVPoll.Success:
                 raise RuntimeError(f"room {room} failed: {status.reason}")
             latencies.append(time.perf_counter() - started)
             await rank.clear(room)
             rank.finish_request(room, 0)
+            await p_rank.wait(room, terminal=True)
+            await p_rank.clear(room)
 
-        async def batch(first: int, count: int, p: PrefillRank, d: DecodeRank) -> float:
+        async def batch(first: int, count: int) -> float:
             started = time.perf_counter()
             async with anyio.create_task_group() as tasks:
                 for room in range(first, first + count):
-                    tasks.start_soon(prefill_side, room)
-                    tasks.start_soon(decode_side, room, d)
+                    tasks.start_soon(room_flow, room, d_rank)
             return time.perf_counter() - started
 
-        await batch(0, 8, p_rank, d_rank)  # warm-up: topology fetch, connections
+        await batch(0, 8)  # warm-up: topology fetch, connections
         for extra in range(1, batches):  # more of the same load, for a profiler to sample
-            await batch(1000 + extra * rooms, rooms, p_rank, d_rank)
+            await batch(1000 + extra * rooms, rooms)
         latencies.clear()
-        seconds = await batch(1000, rooms, p_rank, d_rank)
+        seconds = await batch(1000, rooms)
     result = {
         "rooms": rooms,
         "room_bytes": room_bytes,
