@@ -76,9 +76,12 @@ def _manager(node_class: type = DecodeNode) -> PdflowKVManager:
     return mgr
 
 
-def _decode_req(mgr: PdflowKVManager, room: int, idx: int) -> SimpleNamespace:
+def _decode_req(mgr: PdflowKVManager, room: int, idx: int, *,
+                publish: bool = True) -> SimpleNamespace:  # fmt: skip
     receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", room)
     receiver.init(0)
+    if publish:
+        receiver.send_metadata([1, 2], idx, None)  # pdflow now has the pages
     receiver.abort()  # what Scheduler.abort_request does for a transfer-queue request
     return SimpleNamespace(req=SimpleNamespace(bootstrap_room=room), kv_receiver=receiver,
                            metadata_buffer_index=idx, host_staged=False)  # fmt: skip
@@ -289,3 +292,96 @@ def test_sglangs_pop_transferred_holds_a_failed_pdflow_room_instead_of_freeing_i
         q.resolve_deferred_releases()
         release.assert_called_once()
     assert q.queue == [] and decode_req.kv_receiver is None
+
+
+def _released_now(q: DecodeTransferQueue) -> bool:
+    with patch.object(decode_mod, "release_kv_cache") as release:
+        q.resolve_deferred_releases()
+        return release.call_count == 1
+
+
+def test_a_room_whose_pages_never_reached_pdflow_is_released_without_waiting() -> None:
+    """No writer can know pages pdflow never had: SGLang frees them at once (it waited for a
+    PagesReleased that never comes, holding the pages and the metadata slot forever)."""
+    from sglang.srt.disaggregation.base.conn import KVTransferDestination
+
+    mgr = _manager()
+    unpublished = _decode_req(mgr, 800, 1, publish=False)  # aborted before send_metadata
+    host = PdflowKVReceiver(mgr, "10.0.0.1:8998", 801)  # send_metadata refused in the adapter
+    host.init(0)
+    host.send_metadata([1, 2], 2, None, destination=KVTransferDestination.HOST)
+    host.abort()
+    refused = _decode_req(mgr, 802, 3)  # publish_pages queued, then refused by the core
+    mgr._refused(802, "publish_pages", ValueError("page 2 is quarantined"))
+    published = _decode_req(mgr, 803, 4)  # pdflow has these: held until released
+    receivers = (unpublished.kv_receiver, host, refused.kv_receiver, published.kv_receiver)
+    for room, receiver in zip((800, 801, 802, 803), receivers, strict=True):
+        q = _queue(timeout=30.0)
+        q._defer_release(SimpleNamespace(req=SimpleNamespace(bootstrap_room=room),
+                                         kv_receiver=receiver, metadata_buffer_index=room,
+                                         host_staged=False))  # fmt: skip
+        assert _released_now(q) is (room != 803), room
+
+
+def test_a_room_sglang_aborts_after_pdflow_reported_success_is_released() -> None:
+    """Every writer reported its writes landed, so no write can come: the abort that raced
+    SGLang's next poll must not hold the pages until a clear that only the release makes."""
+    mgr, q = _manager(), _queue(timeout=30.0)
+    receiver = PdflowKVReceiver(mgr, "10.0.0.1:8998", 810)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 5, None)
+    mgr.book.apply(RoomStatus(rank=0, room=810, generation=0, poll=PdflowPoll.Success))
+    receiver.abort()  # Scheduler.abort_request before the scheduler saw the Success
+    assert receiver.poll() == KVPoll.Failed
+    q._defer_release(SimpleNamespace(req=SimpleNamespace(bootstrap_room=810),
+                                     kv_receiver=receiver, metadata_buffer_index=5,
+                                     host_staged=False))  # fmt: skip
+    assert _released_now(q)
+    assert ("clear" in {name for _, name in mgr.calls})  # and pdflow forgets the room
+
+
+def test_a_prefill_abort_clears_the_room_even_if_sglang_never_polls_again() -> None:
+    """release_aborted_prefill_waiting_req calls abort() and drops the request."""
+    sender = _sender(820)
+    book = sender.kv_mgr.book
+    book.apply(RoomStatus(rank=0, room=820, generation=0, poll=PdflowPoll.WaitingForInput))
+    sender.abort()
+    assert [name for _, name in sender.kv_mgr.calls] == ["open_room", "abort", "clear"]
+    book.apply(RoomStatus(rank=0, room=820, generation=0, poll=PdflowPoll.Failed,
+                          reason="aborted by SGLang"))  # fmt: skip
+    book.apply(RoomClosed(rank=0, room=820, generation=0))
+    assert len(book) == 0, "an aborted room must not stay in the book"
+    assert sender.poll() == KVPoll.Failed  # had SGLang polled on after all
+    with pytest.raises(KVTransferError, match="aborted by SGLang"):
+        sender.failure_exception()
+
+
+def test_the_book_forgets_each_room_once_sglang_and_pdflow_are_both_done() -> None:
+    mgr = _manager(PrefillNode)
+    ok, failed = PdflowKVSender(mgr, "a:1", 830), PdflowKVSender(mgr, "a:1", 831)
+    book = mgr.book
+    book.record_transfer(830, 4096, 0.002)
+    book.apply(RoomStatus(rank=0, room=830, generation=0, poll=PdflowPoll.Success))
+    assert ok.poll() == KVPoll.Success
+    ok.clear()  # SGLang's inflight queue on Success, then it reads the metric
+    book.apply(RoomClosed(rank=0, room=830, generation=0))
+    assert ok.get_transfer_metric().transfer_total_bytes == 4096
+    book.apply(RoomStatus(rank=0, room=831, generation=0, poll=PdflowPoll.Failed,
+                          reason="lost the decode"))  # fmt: skip
+    assert failed.poll() == KVPoll.Bootstrapping  # draining: pdflow clears, then closes
+    book.apply(RoomClosed(rank=0, room=831, generation=0))
+    assert failed.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="lost the decode"):
+        failed.failure_exception()
+    decode = _manager()
+    receiver = PdflowKVReceiver(decode, "a:1", 832)
+    receiver.init(0)
+    receiver.send_metadata([1, 2], 0, None)
+    decode.book.apply(RoomStatus(rank=0, room=832, generation=0, poll=PdflowPoll.Success))
+    assert receiver.poll() == KVPoll.Success
+    receiver.clear()
+    decode.book.apply(_released(832))
+    decode.book.apply(RoomClosed(rank=0, room=832, generation=0))
+    never_opened = PdflowKVReceiver(decode, "a:1", 833)
+    never_opened.clear()
+    assert (len(book), len(decode.book)) == (0, 0), "finished rooms must leave the book"

@@ -203,7 +203,8 @@ class PdflowKVManager(BaseKVManager):
     def _refused(self, room: int, name: str, exc: BaseException) -> None:
         reason = f"pdflow refused {name}: {exc}"
         log.warning("pdflow_call_refused", room=room, error=reason)
-        self.book.refuse(room, reason)
+        # A refused publish_pages left the pages with SGLang: no writer was told of them.
+        self.book.refuse(room, reason, pages_taken=name != "publish_pages")
 
     # ---- SGLang's manager contract -------------------------------------------------------------
     def register_to_bootstrap(self) -> None:
@@ -251,9 +252,10 @@ class PdflowKVManager(BaseKVManager):
         return self._dp_rank_query_executor
 
     def is_abort_release_safe(self, bootstrap_room: int, required_acks: int) -> bool:
-        """True only once pdflow released the room's pages: every writer drained or was fenced.
-        ``required_acks`` (SGLang's ACK count) is not needed: pdflow tracks the writers."""
-        return self.book.facts(bootstrap_room).released
+        """True once no write can land in the room's pages (:meth:`RoomBook.release_safe`):
+        pdflow released them, the room succeeded, or pdflow never had them. ``required_acks``
+        (SGLang's ACK count) is not needed: pdflow tracks the writers."""
+        return self.book.release_safe(bootstrap_room)
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
         self.book.forget(bootstrap_room)
@@ -322,8 +324,7 @@ async def _publish_pages(rank: DecodeRank, room: int, pages: list[int], aux_inde
                              state_indices=state)  # fmt: skip
 
 
-def _terminal_reason(mgr: PdflowKVManager, room: int, what: str) -> str:
-    facts = mgr.book.facts(room)
+def _terminal_reason(facts: RoomFacts, room: int, what: str) -> str:
     return facts.local_error or facts.reason or f"pdflow reported the {what} of room {room} failed"
 
 
@@ -357,6 +358,11 @@ class PdflowKVSender(BaseKVSender):
         self._facts_of = mgr.book.reader()
         self._cleared = False
         self._aborted = False
+        # The room's facts once the book forgot it: what SGLang may still read after its
+        # clear (the transfer metric) or after the final Failed (the reason).
+        self._final_facts: RoomFacts | None = None
+        # What poll() reads once the book forgot the room: after an abort, a closed failure.
+        self._gone = NOTHING_KNOWN
         self.conclude_state: int | None = None
         rank, room = mgr.prefill_rank, self.bootstrap_room
         mgr.book.start(room)
@@ -410,7 +416,7 @@ class PdflowKVSender(BaseKVSender):
         return None
 
     def poll(self) -> int:
-        facts = self._facts_of(self.bootstrap_room, NOTHING_KNOWN)
+        facts = self._facts_of(self.bootstrap_room, self._gone)
         if facts is self._answered_facts:
             return self._answer
         failed = bool(facts.local_error) or facts.poll is KVPoll.Failed
@@ -427,23 +433,41 @@ class PdflowKVSender(BaseKVSender):
         if not facts.closed:
             return int(self._last_live)
         self.conclude_state = KVPoll.Failed
+        self._finish(facts)  # SGLang's last answer: only failure_exception reads on
         return int(KVPoll.Failed)
 
     def failure_exception(self) -> None:
+        facts = self._final_facts or self.kv_mgr.book.facts(self.bootstrap_room)
         raise KVTransferError(self.bootstrap_room,
-                              _terminal_reason(self.kv_mgr, self.bootstrap_room, "transfer"))
+                              _terminal_reason(facts, self.bootstrap_room, "transfer"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._final_facts or self.kv_mgr.book.facts(self.bootstrap_room)
         return KVTransferMetric(transfer_latency_s=facts.transfer_s,
                                 transfer_total_bytes=facts.bytes_moved)  # fmt: skip
 
     def abort(self) -> None:
+        """Abort and clear at once: SGLang may drop the request without polling it again
+        (``release_aborted_prefill_waiting_req``), and pdflow still drains the room's
+        writes before it forgets it. A later poll() reports Failed once pdflow closed it."""
         self._aborted = True
+        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        self._gone = RoomFacts(poll=KVPoll.Failed, closed=True,
+                               reason=facts.reason or "aborted by SGLang",
+                               local_error=facts.local_error)  # fmt: skip
         _queue_abort(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room)
+        self._clear_in_pdflow()
+        self.kv_mgr.book.finish(self.bootstrap_room)
 
     def clear(self) -> None:
+        """SGLang's end of a successful room (it reads the transfer metric after this)."""
         self._clear_in_pdflow()
+        self._finish(self.kv_mgr.book.facts(self.bootstrap_room))
+
+    def _finish(self, facts: RoomFacts) -> None:
+        if self._final_facts is None:
+            self._final_facts = facts
+        self.kv_mgr.book.finish(self.bootstrap_room)
 
     def _clear_in_pdflow(self) -> None:
         if self._cleared:
@@ -512,6 +536,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         pages = [int(page) for page in kv_indices]
         self.init_time = time.time()
         rank = self.kv_mgr.decode_rank
+        self.kv_mgr.book.give_pages(room)  # before the call: a refusal takes it back
 
         prefix = int(decode_prefix_len or 0)
         # ``pages`` are those after the prefix the decode already holds, as SGLang gives them.
@@ -535,8 +560,9 @@ class PdflowKVReceiver(BaseKVReceiver):
         return answer
 
     def failure_exception(self) -> None:
+        facts = self.kv_mgr.book.facts(self.bootstrap_room)
         raise KVTransferError(self.bootstrap_room,
-                              _terminal_reason(self.kv_mgr, self.bootstrap_room, "receive"))
+                              _terminal_reason(facts, self.bootstrap_room, "receive"))
 
     def abort(self) -> None:
         self.conclude_state = KVPoll.Failed
@@ -554,13 +580,20 @@ class PdflowKVReceiver(BaseKVReceiver):
         _queue_abort(self.kv_mgr, self.kv_mgr.decode_rank, self.bootstrap_room)
 
     def is_abort_release_safe(self) -> bool:
-        return self.kv_mgr.book.facts(self.bootstrap_room).released
+        return self.kv_mgr.book.release_safe(self.bootstrap_room)
 
     def clear(self) -> None:
-        if self._cleared or not self._opened:
+        """SGLang is done with the request: pdflow clears the room, and the book forgets it
+        once pdflow closed it (at once for a room pdflow never opened)."""
+        if self._cleared:
             return
         self._cleared = True
-        _queue_clear(self.kv_mgr, self.kv_mgr.decode_rank, self.bootstrap_room)
+        book, room = self.kv_mgr.book, self.bootstrap_room
+        book.finish(room)
+        if not self._opened:
+            book.close(room)
+            return
+        _queue_clear(self.kv_mgr, self.kv_mgr.decode_rank, room, if_unknown=book.close)
 
 
 # ---- bootstrap server --------------------------------------------------------------------------

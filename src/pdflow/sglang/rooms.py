@@ -36,6 +36,12 @@ class RoomFacts(msgspec.Struct, frozen=True):
     """Decode: pdflow quarantined the room's pages (``PagesHeld``) until its writers drain."""
     local_error: str = ""
     """A call the adapter made for this room was refused (the reason SGLang gets)."""
+    pages_given: bool = False
+    """Decode: this rank's pages went to pdflow (``publish_pages`` queued and not refused).
+    Until then no writer can know them, so SGLang may free them whatever the room's state."""
+    finished: bool = False
+    """SGLang is done with the room (its ``clear``, or the adapter's final Failed): the entry
+    goes as soon as pdflow closed the room too, so the book holds only live rooms."""
     bytes_moved: int | None = None
     transfer_s: float | None = None
 
@@ -69,15 +75,52 @@ class RoomBook:
         with self._lock:
             self._rooms.pop(room, None)
 
-    def refuse(self, room: int, reason: str) -> None:
+    def refuse(self, room: int, reason: str, *, pages_taken: bool = True) -> None:
+        """Fail the room with ``reason``; ``pages_taken=False`` when the refused call was the
+        one that hands pdflow the pages (a refused input changes no state in the core)."""
         with self._lock:
             facts = self._rooms.get(room, NOTHING_KNOWN)
             if not facts.local_error:
-                self._rooms[room] = replace(facts, local_error=reason)
+                facts = replace(facts, local_error=reason)
+            if not pages_taken:
+                facts = replace(facts, pages_given=False)
+            self._rooms[room] = facts
+
+    def give_pages(self, room: int) -> None:
+        with self._lock:
+            self._rooms[room] = replace(self._rooms.get(room, NOTHING_KNOWN), pages_given=True)
+
+    def release_safe(self, room: int) -> bool:
+        """Decode: whether SGLang may free the room's pages now. Yes once pdflow released
+        them (every writer drained or was fenced), once the room succeeded (every writer
+        reported its writes landed, and none writes again), or if pdflow never had them."""
+        facts = self._rooms.get(room, NOTHING_KNOWN)
+        return facts.released or facts.poll is KVPoll.Success or not facts.pages_given
 
     def close(self, room: int) -> None:
+        """The room is closed in pdflow (or pdflow never opened it)."""
         with self._lock:
-            self._rooms[room] = replace(self._rooms.get(room, NOTHING_KNOWN), closed=True)
+            self._closed(room, self._rooms.get(room, NOTHING_KNOWN))
+
+    def finish(self, room: int) -> None:
+        """SGLang is done with the room: forget it now if pdflow closed it, else on closing."""
+        with self._lock:
+            facts = self._rooms.get(room)
+            if facts is None:
+                return
+            if facts.closed:
+                del self._rooms[room]
+            else:
+                self._rooms[room] = replace(facts, finished=True)
+
+    def __len__(self) -> int:
+        return len(self._rooms)
+
+    def _closed(self, room: int, facts: RoomFacts) -> None:
+        if facts.finished:
+            self._rooms.pop(room, None)
+        else:
+            self._rooms[room] = replace(facts, closed=True)
 
     def record_transfer(self, room: int, nbytes: int | None, seconds: float | None) -> None:
         with self._lock:
@@ -101,7 +144,8 @@ class RoomBook:
             elif isinstance(event, PagesHeld):
                 facts = replace(facts, held=True)
             elif isinstance(event, RoomClosed):
-                facts = replace(facts, closed=True)
+                self._closed(room, facts)
+                return
             else:
                 return
             self._rooms[room] = facts
