@@ -40,3 +40,33 @@ def test_room_detail_shows_transitions_messages_transfers_and_timers(
     assert "transfer #0 done: FAILED (injected link failure)" in out
     assert "sends abort to prefill-0" in out and "received abort_ack" in out
     assert main(["trace", "show", str(trace), "--room", "999"]) == 2
+
+
+def test_timelines_hold_only_rooms_and_keep_a_reused_ids_failed_attempt(tmp_path: Path) -> None:
+    """A model-checker world: layout announcements are keyed by rank (never a room), and a
+    room id whose first attempt failed and whose next succeeded reads Failed->Success."""
+    from pdflow.sim.runner import run_seed
+
+    _, world = run_seed(1, 150)
+    assert world.trace is not None
+    timelines = build_timelines(load_traces([world.trace.write(tmp_path / "world.jsonl")]))
+    assert timelines
+    for timeline in timelines.values():
+        assert any(e.kind == "open" for e in timeline.events), f"room {timeline.room}: no open"
+    retried = [t for t in timelines.values() if len(t.generations) > 1]
+    assert sorted(t.outcome for t in retried) == ["Failed", "Failed->Success"]
+    assert all(t.failed for t in retried)
+
+
+def test_an_empty_trace_or_a_bad_spec_is_refused_not_passed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for command in (["replay"], ["trace", "check"], ["trace", "show"]):
+        assert main([*command, str(empty)]) == 2, command
+        assert "no pdflow trace header" in capsys.readouterr().err
+    trace = str(record_world(tmp_path / "world.jsonl"))
+    for spec in (tmp_path / "missing.toml", tmp_path):
+        assert main(["trace", "check", trace, "--spec", str(spec)]) == 2
+        assert f"cannot load the spec {spec}" in capsys.readouterr().err

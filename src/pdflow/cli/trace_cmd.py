@@ -91,7 +91,12 @@ def run_check(args: argparse.Namespace) -> int:
     trace = load_or_explain(args.traces)
     if trace is None:
         return 2
-    spec = load_spec(args.spec)
+    try:
+        spec = load_spec(args.spec)
+    except (OSError, ValueError) as exc:  # missing, a folder, or not a protocol spec
+        print(f"cannot load the spec {args.spec}: {exc}; give spec/protocol.toml (next to "
+              "its machines/ folder), or leave --spec out for the bundled one", file=sys.stderr)
+        return 2
     report = check_records(trace.records, spec)
     if not report.ok:
         print(f"trace check FAILED at record {report.records} of {len(trace.records)}:")

@@ -85,6 +85,12 @@ def _load(paths: Sequence[Path]) -> Trace:
                     )
                 continue  # the same file (or a copy of it) given twice
             records[key] = ((line.t, file_index, line_index), line)
+    if not headers:
+        # An empty or wrong file must not pass as a clean incident ("0 records, identical").
+        raise TraceMergeError(
+            f"{', '.join(map(str, paths))}: no pdflow trace header; the file is empty or not a "
+            "trace (a node with PDFLOW_TRACE=0 writes none)"
+        )
     return Trace(headers, merge_records(records), _gaps(headers, records))
 
 

@@ -19,6 +19,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TimerFired,
 )
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.framework.machines import MACHINES
 from pdflow.core.protocol.inputs import PublishPages, TransferCompleted
 from pdflow.core.protocol.messages import PeerId, RoomMessage
 from pdflow.trace.format import StepRecord, message_id
@@ -48,6 +49,9 @@ class RoomTimeline:
     generations: set[int] = field(default_factory=set)
     final_poll: dict[str, str] = field(default_factory=dict)
     """Per endpoint: the last KVPoll name the room had there."""
+    generation_polls: dict[int, dict[str, str]] = field(default_factory=dict)
+    """Per generation of the room id, per endpoint: its last KVPoll name there. A reused id's
+    failed attempt stays visible after a later attempt succeeded."""
     removed: set[str] = field(default_factory=set)
     errors: int = 0
 
@@ -61,12 +65,18 @@ class RoomTimeline:
 
     @property
     def outcome(self) -> str:
-        polls = set(self.final_poll.values())
-        if not polls:
-            return "unknown"
-        if "Failed" in polls:
-            return "Failed"
-        return polls.pop() if len(polls) == 1 else "/".join(sorted(polls))
+        """The room's outcome per generation, in order ("Failed->Success": an attempt failed
+        and the id's next one succeeded); within one generation Failed wins over the rest."""
+        outcomes: list[str] = []
+        for generation in sorted(self.generation_polls):
+            outcome = _outcome_of(set(self.generation_polls[generation].values()))
+            if not outcomes or outcomes[-1] != outcome:
+                outcomes.append(outcome)
+        return "->".join(outcomes) if outcomes else "unknown"
+
+    @property
+    def failed(self) -> bool:
+        return any("Failed" in polls.values() for polls in self.generation_polls.values())
 
     def span(self, endpoint: str) -> tuple[float, float] | None:
         times = [e.t for e in self.events if e.endpoint == endpoint]
@@ -79,19 +89,50 @@ def build_timelines(trace: Trace) -> dict[int, RoomTimeline]:
     for record in trace.records:
         for room_id, event in _events(record, peers):
             rooms.setdefault(room_id, RoomTimeline(room_id)).events.append(event)
+        touched = _rooms_of(record)
         for entry in record.rooms:
             room_id = int(str(entry["room"]))
+            if room_id not in touched:
+                continue  # a rank-keyed machine's key, listed by the recorder as a room
             timeline = rooms.setdefault(room_id, RoomTimeline(room_id))
             summary = entry.get("summary")
             if isinstance(summary, dict):
-                timeline.generations.add(int(summary["generation"]))
-                timeline.final_poll[record.endpoint] = KVPoll(summary["poll"]).name
+                generation, poll = int(summary["generation"]), KVPoll(summary["poll"]).name
+                timeline.generations.add(generation)
+                timeline.final_poll[record.endpoint] = poll
+                timeline.generation_polls.setdefault(generation, {})[record.endpoint] = poll
             else:
                 timeline.removed.add(record.endpoint)
         if record.error is not None:
             for room_id in input_rooms(record.input):
                 rooms.setdefault(room_id, RoomTimeline(room_id)).errors += 1
     return dict(sorted(rooms.items()))
+
+
+def _outcome_of(polls: set[str]) -> str:
+    if "Failed" in polls:
+        return "Failed"
+    return polls.pop() if len(polls) == 1 else "/".join(sorted(polls))
+
+
+def _rooms_of(record: StepRecord) -> set[int]:
+    """The rooms a record concerns: its input's, its outputs', and those of its transitions
+    in room-keyed machines (the recorder also lists the keys of the others, which replay
+    compares as recorded, so they are filtered here rather than there)."""
+    rooms = input_rooms(record.input)
+    rooms.update(f.key for f in record.fired if _room_keyed(f.machine))
+    for output in record.outputs:
+        room = output.get("room")
+        if isinstance(room, int):
+            rooms.add(room)
+    return rooms
+
+
+def _room_keyed(machine: str) -> bool:
+    """Whether a machine's transitions belong to one room: a layout announcement's key is a
+    rank, the admission queue's 0, and neither is a room id."""
+    table = MACHINES.get(machine)
+    return table is None or table.keyed_by_room
 
 
 def _peer_key(address: str, incarnation: str, rank: int) -> str:
@@ -113,6 +154,8 @@ def _events(record: StepRecord, peers: dict[str, str]) -> list[tuple[int, RoomEv
         for room in input_rooms(record.input):
             add(room, "error", f"refused: {record.error.kind}: {record.error.message}")
     for fired in record.fired:
+        if not _room_keyed(fired.machine):
+            continue
         guard = f" [{fired.guard}]" if fired.guard else ""
         arrow = "=" if fired.source == fired.target else "->"
         add(
@@ -144,7 +187,7 @@ def _input_events(record: StepRecord, add: Any) -> None:
         add(inp.room, "transfer_done", f"transfer #{inp.seq} done: {result}")
     elif isinstance(inp, TimerFired):
         for fired in record.fired:
-            if fired.on == "Tick":
+            if fired.on == "Tick" and _room_keyed(fired.machine):
                 add(fired.key, "timer", "timer fired")
 
 

@@ -28,7 +28,7 @@ _OUTCOME_STYLE = {"Success": "green", "Failed": "red"}
 
 def interesting_first(timelines: Iterable[RoomTimeline]) -> list[RoomTimeline]:
     """Rooms with refused inputs first, then failed ones, then the rest, each in room order."""
-    return sorted(timelines, key=lambda r: (r.errors == 0, r.outcome != "Failed", r.room))
+    return sorted(timelines, key=lambda r: (r.errors == 0, not r.failed, r.room))
 
 
 def render_summary(

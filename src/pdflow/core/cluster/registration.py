@@ -92,5 +92,6 @@ REGISTRATION_TABLE: Table[RegistrationState] = Table(
             action=_K._act_count),
         row(_S.LOST, RegistrationAnswered, _S.LOST, action=_K._act_note_refusal),
     ],
+    keyed_by_room=False,
 )  # fmt: skip
 RegistrationKeeper.table = REGISTRATION_TABLE

@@ -603,6 +603,7 @@ REGISTRY_TABLE: Table[RegistryState] = Table(
         row(_G.READY, QueryRank, _G.READY, emits=_REPLY, action=_M._act_answer_unknown_rank),
         *_room_rows(_G.READY),
     ],
+    keyed_by_room=False,
 )  # fmt: skip
 Registry.table = REGISTRY_TABLE
 

@@ -128,8 +128,12 @@ class Table(Generic[S]):
         rows: Sequence[Row[S]],
         poll_of: Callable[[S], KVPoll] | None = None,
         hints: dict[str, str] | None = None,
+        keyed_by_room: bool = True,
     ) -> None:
         self.machine = machine
+        self.keyed_by_room = keyed_by_room
+        """Whether an instance's ``key`` (in ``Fired`` and traces) is a room id; else it is a
+        rank or 0, and its transitions concern the endpoint, not one room."""
         self.states = states
         self.initial = initial
         self.input_types = tuple(inputs)

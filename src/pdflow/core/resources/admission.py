@@ -466,6 +466,7 @@ ADMISSION_TABLE: Table[QueueState] = Table(
         row(_Q.BLOCKED, CancelRequest, _Q.BLOCKED, emits=[_CANCELLED], action=_M._act_cancel),
         row(_Q.BLOCKED, Tick, _Q.BLOCKED),
     ],
+    keyed_by_room=False,
 )  # fmt: skip
 AdmissionQueue.table = ADMISSION_TABLE
 

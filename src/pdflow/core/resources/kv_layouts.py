@@ -102,6 +102,7 @@ ANNOUNCEMENT_TABLE: Table[AnnouncementState] = Table(
         row(_A.STALE, PeerLost, _A.UNANNOUNCED),
         row(_A.STALE, LayoutChanged, _A.STALE),
     ],
+    keyed_by_room=False,
 )
 LayoutAnnouncement.table = ANNOUNCEMENT_TABLE
 
@@ -195,6 +196,7 @@ DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
             action=_DL._act_register),
         row(_D.KNOWN, LayoutEvicted, _D.ABSENT),
     ],
+    keyed_by_room=False,
 )  # fmt: skip
 DecodeLayout.table = DECODE_LAYOUT_TABLE
 
