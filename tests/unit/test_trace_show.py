@@ -70,3 +70,18 @@ def test_an_empty_trace_or_a_bad_spec_is_refused_not_passed(
     for spec in (tmp_path / "missing.toml", tmp_path):
         assert main(["trace", "check", trace, "--spec", str(spec)]) == 2
         assert f"cannot load the spec {spec}" in capsys.readouterr().err
+
+
+def test_a_crashed_nodes_torn_last_line_is_dropped_with_a_warning_and_nothing_else_is(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = record_world(tmp_path / "world.jsonl")
+    whole = trace.read_bytes()
+    torn = tmp_path / "torn.jsonl"
+    torn.write_bytes(whole + b'{"kind":"step","seq":9')  # died in the middle of a write
+    assert main(["replay", str(torn)]) == 0
+    assert "dropped the torn last line" in capsys.readouterr().err
+    inside = tmp_path / "inside.jsonl"
+    inside.write_bytes(whole + b'{"kind":"step","seq":9\n' + whole.splitlines(True)[-1])
+    assert main(["replay", str(inside)]) == 2  # a bad line with more after it is corruption
+    assert "not a trace line" in capsys.readouterr().err

@@ -46,10 +46,13 @@ def load_or_explain(paths: list[Path]) -> Trace | None:
         print(f"no such trace file: {', '.join(missing)}", file=sys.stderr)
         return None
     try:
-        return load_traces(paths)
+        trace = load_traces(paths)
     except (TraceFormatError, TraceMergeError) as exc:
         print(f"cannot read the trace: {exc}", file=sys.stderr)
         return None
+    for torn in trace.torn:
+        print(f"warning: {torn}", file=sys.stderr)
+    return trace
 
 
 def run_show(args: argparse.Namespace) -> int:

@@ -111,9 +111,11 @@ def decode_line(data: bytes | str) -> TraceLine:
     return line
 
 
-def read_trace(path: Path) -> Iterator[TraceLine]:
-    """Every line of one trace file, in file order. Blank lines are skipped; a torn last line
-    (the process died mid-write) is reported, not silently dropped."""
+def read_trace(path: Path, torn_tails: list[str] | None = None) -> Iterator[TraceLine]:
+    """Every line of one trace file, in file order. Blank lines are skipped. A bad line raises,
+    except, when ``torn_tails`` is given, a torn last line (cut before its newline: the process
+    died mid-write, the usual state of a crashed node's trace), which is dropped and described
+    in ``torn_tails``: never silently."""
     with path.open("rb") as handle:
         for number, raw in enumerate(handle, start=1):
             if not raw.strip():
@@ -121,6 +123,10 @@ def read_trace(path: Path) -> Iterator[TraceLine]:
             try:
                 yield decode_line(raw)
             except (msgspec.DecodeError, msgspec.ValidationError, TraceFormatError) as exc:
+                if torn_tails is not None and not raw.endswith(b"\n"):  # only a last line can
+                    torn_tails.append(f"{path}:{number}: dropped the torn last line ({len(raw)} "
+                                      "bytes, no newline): its process stopped mid-write")
+                    return
                 raise TraceFormatError(f"{path}:{number}: not a trace line: {exc}") from exc
 
 

@@ -33,6 +33,8 @@ class Trace:
     """Merged order."""
     gaps: dict[str, tuple[int, int]] = field(default_factory=dict)
     """Endpoints whose records are not contiguous from seq 0: (first missing seq, next present)."""
+    torn: list[str] = field(default_factory=list)
+    """Torn last lines dropped (a process that died mid-write), one description each."""
 
     def of(self, endpoint: str) -> list[StepRecord]:
         return [r for r in self.records if r.endpoint == endpoint]
@@ -65,8 +67,9 @@ def load_traces(paths: Sequence[Path]) -> Trace:
 def _load(paths: Sequence[Path]) -> Trace:
     headers: dict[str, TraceHeader] = {}
     records: dict[_Key, tuple[_Order, StepRecord]] = {}
+    torn: list[str] = []
     for file_index, path in enumerate(paths):
-        for line_index, line in enumerate(read_trace(path)):
+        for line_index, line in enumerate(read_trace(path, torn)):
             if isinstance(line, TraceHeader):
                 _add_header(headers, line, path)
                 continue
@@ -91,7 +94,7 @@ def _load(paths: Sequence[Path]) -> Trace:
             f"{', '.join(map(str, paths))}: no pdflow trace header; the file is empty or not a "
             "trace (a node with PDFLOW_TRACE=0 writes none)"
         )
-    return Trace(headers, merge_records(records), _gaps(headers, records))
+    return Trace(headers, merge_records(records), _gaps(headers, records), torn)
 
 
 def merge_records(records: dict[_Key, tuple[_Order, StepRecord]]) -> list[StepRecord]:
