@@ -85,3 +85,21 @@ def test_a_crashed_nodes_torn_last_line_is_dropped_with_a_warning_and_nothing_el
     inside.write_bytes(whole + b'{"kind":"step","seq":9\n' + whole.splitlines(True)[-1])
     assert main(["replay", str(inside)]) == 2  # a bad line with more after it is corruption
     assert "not a trace line" in capsys.readouterr().err
+
+
+def test_a_narrow_terminal_keeps_room_ids_and_outcomes_whole(tmp_path: Path) -> None:
+    """What --room takes must stay readable; the per-endpoint columns give way instead."""
+    from rich.console import Console
+
+    from pdflow.trace.timeline_text import render_summary, short_endpoint
+
+    timelines = build_timelines(load_traces([record_world(tmp_path / "world.jsonl")]))
+    endpoints = [f"{role}-{'0123456789abcdef' * 2}#{rank}" for role in ("prefill", "decode")
+                 for rank in (0, 1)]  # four wide columns, as TP=2 pairs give  # fmt: skip
+    console = Console(width=80, record=True)
+    render_summary(console, timelines, endpoints, limit=len(timelines))
+    out = console.export_text()
+    for timeline in timelines.values():
+        assert f" {timeline.room}/" in out and timeline.outcome in out
+    assert short_endpoint("prefill-49cf00126055a1b2#1") == "pre#1 49cf0012"
+    assert short_endpoint("prefill-0") == "prefill-0"

@@ -41,16 +41,23 @@ def render_summary(
         f"[bold]{len(timelines)} rooms[/] on {len(endpoints)} endpoints ({counts}); "
         f"{errors} with refused inputs"
     )
+    shown = interesting_first(timelines.values())[:limit]
+    labels = [f"{room.room}/{','.join(map(str, sorted(room.generations))) or '-'}"
+              for room in shown]  # fmt: skip
+    # The room id (what --room takes) and the outcome never shrink; on a narrow terminal the
+    # per-endpoint columns give way, under headers short enough to tell the ranks apart.
+    keep = {"room": max(map(len, ["room", *labels])),
+            "outcome": max(len(room.outcome) for room in shown) if shown else 7}  # fmt: skip
     table = Table(show_edge=False, header_style="bold")
     for column in ("room", "outcome", *endpoints, "start", "duration", "events", "errors"):
         left = column in endpoints or column == "outcome"
-        table.add_column(column, justify="left" if left else "right", no_wrap=True)
-    shown = interesting_first(timelines.values())[:limit]
-    for room in shown:
+        header = short_endpoint(column) if column in endpoints else column
+        table.add_column(header, justify="left" if left else "right", no_wrap=True,
+                         min_width=keep.get(column))  # fmt: skip
+    for label, room in zip(labels, shown, strict=True):
         per_endpoint = [_endpoint_cell(room, name) for name in endpoints]
         table.add_row(
-            f"{room.room}/{','.join(map(str, sorted(room.generations))) or '-'}",
-            Text(room.outcome, style=_OUTCOME_STYLE.get(room.outcome, "yellow")),
+            label, Text(room.outcome, style=_OUTCOME_STYLE.get(room.outcome, "yellow")),
             *per_endpoint, f"{room.first_t:.4f}", _duration(room.last_t - room.first_t),
             str(len(room.events)), str(room.errors) if room.errors else "",
         )  # fmt: skip
@@ -60,6 +67,16 @@ def render_summary(
             f"[dim]{len(timelines) - len(shown)} more rooms not listed (failed and refused "
             "first); use --limit N, or --room R for one room's timeline[/]"
         )
+
+
+def short_endpoint(endpoint: str) -> str:
+    """``prefill-49cf00126055a1b2#1`` -> ``pre#1 49cf0012``: role and rank first, so a header
+    cut on a narrow terminal still tells the ranks apart, then enough of the instance id."""
+    name, hash_mark, rank = endpoint.rpartition("#")
+    role, dash, instance = name.partition("-")
+    if not hash_mark or not dash or len(instance) <= 8:
+        return endpoint
+    return f"{role[:3]}#{rank} {instance[:8]}"
 
 
 def render_room(console: Console, room: RoomTimeline) -> None:
