@@ -23,11 +23,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
                        help="worlds to run (default 100; 200 per mutant with --mutants)")
     check.add_argument("--steps", type=int, default=300, help="actions per world (default 300)")
     check.add_argument("--mutants", action="store_true", help="check that every mutant is caught")
+    check.add_argument("--mutant", action="append", default=[], metavar="NAME",
+                       help="with --mutants: only this mutant (repeatable); its catching run's "
+                            "trace is written and a command that reproduces it printed")
     check.add_argument(
         "--trace-dir",
         type=Path,
-        default=DEFAULT_TRACE_DIR,
-        help="where failing runs' traces are written",
+        default=None,
+        help=f"where failing runs' traces are written (default {DEFAULT_TRACE_DIR}/; with "
+             "--mutants, only when given or with --mutant)",
     )
     check.set_defaults(run=run_check)
 
@@ -38,8 +42,12 @@ def run_check(args: argparse.Namespace) -> int:
     if args.examples < 1 or args.steps < 1:
         print("--examples and --steps must be at least 1")
         return 2
+    if args.mutant and not args.mutants:
+        print("--mutant NAME needs --mutants")
+        return 2
     if args.mutants:
         return _run_mutants(args)
+    args.trace_dir = args.trace_dir or DEFAULT_TRACE_DIR
     return _run_examples(args)
 
 
@@ -120,11 +128,18 @@ def _run_mutants(args: argparse.Namespace) -> int:
     from pdflow.sim.mutants import MUTANTS, applied
     from pdflow.sim.runner import run_seed
 
+    known = {mutant.name for mutant in MUTANTS}
+    unknown = [name for name in args.mutant if name not in known]
+    if unknown:
+        print(f"no mutant {', '.join(unknown)}; the mutants are: {', '.join(sorted(known))}")
+        return 2
+    chosen = [mutant for mutant in MUTANTS if not args.mutant or mutant.name in args.mutant]
+    trace_dir = args.trace_dir or (DEFAULT_TRACE_DIR if args.mutant else None)
     escaped = []
     with _progress() as progress:  # type: ignore[attr-defined]
-        task = progress.add_task("mutants", total=len(MUTANTS))
+        task = progress.add_task("mutants", total=len(chosen))
         rows = []
-        for mutant in MUTANTS:
+        for mutant in chosen:
             actions = 0
             caught = None
             with applied(mutant):
@@ -133,7 +148,10 @@ def _run_mutants(args: argparse.Namespace) -> int:
                     result, _ = run_seed(seed, args.steps, record=False)
                     actions += result.actions
                     if not result.ok:
-                        caught = (seed, result.violations[0])
+                        caught = (seed, result.violations[0], "")
+                        if trace_dir is not None:  # the same seed again, recorded this time
+                            traced, _ = run_seed(seed, args.steps, trace_dir=trace_dir)
+                            caught = (seed, result.violations[0], traced.trace_path or "")
                         break
             rows.append((mutant, caught, actions))
             if caught is None:
@@ -147,5 +165,9 @@ def _run_mutants(args: argparse.Namespace) -> int:
                 f"caught  {mutant.name:32} seed {caught[0]:4} after {actions:6} actions: "
                 f"{caught[1][:110]}"
             )
-    print(f"{len(MUTANTS) - len(escaped)}/{len(MUTANTS)} mutants caught")
+            if args.mutant:
+                print(f"  reproduce: pdflow check --mutants --mutant {mutant.name} --seed "
+                      f"{caught[0] - mutant.first_seed} --examples 1 --steps {args.steps}"
+                      + (f"; trace: {caught[2]}" if caught[2] else ""))
+    print(f"{len(chosen) - len(escaped)}/{len(chosen)} mutants caught")
     return 1 if escaped else 0

@@ -1,0 +1,37 @@
+"""`pdflow check --mutants --mutant NAME`: one mutant, its catching run's trace written, and a
+command printed that catches it again at the same seed."""
+
+from __future__ import annotations
+
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from pdflow.cli import main
+
+
+def test_one_mutant_is_caught_traced_and_reproducible(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)  # the reproduce run writes to the default trace folder
+    traces = tmp_path / "traces"
+    assert main(["check", "--mutants", "--mutant", "noop_fence", "--steps", "150",
+                 "--trace-dir", str(traces)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    assert "1/1 mutants caught" in out
+    command, trace = re.search(r"reproduce: pdflow (.+); trace: (\S+)", out).groups()  # type: ignore[union-attr]
+    assert Path(trace).is_file() and Path(trace).parent == traces
+    assert main(shlex.split(command)) == 0
+    again = capsys.readouterr().out
+    caught_at = re.search(r"caught  noop_fence +seed +(\d+)", out).group(1)  # type: ignore[union-attr]
+    assert re.search(rf"caught  noop_fence +seed +{caught_at} ", again)
+
+
+def test_an_unknown_mutant_or_one_without_mutants_is_refused(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["check", "--mutants", "--mutant", "no_such_bug"]) == 2
+    assert "noop_fence" in capsys.readouterr().out  # the names to choose from
+    assert main(["check", "--mutant", "noop_fence"]) == 2
