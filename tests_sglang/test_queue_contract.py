@@ -385,3 +385,17 @@ def test_the_book_forgets_each_room_once_sglang_and_pdflow_are_both_done() -> No
     never_opened = PdflowKVReceiver(decode, "a:1", 833)
     never_opened.clear()
     assert (len(book), len(decode.book)) == (0, 0), "finished rooms must leave the book"
+
+
+def test_a_room_failed_by_another_tp_rank_is_aborted_and_cleared_on_this_one() -> None:
+    """SGLang's prefill takes the lowest poll over its TP ranks: a rank whose own room is still
+    transferring is concluded as failed (failure_exception) and never polled again."""
+    sender = _sender(840)
+    book = sender.kv_mgr.book
+    book.apply(RoomStatus(rank=0, room=840, generation=0, poll=PdflowPoll.Transferring))
+    assert sender.poll() == KVPoll.Transferring  # this rank's own view
+    with pytest.raises(KVTransferError):
+        sender.failure_exception()  # handle_inflight_transfer_failure, after the reduction
+    assert [name for _, name in sender.kv_mgr.calls] == ["open_room", "abort", "clear"]
+    book.apply(RoomClosed(rank=0, room=840, generation=0))  # pdflow drained it, then forgot it
+    assert len(book) == 0

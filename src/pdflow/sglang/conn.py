@@ -437,7 +437,13 @@ class PdflowKVSender(BaseKVSender):
         return int(KVPoll.Failed)
 
     def failure_exception(self) -> None:
+        """SGLang concludes the room failed on this rank (``handle_inflight_transfer_failure``)
+        and frees it. With TP > 1 that may be another rank's failure (SGLang takes the lowest
+        poll over the ranks) while this rank's room is still live in pdflow: it is aborted and
+        cleared here, or it would stay in pdflow and in the book, never polled again."""
         facts = self._final_facts or self.kv_mgr.book.facts(self.bootstrap_room)
+        if self._final_facts is None and not self._aborted:
+            self.abort()
         raise KVTransferError(self.bootstrap_room,
                               _terminal_reason(facts, self.bootstrap_room, "transfer"))
 
