@@ -74,6 +74,27 @@ def test_a_failing_call_is_reported_and_the_next_still_runs() -> None:
     assert [str(e) for e in errors] == ["refused"]
 
 
+def test_an_error_handler_that_raises_does_not_stop_the_calls_after_it() -> None:
+    loop = LoopThread("test-loop")
+    done = threading.Event()
+
+    async def fails() -> None:
+        raise ValueError("refused")
+
+    def broken_handler(exc: BaseException) -> None:
+        raise RuntimeError("the handler itself is broken")
+
+    async def after() -> None:
+        done.set()
+
+    try:
+        loop.submit(fails, broken_handler)
+        loop.submit(after, broken_handler)
+        assert done.wait(30), "the call queued after the broken handler never ran"
+    finally:
+        loop.close()
+
+
 def test_calls_queued_before_close_still_run() -> None:
     loop = LoopThread("test-loop")
     ran: list[int] = []

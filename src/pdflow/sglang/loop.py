@@ -122,7 +122,10 @@ class LoopThread:
                 try:
                     await fn(*args)
                 except Exception as exc:
-                    on_error(exc)
+                    try:
+                        on_error(exc)
+                    except Exception:  # a broken handler must not stop every later call
+                        log.exception("pdflow_call_error_handler_failed", error=str(exc))
                 ran += 1
                 if ran % YIELD_EVERY == 0:
                     # A call need not yield (a refused or answered-at-once one does not): let
