@@ -103,3 +103,23 @@ def test_a_narrow_terminal_keeps_room_ids_and_outcomes_whole(tmp_path: Path) -> 
         assert f" {timeline.room}/" in out and timeline.outcome in out
     assert short_endpoint("prefill-49cf00126055a1b2#1") == "pre#1 49cf0012"
     assert short_endpoint("prefill-0") == "prefill-0"
+
+
+def test_trace_check_says_when_records_are_missing_or_the_spec_differs(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import msgspec
+
+    from pdflow.trace.format import StepRecord, TraceHeader
+    from tests.unit.trace_fixtures import lines_of, rewrite
+
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    gap = [line for line in lines if not (isinstance(line, StepRecord) and line.seq in (3, 4))]
+    other_spec = [msgspec.structs.replace(line, spec_sha256="0" * 64)
+                  if isinstance(line, TraceHeader) else line for line in lines]  # fmt: skip
+    assert main(["trace", "check", str(rewrite(tmp_path / "gap.jsonl", gap))]) == 0
+    assert "records from seq 3 to 4 are missing" in capsys.readouterr().err
+    assert main(["trace", "check", str(rewrite(tmp_path / "spec.jsonl", other_spec))]) == 0
+    assert "recorded against spec" in capsys.readouterr().err
+    assert main(["trace", "check", str(tmp_path / "world.jsonl")]) == 0
+    assert "warning" not in capsys.readouterr().err
