@@ -123,3 +123,18 @@ def test_trace_check_says_when_records_are_missing_or_the_spec_differs(
     assert "recorded against spec" in capsys.readouterr().err
     assert main(["trace", "check", str(tmp_path / "world.jsonl")]) == 0
     assert "warning" not in capsys.readouterr().err
+
+
+def test_folders_and_bad_numbers_get_a_clear_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = str(record_world(tmp_path / "world.jsonl"))
+    assert main(["trace", "show", str(tmp_path)]) == 2
+    assert f"give its files: {tmp_path}/*.jsonl" in capsys.readouterr().err
+    assert main(["trace", "show", trace, "--html", str(tmp_path)]) == 2
+    assert "is a folder; name the page" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["trace", "show", trace, "--limit", "-1"])
+    assert "must be at least 1" in capsys.readouterr().err
+    assert main(["check", "--examples", "1", "--trace-dir", trace]) == 2
+    assert "is a file; give a folder" in capsys.readouterr().out

@@ -45,6 +45,9 @@ def run_check(args: argparse.Namespace) -> int:
     if args.mutant and not args.mutants:
         print("--mutant NAME needs --mutants")
         return 2
+    if args.trace_dir is not None and args.trace_dir.exists() and not args.trace_dir.is_dir():
+        print(f"--trace-dir {args.trace_dir} is a file; give a folder (created if missing)")
+        return 2
     if args.mutants:
         return _run_mutants(args)
     args.trace_dir = args.trace_dir or DEFAULT_TRACE_DIR

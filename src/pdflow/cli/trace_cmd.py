@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--room", type=int, action="append", default=[], help="detail this room (repeatable)"
     )
     show.add_argument("--html", type=Path, default=None, help="write a self-contained page")
-    show.add_argument("--limit", type=int, default=40, help="rooms listed in the summary")
+    show.add_argument("--limit", type=_at_least_one, default=40,
+                      help="rooms listed in the summary")
     show.set_defaults(run=run_show)
 
     check = trace_sub.add_parser("check", help="verify every recorded transition is in the spec")
@@ -41,6 +42,12 @@ def load_or_explain(paths: list[Path]) -> Trace | None:
     from pdflow.trace.format import TraceFormatError
     from pdflow.trace.merge import TraceMergeError, load_traces
 
+    folders = [str(p) for p in paths if p.is_dir()]
+    if folders:
+        hint = " ".join(f"{folder}/*.jsonl" for folder in folders)
+        print(f"{', '.join(folders)}: a folder, not a trace file; give its files: {hint}",
+              file=sys.stderr)  # fmt: skip
+        return None
     missing = [str(p) for p in paths if not p.is_file()]
     if missing:
         print(f"no such trace file: {', '.join(missing)}", file=sys.stderr)
@@ -70,6 +77,10 @@ def run_show(args: argparse.Namespace) -> int:
     unknown = [r for r in args.room if r not in timelines]
     if unknown:
         print(f"no room {unknown} in this trace ({len(timelines)} rooms)", file=sys.stderr)
+        return 2
+    if args.html is not None and args.html.is_dir():
+        print(f"--html {args.html} is a folder; name the page to write, e.g. "
+              f"{args.html / 'timeline.html'}", file=sys.stderr)  # fmt: skip
         return 2
     if args.html is not None:
         title = f"pdflow trace: {', '.join(p.name for p in args.traces)}"
@@ -113,6 +124,13 @@ def run_check(args: argparse.Namespace) -> int:
         f"all in spec {spec.spec_version} ({len(report.rows_seen)} of {rows} rows exercised)"
     )
     return 0
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def _warn_partial(trace: Trace, bundled_spec: bool) -> None:
