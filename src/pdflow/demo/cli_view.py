@@ -127,7 +127,10 @@ def _show(console: Console, report: DemoReport) -> None:
         console.print("[bold]traces[/bold]")
         for path in report.traces:
             console.print(f"  {path}")
-        console.print(f"  replay:   pdflow replay {files}")
-        console.print(f"  timeline: pdflow trace show {files} --room R")
+        # Commands to copy: never wrapped at the console's width, never parsed as markup.
+        console.print(f"  replay:   pdflow replay {files}", soft_wrap=True, markup=False)
+        console.print(f"  timeline: pdflow trace show {files} --room R", soft_wrap=True,
+                      markup=False)  # fmt: skip
     if report.timeline:
-        console.print(f"[bold]timeline page[/bold] (open in a browser): {report.timeline}")
+        console.print(f"[bold]timeline page[/bold] (open in a browser): {report.timeline}",
+                      soft_wrap=True)  # fmt: skip
