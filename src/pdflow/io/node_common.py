@@ -202,9 +202,16 @@ class EventHub:
             if not waiters:
                 del self._waiters[key]
 
-    def forget_room(self, rank: int, room: int) -> None:
-        """Clear a previous use of a room id before it is opened again."""
-        self._status.pop((rank, room), None)
+    def forget_room(self, rank: int, room: int) -> RoomStatus | None:
+        """Clear a previous use of a room id before it is opened again; returns what it
+        dropped, for :meth:`restore_status` if the open is refused."""
+        return self._status.pop((rank, room), None)
+
+    def restore_status(self, dropped: RoomStatus | None) -> None:
+        """Put back what :meth:`forget_room` dropped, unless the room has a newer status: a
+        refused open changes nothing, and waiters and the decode's page release read this."""
+        if dropped is not None:
+            self._status.setdefault((dropped.rank, dropped.room), dropped)
 
     def close(self) -> None:
         for stream in self._subscribers:

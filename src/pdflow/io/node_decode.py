@@ -53,6 +53,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyKnown,
 )
 from pdflow.core.endpoints.liveness import ProbeTarget
+from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
 from pdflow.core.protocol.messages import AnyMessage, PeerId
@@ -165,7 +166,8 @@ class DecodeRank:
         bootstrap room, else the one the prefill registered for the room (/query_dp_ranks)."""
         if prefill_dp_rank is None:
             prefill_dp_rank = await self._node.registered_dp_rank(bootstrap, room)
-        self._node.runtime.events.forget_room(self.rank, room)
+        events = self._node.runtime.events
+        dropped = events.forget_room(self.rank, room)
         # The clock first: with the topology known the room is WaitingForInput within the call,
         # and that moment starts its allocation wait.
         previous = self._host.clocks.get(room)
@@ -177,6 +179,7 @@ class DecodeRank:
                 self._host.clocks.pop(room, None)
             else:
                 self._host.clocks[room] = previous
+            events.restore_status(dropped)
             raise
 
     async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,
@@ -211,6 +214,11 @@ class DecodeRank:
         generation = self._host.endpoint.generation_of(room)
         if generation is None:
             raise LookupError(f"room {room} is not open on rank {self.rank}; open it first")
+        if (self.rank, room) in self._node.room_pages:
+            # Its pages may be released already: admission would count them for good.
+            raise InvalidInput(f"room {room}: admit before publish_pages; its pages are "
+                               "published, and rooms published without admit are not "
+                               "counted")  # fmt: skip
         return await self._node.admission[self.rank].admit(
             request_id(room, generation), input_len, max_new, prefix_len
         )

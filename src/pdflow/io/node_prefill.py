@@ -187,13 +187,20 @@ class PrefillRank:
         refusal = node.placement.refusal(room)
         if refusal:
             raise InvalidInput(refusal)
-        node.runtime.events.forget_room(self.rank, room)
-        await self._host.call(OpenRoom(room, generation))
         if node.placement.dp_size > 1 and not node.placement.follows_bootstrap_room and (
             self.rank == node.rank_kv[0].tp_rank
         ):
             # The decode asks the registry which DP group serves the room (/query_dp_ranks).
+            # Before the open: if the registry cannot be reached nothing is open, and the
+            # engine may retry the same id and generation (a decode message that comes before
+            # the open waits for it, as without DP).
             await node.register_dp_rank(room)
+        dropped = node.runtime.events.forget_room(self.rank, room)
+        try:
+            await self._host.call(OpenRoom(room, generation))
+        except BaseException:
+            node.runtime.events.restore_status(dropped)
+            raise
         self._node.limits[self.rank].early.opened(room)
         self._host.clocks[room] = RoomClock(loop_time(), generation)
 
@@ -247,10 +254,21 @@ class PrefillRank:
         if state:
             kv = self._node.rank_kv[self._node.rank_index(self.rank)]
             check_state_indices(kv.state, state, "send_chunk")
+        key, sources = (self.rank, room), self._node.source_ready
+        previous = sources.get(key)
         if ready is not None:
-            # The latest event of a room covers its earlier chunks (one stream, in order).
-            self._node.source_ready[(self.rank, room)] = ready
-        await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last, state)))
+            # The latest event of a room covers its earlier chunks (one stream, in order). Set
+            # before the call: the chunk's write may start before the call returns.
+            sources[key] = ready
+        try:
+            await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last, state)))
+        except BaseException:
+            if ready is not None:  # a refused chunk changes nothing
+                if previous is None:
+                    sources.pop(key, None)
+                else:
+                    sources[key] = previous
+            raise
 
     async def prefill_completed(self, room: int) -> None:
         await self._host.call(RoomCall(room, PrefillCompleted()))
