@@ -6,6 +6,7 @@ and admit after publish_pages is refused rather than counting pages that may be 
 from __future__ import annotations
 
 import threading
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import anyio
@@ -51,109 +52,110 @@ def _nodes(**placement: Any) -> Any:
     p_transport, d_transport = fabric.create_transport(), fabric.create_transport()
     prefill = PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
                           settings=settings,
-                          **({"placement": PrefillPlacement(**placement)} if placement else {}))
+                          placement=PrefillPlacement(**placement) if placement else None)
     decode = DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings)
     return p_transport, d_transport, prefill, decode
 
 
-def test_a_refused_duplicate_open_keeps_the_rooms_status() -> None:
-    async def story() -> None:
-        p_transport, d_transport, prefill, decode = _nodes()
+def _with_nodes(story: Callable[[PrefillNode, DecodeNode], Awaitable[None]],
+                **placement: Any) -> None:  # fmt: skip
+    async def run() -> None:
+        p_transport, d_transport, prefill, decode = _nodes(**placement)
         async with p_transport, d_transport, prefill as p_node, decode as d_node:
-            p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
-            await p_rank.open_room(7, 0)
-            await d_rank.open(7, 0, p_node.bootstrap)
-            ready = await d_rank.wait(7)
-            with pytest.raises(LocalProtocolError, match="already open"):
-                await d_rank.open(7, 0, p_node.bootstrap)  # a router retry racing the clear
-            assert d_node.runtime.events.status(0, 7) == ready
-            with anyio.fail_after(5):  # hung forever when the refusal dropped the status
-                assert await d_rank.wait(7) == ready
-            await d_rank.admit(7, input_len=8, max_new=0)
-            await d_rank.publish_pages(7, [3, 4])
-            await p_rank.wait(7)
-            with pytest.raises(LocalProtocolError, match="already open"):
-                await p_rank.open_room(7, 0)
-            with anyio.fail_after(5):
-                assert (await p_rank.wait(7)).poll is KVPoll.WaitingForInput
-            await p_rank.init_transfer(7, 2)
-            await p_rank.send_chunk(7, [0, 1], True)
-            with anyio.fail_after(5):
-                assert (await d_rank.wait(7, terminal=True)).poll is KVPoll.Success
-            with pytest.raises(LocalProtocolError):
-                await d_rank.open(7, 0, p_node.bootstrap)
-            await d_rank.clear(7)
-            # A Success room's pages stay admitted until the engine finishes decoding on them.
-            assert d_node.admission[0].admitted == 1
-            d_rank.finish_request(7, 0)
-            assert d_node.admission[0].admitted == 0
+            await story(p_node, d_node)
 
-    anyio.run(story, backend="asyncio")
+    anyio.run(run, backend="asyncio")
+
+
+def test_a_refused_duplicate_open_keeps_the_rooms_status() -> None:
+    async def story(p_node: PrefillNode, d_node: DecodeNode) -> None:
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        await p_rank.open_room(7, 0)
+        await d_rank.open(7, 0, p_node.bootstrap)
+        ready = await d_rank.wait(7)
+        with pytest.raises(LocalProtocolError, match="already open"):
+            await d_rank.open(7, 0, p_node.bootstrap)  # a router retry racing the clear
+        assert d_node.runtime.events.status(0, 7) == ready
+        with anyio.fail_after(5):  # hung forever when the refusal dropped the status
+            assert await d_rank.wait(7) == ready
+        await d_rank.admit(7, input_len=8, max_new=0)
+        await d_rank.publish_pages(7, [3, 4])
+        await p_rank.wait(7)
+        with pytest.raises(LocalProtocolError, match="already open"):
+            await p_rank.open_room(7, 0)
+        with anyio.fail_after(5):
+            assert (await p_rank.wait(7)).poll is KVPoll.WaitingForInput
+        await p_rank.init_transfer(7, 2)
+        await p_rank.send_chunk(7, [0, 1], True)
+        with anyio.fail_after(5):
+            assert (await d_rank.wait(7, terminal=True)).poll is KVPoll.Success
+        with pytest.raises(LocalProtocolError):
+            await d_rank.open(7, 0, p_node.bootstrap)
+        await d_rank.clear(7)
+        # A Success room's pages stay admitted until the engine finishes decoding on them.
+        assert d_node.admission[0].admitted == 1
+        d_rank.finish_request(7, 0)
+        assert d_node.admission[0].admitted == 0
+
+    _with_nodes(story)
 
 
 def test_a_refused_chunk_leaves_no_readiness_object_for_the_ids_next_room() -> None:
-    async def story() -> None:
-        p_transport, d_transport, prefill, decode = _nodes()
-        async with p_transport, d_transport, prefill as p_node, decode as d_node:
-            p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
-            stale = Ready()
-            with pytest.raises(LocalProtocolError):
-                await p_rank.send_chunk(9, [0], True, ready=stale)  # a late chunk, room gone
-            assert p_node.source_ready == {}
-            await p_rank.open_room(9, 1)
-            await d_rank.open(9, 1, p_node.bootstrap)
-            await d_rank.wait(9)
-            await d_rank.publish_pages(9, [2])
-            await p_rank.wait(9)
-            await p_rank.init_transfer(9, 1)
-            await p_rank.send_chunk(9, [0], True)
-            with anyio.fail_after(5):
-                assert (await d_rank.wait(9, terminal=True)).poll is KVPoll.Success
-            assert stale.waits == 0, "the next room waited on another request's readiness"
+    async def story(p_node: PrefillNode, d_node: DecodeNode) -> None:
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        stale = Ready()
+        with pytest.raises(LocalProtocolError):
+            await p_rank.send_chunk(9, [0], True, ready=stale)  # a late chunk, room gone
+        assert p_node.source_ready == {}
+        await p_rank.open_room(9, 1)
+        await d_rank.open(9, 1, p_node.bootstrap)
+        await d_rank.wait(9)
+        await d_rank.publish_pages(9, [2])
+        await p_rank.wait(9)
+        await p_rank.init_transfer(9, 1)
+        await p_rank.send_chunk(9, [0], True)
+        with anyio.fail_after(5):
+            assert (await d_rank.wait(9, terminal=True)).poll is KVPoll.Success
+        assert stale.waits == 0, "the next room waited on another request's readiness"
 
-    anyio.run(story, backend="asyncio")
+    _with_nodes(story)
 
 
 def test_an_open_whose_dp_registration_fails_leaves_nothing_open() -> None:
-    async def story() -> None:
-        p_transport, d_transport, prefill, _ = _nodes(
-            dp_size=2, dp_rank=0, load_balance_method="round_robin")
-        async with p_transport, d_transport, prefill as p_node:
-            p_rank = p_node.ranks[0]
-            registered: list[int] = []
+    async def story(p_node: PrefillNode, _: DecodeNode) -> None:
+        p_rank = p_node.ranks[0]
+        registered: list[int] = []
 
-            async def unreachable(room: int) -> None:
-                raise BootstrapError("registry unreachable")
+        async def unreachable(room: int) -> None:
+            raise BootstrapError("registry unreachable")
 
-            async def reachable(room: int) -> None:
-                registered.append(room)
+        async def reachable(room: int) -> None:
+            registered.append(room)
 
-            p_node.register_dp_rank = unreachable  # type: ignore[method-assign]
-            with pytest.raises(BootstrapError):
-                await p_rank.open_room(11, 0)
-            assert p_rank.poll(11) is None
-            p_node.register_dp_rank = reachable  # type: ignore[method-assign]
-            await p_rank.open_room(11, 0)  # the same id and generation: nothing was open
-            assert p_rank.poll(11) is KVPoll.Bootstrapping and registered == [11]
+        p_node.register_dp_rank = unreachable  # type: ignore[method-assign]
+        with pytest.raises(BootstrapError):
+            await p_rank.open_room(11, 0)
+        assert p_rank.poll(11) is None
+        p_node.register_dp_rank = reachable  # type: ignore[method-assign]
+        await p_rank.open_room(11, 0)  # the same id and generation: nothing was open
+        assert p_rank.poll(11) is KVPoll.Bootstrapping and registered == [11]
 
-    anyio.run(story, backend="asyncio")
+    _with_nodes(story, dp_size=2, dp_rank=0, load_balance_method="round_robin")
 
 
 def test_admit_after_publish_pages_is_refused() -> None:
-    async def story() -> None:
-        p_transport, d_transport, prefill, decode = _nodes()
-        async with p_transport, d_transport, prefill as p_node, decode as d_node:
-            p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
-            await p_rank.open_room(4, 0)
-            await d_rank.open(4, 0, p_node.bootstrap)
-            await d_rank.wait(4)
-            await d_rank.publish_pages(4, [1, 2, 3])
-            await p_rank.abort(4, "prefill gave up")
-            with anyio.fail_after(5):
-                assert (await d_rank.wait(4, terminal=True)).poll is KVPoll.Failed
-            with pytest.raises(InvalidInput, match="admit before publish_pages"):
-                await d_rank.admit(4, input_len=12, max_new=0)
-            await d_rank.clear(4)
-            assert d_node.admission[0].admitted == 0
+    async def story(p_node: PrefillNode, d_node: DecodeNode) -> None:
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        await p_rank.open_room(4, 0)
+        await d_rank.open(4, 0, p_node.bootstrap)
+        await d_rank.wait(4)
+        await d_rank.publish_pages(4, [1, 2, 3])
+        await p_rank.abort(4, "prefill gave up")
+        with anyio.fail_after(5):
+            assert (await d_rank.wait(4, terminal=True)).poll is KVPoll.Failed
+        with pytest.raises(InvalidInput, match="admit before publish_pages"):
+            await d_rank.admit(4, input_len=12, max_new=0)
+        await d_rank.clear(4)
+        assert d_node.admission[0].admitted == 0
 
-    anyio.run(story, backend="asyncio")
+    _with_nodes(story)
