@@ -509,7 +509,8 @@ class HostKvCache:
 def host_cache_for_rank(*, total_kv_heads: int, tp_size: int, tp_rank: int, num_layers: int,
                         num_pages: int, page_size: int, head_dim: int,
                         dtype: KvDtype) -> tuple[HostKvCache, RankKv]:  # fmt: skip
-    """Allocate the cache of one TP rank and describe it."""
+    """Allocate the cache of one TP rank and describe it. The description holds addresses
+    only: keep the returned cache alive while any node uses the ``RankKv``."""
     heads = rank_head_range(total_kv_heads, tp_size, tp_rank)
     cache = HostKvCache(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                         num_heads=heads.count, head_dim=head_dim, dtype=dtype)  # fmt: skip
