@@ -20,6 +20,7 @@ from pdflow.core.endpoints.endpoint_io import (
 )
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.machines import MACHINES
+from pdflow.core.framework.step import Fired
 from pdflow.core.protocol.inputs import PublishPages, TransferCompleted
 from pdflow.core.protocol.messages import PeerId, RoomMessage
 from pdflow.trace.format import StepRecord, message_id
@@ -46,9 +47,6 @@ class RoomEvent:
 class RoomTimeline:
     room: int
     events: list[RoomEvent] = field(default_factory=list)
-    generations: set[int] = field(default_factory=set)
-    final_poll: dict[str, str] = field(default_factory=dict)
-    """Per endpoint: the last KVPoll name the room had there."""
     generation_polls: dict[int, dict[str, str]] = field(default_factory=dict)
     """Per generation of the room id, per endpoint: its last KVPoll name there. A reused id's
     failed attempt stays visible after a later attempt succeeded."""
@@ -64,11 +62,23 @@ class RoomTimeline:
         return self.events[-1].t if self.events else 0.0
 
     @property
+    def generations(self) -> list[int]:
+        return sorted(self.generation_polls)
+
+    @property
+    def final_poll(self) -> dict[str, str]:
+        """Per endpoint: the KVPoll name of the room's latest generation there."""
+        polls: dict[str, str] = {}
+        for generation in self.generations:
+            polls.update(self.generation_polls[generation])
+        return polls
+
+    @property
     def outcome(self) -> str:
         """The room's outcome per generation, in order ("Failed->Success": an attempt failed
         and the id's next one succeeded); within one generation Failed wins over the rest."""
         outcomes: list[str] = []
-        for generation in sorted(self.generation_polls):
+        for generation in self.generations:
             outcome = _outcome_of(set(self.generation_polls[generation].values()))
             if not outcomes or outcomes[-1] != outcome:
                 outcomes.append(outcome)
@@ -97,10 +107,8 @@ def build_timelines(trace: Trace) -> dict[int, RoomTimeline]:
             timeline = rooms.setdefault(room_id, RoomTimeline(room_id))
             summary = entry.get("summary")
             if isinstance(summary, dict):
-                generation, poll = int(summary["generation"]), KVPoll(summary["poll"]).name
-                timeline.generations.add(generation)
-                timeline.final_poll[record.endpoint] = poll
-                timeline.generation_polls.setdefault(generation, {})[record.endpoint] = poll
+                polls = timeline.generation_polls.setdefault(int(summary["generation"]), {})
+                polls[record.endpoint] = KVPoll(summary["poll"]).name
             else:
                 timeline.removed.add(record.endpoint)
         if record.error is not None:
@@ -120,7 +128,7 @@ def _rooms_of(record: StepRecord) -> set[int]:
     in room-keyed machines (the recorder also lists the keys of the others, which replay
     compares as recorded, so they are filtered here rather than there)."""
     rooms = input_rooms(record.input)
-    rooms.update(f.key for f in record.fired if _room_keyed(f.machine))
+    rooms.update(f.key for f in _room_fired(record))
     for output in record.outputs:
         room = output.get("room")
         if isinstance(room, int):
@@ -128,11 +136,11 @@ def _rooms_of(record: StepRecord) -> set[int]:
     return rooms
 
 
-def _room_keyed(machine: str) -> bool:
-    """Whether a machine's transitions belong to one room: a layout announcement's key is a
+def _room_fired(record: StepRecord) -> list[Fired]:
+    """The record's transitions that belong to one room: a layout announcement's key is a
     rank, the admission queue's 0, and neither is a room id."""
-    table = MACHINES.get(machine)
-    return table is None or table.keyed_by_room
+    return [f for f in record.fired
+            if (table := MACHINES.get(f.machine)) is None or table.keyed_by_room]  # fmt: skip
 
 
 def _peer_key(address: str, incarnation: str, rank: int) -> str:
@@ -153,9 +161,7 @@ def _events(record: StepRecord, peers: dict[str, str]) -> list[tuple[int, RoomEv
     if record.error is not None:
         for room in input_rooms(record.input):
             add(room, "error", f"refused: {record.error.kind}: {record.error.message}")
-    for fired in record.fired:
-        if not _room_keyed(fired.machine):
-            continue
+    for fired in _room_fired(record):
         guard = f" [{fired.guard}]" if fired.guard else ""
         arrow = "=" if fired.source == fired.target else "->"
         add(
@@ -186,8 +192,8 @@ def _input_events(record: StepRecord, add: Any) -> None:
         result = "ok" if inp.ok else f"FAILED ({inp.reason})"
         add(inp.room, "transfer_done", f"transfer #{inp.seq} done: {result}")
     elif isinstance(inp, TimerFired):
-        for fired in record.fired:
-            if fired.on == "Tick" and _room_keyed(fired.machine):
+        for fired in _room_fired(record):
+            if fired.on == "Tick":
                 add(fired.key, "timer", "timer fired")
 
 

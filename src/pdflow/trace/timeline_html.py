@@ -27,7 +27,7 @@ def page_data(timelines: dict[int, RoomTimeline], endpoints: list[str], title: s
             {
                 "id": room.room,
                 "outcome": room.outcome,
-                "gens": sorted(room.generations),
+                "gens": room.generations,
                 "polls": room.final_poll,
                 "first": room.first_t,
                 "last": room.last_t,

@@ -42,7 +42,7 @@ def render_summary(
         f"{errors} with refused inputs"
     )
     shown = interesting_first(timelines.values())[:limit]
-    labels = [f"{room.room}/{','.join(map(str, sorted(room.generations))) or '-'}"
+    labels = [f"{room.room}/{','.join(map(str, room.generations)) or '-'}"
               for room in shown]  # fmt: skip
     # The room id (what --room takes) and the outcome never shrink; on a narrow terminal the
     # per-endpoint columns give way, under headers short enough to tell the ranks apart.
