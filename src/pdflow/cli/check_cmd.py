@@ -151,10 +151,10 @@ def _run_mutants(args: argparse.Namespace) -> int:
                     result, _ = run_seed(seed, args.steps, record=False)
                     actions += result.actions
                     if not result.ok:
-                        caught = (seed, result.violations[0], "")
+                        trace: str | None = None
                         if trace_dir is not None:  # the same seed again, recorded this time
-                            traced, _ = run_seed(seed, args.steps, trace_dir=trace_dir)
-                            caught = (seed, result.violations[0], traced.trace_path or "")
+                            trace = run_seed(seed, args.steps, trace_dir=trace_dir)[0].trace_path
+                        caught = (seed, result.violations[0], trace or "")
                         break
             rows.append((mutant, caught, actions))
             if caught is None:

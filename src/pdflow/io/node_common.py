@@ -19,8 +19,8 @@ import math
 import secrets
 import time
 import zlib
-from collections.abc import Awaitable, Callable
-from contextlib import AsyncExitStack
+from collections.abc import Awaitable, Callable, Iterator
+from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
 from typing import Any, Self
@@ -202,16 +202,18 @@ class EventHub:
             if not waiters:
                 del self._waiters[key]
 
-    def forget_room(self, rank: int, room: int) -> RoomStatus | None:
-        """Clear a previous use of a room id before it is opened again; returns what it
-        dropped, for :meth:`restore_status` if the open is refused."""
-        return self._status.pop((rank, room), None)
-
-    def restore_status(self, dropped: RoomStatus | None) -> None:
-        """Put back what :meth:`forget_room` dropped, unless the room has a newer status: a
-        refused open changes nothing, and waiters and the decode's page release read this."""
-        if dropped is not None:
-            self._status.setdefault((dropped.rank, dropped.room), dropped)
+    @contextmanager
+    def reopening(self, rank: int, room: int) -> Iterator[None]:
+        """Around an open: a previous use of the room id is forgotten, and put back if the open
+        raises (unless the room has a newer status). A refused open changes nothing, and
+        waiters and the decode's page release read this status."""
+        dropped = self._status.pop((rank, room), None)
+        try:
+            yield
+        except BaseException:
+            if dropped is not None:
+                self._status.setdefault((rank, room), dropped)
+            raise
 
     def close(self) -> None:
         for stream in self._subscribers:

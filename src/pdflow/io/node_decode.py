@@ -166,20 +166,18 @@ class DecodeRank:
         bootstrap room, else the one the prefill registered for the room (/query_dp_ranks)."""
         if prefill_dp_rank is None:
             prefill_dp_rank = await self._node.registered_dp_rank(bootstrap, room)
-        events = self._node.runtime.events
-        dropped = events.forget_room(self.rank, room)
         # The clock first: with the topology known the room is WaitingForInput within the call,
         # and that moment starts its allocation wait.
         previous = self._host.clocks.get(room)
         self._host.clocks[room] = RoomClock(loop_time(), generation)
         try:
-            await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
+            with self._node.runtime.events.reopening(self.rank, room):
+                await self._host.call(OpenReceiver(room, generation, bootstrap, prefill_dp_rank))
         except BaseException:
             if previous is None:
                 self._host.clocks.pop(room, None)
             else:
                 self._host.clocks[room] = previous
-            events.restore_status(dropped)
             raise
 
     async def publish_pages(self, room: int, pages: Sequence[int], *, aux_index: int | None = None,

@@ -195,12 +195,8 @@ class PrefillRank:
             # engine may retry the same id and generation (a decode message that comes before
             # the open waits for it, as without DP).
             await node.register_dp_rank(room)
-        dropped = node.runtime.events.forget_room(self.rank, room)
-        try:
+        with node.runtime.events.reopening(self.rank, room):
             await self._host.call(OpenRoom(room, generation))
-        except BaseException:
-            node.runtime.events.restore_status(dropped)
-            raise
         self._node.limits[self.rank].early.opened(room)
         self._host.clocks[room] = RoomClock(loop_time(), generation)
 
@@ -254,11 +250,11 @@ class PrefillRank:
         if state:
             kv = self._node.rank_kv[self._node.rank_index(self.rank)]
             check_state_indices(kv.state, state, "send_chunk")
-        key, sources = (self.rank, room), self._node.source_ready
-        previous = sources.get(key)
+        key, sources, previous = (self.rank, room), self._node.source_ready, None
         if ready is not None:
             # The latest event of a room covers its earlier chunks (one stream, in order). Set
             # before the call: the chunk's write may start before the call returns.
+            previous = sources.get(key)
             sources[key] = ready
         try:
             await self._host.call(RoomCall(room, SendChunk(tuple(src_pages), is_last, state)))

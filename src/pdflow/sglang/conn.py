@@ -358,11 +358,10 @@ class PdflowKVSender(BaseKVSender):
         self._facts_of = mgr.book.reader()
         self._cleared = False
         self._aborted = False
-        # The room's facts once the book forgot it: what SGLang may still read after its
-        # clear (the transfer metric) or after the final Failed (the reason).
+        # The room's facts once SGLang is done with it and the book may forget it: what SGLang
+        # may still read (the transfer metric after clear, the reason after Failed), and what
+        # poll() answers from once the entry is gone.
         self._final_facts: RoomFacts | None = None
-        # What poll() reads once the book forgot the room: after an abort, a closed failure.
-        self._gone = NOTHING_KNOWN
         self.conclude_state: int | None = None
         rank, room = mgr.prefill_rank, self.bootstrap_room
         mgr.book.start(room)
@@ -416,7 +415,7 @@ class PdflowKVSender(BaseKVSender):
         return None
 
     def poll(self) -> int:
-        facts = self._facts_of(self.bootstrap_room, self._gone)
+        facts = self._facts_of(self.bootstrap_room, self._final_facts or NOTHING_KNOWN)
         if facts is self._answered_facts:
             return self._answer
         failed = bool(facts.local_error) or facts.poll is KVPoll.Failed
@@ -458,12 +457,12 @@ class PdflowKVSender(BaseKVSender):
         writes before it forgets it. A later poll() reports Failed once pdflow closed it."""
         self._aborted = True
         facts = self.kv_mgr.book.facts(self.bootstrap_room)
-        self._gone = RoomFacts(poll=KVPoll.Failed, closed=True,
-                               reason=facts.reason or "aborted by SGLang",
-                               local_error=facts.local_error)  # fmt: skip
         _queue_abort(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room)
         self._clear_in_pdflow()
-        self.kv_mgr.book.finish(self.bootstrap_room)
+        # Once pdflow closed it the book forgets it: a later poll() reads a closed failure.
+        self._finish(RoomFacts(poll=KVPoll.Failed, closed=True,
+                               reason=facts.reason or "aborted by SGLang",
+                               local_error=facts.local_error))  # fmt: skip
 
     def clear(self) -> None:
         """SGLang's end of a successful room (it reads the transfer metric after this)."""
