@@ -184,7 +184,7 @@ def test_a_poll_answers_each_change_of_the_rooms_facts_and_repeats_the_last_answ
         sender.kv_mgr.book.apply(RoomStatus(rank=0, room=410, generation=0, poll=poll))
         receiver.kv_mgr.book.apply(RoomStatus(rank=0, room=411, generation=0, poll=poll))
         assert [sender.poll(), sender.poll(), receiver.poll(), receiver.poll()] == [poll] * 4
-    sender.kv_mgr.book.forget(410)  # nothing known: the last live status stays
+    sender.kv_mgr.book._rooms.pop(410)  # nothing known: the last live status stays
     assert sender.poll() == KVPoll.Transferring
     receiver.kv_mgr.book.apply(RoomStatus(rank=0, room=411, generation=0,
                                           poll=PdflowPoll.Success))  # fmt: skip
@@ -399,3 +399,66 @@ def test_a_room_failed_by_another_tp_rank_is_aborted_and_cleared_on_this_one() -
     assert [name for _, name in sender.kv_mgr.calls] == ["open_room", "abort", "clear"]
     book.apply(RoomClosed(rank=0, room=840, generation=0))  # pdflow drained it, then forgot it
     assert len(book) == 0
+
+
+def test_a_room_id_still_in_use_fails_the_newer_request_and_leaves_the_earlier_alone() -> None:
+    """pdflow's events name a room by id and the adapter's fixed generation only: a second
+    request with the id of one still held (its pages quarantined) would share its entry, and
+    SGLang would free the earlier request's pages on the newer one's facts."""
+    mgr = _manager()
+    earlier = _decode_req(mgr, room=900, idx=1)  # aborted while pdflow holds its pages
+    assert not earlier.kv_receiver.is_abort_release_safe()
+    calls_before = list(mgr.calls)
+    newer = PdflowKVReceiver(mgr, "10.0.0.1:8998", 900)
+    newer.init(0)
+    newer.send_metadata([3, 4], 2, None)
+    assert newer.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="room id 900 is still in use"):
+        newer.failure_exception()
+    newer.ensure_abort_notified(force_arm=True)  # SGLang's path for a failure it did not start
+    assert not newer.abort_notified, "nothing of the newer request is in pdflow to hold"
+    assert newer.is_abort_release_safe()
+    newer.clear()
+    assert mgr.calls == calls_before, "the newer request must not touch pdflow's room 900"
+    assert not earlier.kv_receiver.is_abort_release_safe(), "the earlier pages are still held"
+    mgr.book.apply(_released(900))
+    assert earlier.kv_receiver.is_abort_release_safe()
+    earlier.kv_receiver.clear()
+    mgr.book.apply(RoomClosed(rank=0, room=900, generation=0))
+    assert len(mgr.book) == 0
+    again = PdflowKVReceiver(mgr, "10.0.0.1:8998", 900)  # the id is free once both are done
+    again.init(0)
+    assert again.poll() == KVPoll.Bootstrapping and mgr.calls[-1] == (900, "open_room")
+
+
+def test_a_prefill_room_id_still_in_use_fails_the_newer_sender_only() -> None:
+    earlier = _sender(910)
+    mgr, book = earlier.kv_mgr, earlier.kv_mgr.book
+    book.apply(RoomStatus(rank=0, room=910, generation=0, poll=PdflowPoll.Transferring))
+    newer = PdflowKVSender(mgr, "a:1", 910)
+    newer.init(4)
+    newer.send([0, 1, 2, 3])
+    assert newer.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="room id 910 is still in use"):
+        newer.failure_exception()
+    newer.abort()
+    newer.clear()
+    assert [name for _, name in mgr.calls] == ["open_room"], "the earlier request's call only"
+    assert earlier.poll() == KVPoll.Transferring
+
+
+def test_the_book_keeps_a_finished_closed_room_until_its_pages_are_released() -> None:
+    """An unknown room reads as release-safe, so a room pdflow closed before it released the
+    pages (a staged room aborted while it verifies) must stay until PagesReleased."""
+    book = RoomBook()
+    assert book.claim(920)
+    book.give_pages(920)
+    book.finish(920)
+    book.apply(RoomClosed(rank=0, room=920, generation=0))
+    assert not book.release_safe(920) and len(book) == 1
+    book.apply(_released(920))
+    assert book.release_safe(920) and len(book) == 0
+    book.refuse(920, "a late refusal of a queued call")  # an entry dropped is not made again
+    book.give_pages(920)
+    book.close(920)
+    assert len(book) == 0 and book.claim(920)

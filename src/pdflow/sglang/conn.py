@@ -73,7 +73,9 @@ log = structlog.get_logger("pdflow.sglang")
 SMALL_ROOM_STAGING_BYTES = 16 * 1024
 """The backend stages rooms up to this size (one bulk write instead of one per layer's K and V:
 the engine's per-write cost dominates them); PDFLOW_SMALL_ROOM_STAGING_BYTES overrides it."""
-GENERATION = 0  # SGLang room ids are random per request; a room id is never reused.
+# SGLang gives both roles the room id alone: every room is generation 0, and a request whose
+# id the rank still holds is refused (RoomBook.claim).
+GENERATION = 0
 # How long the decode scheduler may wait for a prefill's topology on its first request there
 # (a registry answers in milliseconds; an unreachable one costs at most this per retry).
 TOPOLOGY_FIRST_WAIT_S = 0.25
@@ -258,7 +260,8 @@ class PdflowKVManager(BaseKVManager):
         return self.book.release_safe(bootstrap_room)
 
     def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
-        self.book.forget(bootstrap_room)
+        """Nothing to drop here: SGLang calls the receiver's ``clear`` next, which finishes
+        the room in the book (by room id alone this could be another request's entry)."""
 
     def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
         """SGLang's KV digest (taken by the prefill, moved in the aux row) covers what this
@@ -283,21 +286,9 @@ class PdflowKVManager(BaseKVManager):
             self.loop.close()
 
 
-def _queue_abort(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int) -> None:
-    """Abort the room in pdflow unless it already ended (pdflow then drains or fences)."""
-
-    mgr.run(room, "abort", _abort_if_live, rank, room)
-
-
 async def _abort_if_live(rank: PrefillRank | DecodeRank, room: int) -> None:
     if rank.poll(room) not in (None, KVPoll.Failed, KVPoll.Success):
         await rank.abort(room, "aborted by SGLang")
-
-
-def _queue_clear(mgr: PdflowKVManager, rank: PrefillRank | DecodeRank, room: int,
-                 if_unknown: Callable[[int], None] | None = None) -> None:  # fmt: skip
-    """Clear the room in pdflow if pdflow still has it."""
-    mgr.run(room, "clear", _clear_if_open, rank, room, if_unknown)
 
 
 async def _clear_if_open(rank: PrefillRank | DecodeRank, room: int,
@@ -328,8 +319,56 @@ def _terminal_reason(facts: RoomFacts, room: int, what: str) -> str:
     return facts.local_error or facts.reason or f"pdflow reported the {what} of room {room} failed"
 
 
+def _duplicate_book(room: int) -> RoomBook:
+    """A book of one room, already failed and closed, for a request whose room id an earlier
+    request on this rank still holds in pdflow: it touches neither pdflow nor that request."""
+    book = RoomBook()
+    book.claim(room)
+    book.refuse(room, f"room id {room} is still in use by an earlier request on this rank "
+                "(pdflow has not finished with it); the router must give every request its "
+                "own bootstrap_room")  # fmt: skip
+    book.close(room)
+    return book
+
+
+class _RequestRoom:
+    """What a sender and a receiver share: the room id they claimed in the manager's book, and
+    the node calls made for it."""
+
+    kv_mgr: PdflowKVManager
+    bootstrap_room: int
+
+    def _claim(self) -> None:
+        room = self.bootstrap_room
+        claimed = self.kv_mgr.book.claim(room)
+        self._book = self.kv_mgr.book if claimed else _duplicate_book(room)
+        if not claimed:
+            log.warning("pdflow_room_id_in_use", room=room)
+        self._facts_of = self._book.reader()
+
+    @property
+    def _claimed(self) -> bool:
+        """False for a request refused because its room id was in use: pdflow's room of that
+        id is the earlier request's, and nothing of this one goes to pdflow."""
+        return self._book is self.kv_mgr.book
+
+    def _call(self, name: str, call: Callable[..., Awaitable[None]], *args: Any) -> None:
+        """Queue a node call for this request's room (none for an unclaimed one)."""
+        if self._claimed:
+            self.kv_mgr.run(self.bootstrap_room, name, call, *args)
+
+    def _queue_abort(self, rank: PrefillRank | DecodeRank) -> None:
+        """Abort the room in pdflow unless it already ended (pdflow then drains or fences)."""
+        self._call("abort", _abort_if_live, rank, self.bootstrap_room)
+
+    def _queue_clear(self, rank: PrefillRank | DecodeRank) -> None:
+        """Clear the room in pdflow if pdflow still has it; one it never opened (refused) has
+        nothing in flight and is closed at once."""
+        self._call("clear", _clear_if_open, rank, self.bootstrap_room, self._book.close)
+
+
 # ---- prefill -----------------------------------------------------------------------------------
-class PdflowKVSender(BaseKVSender):
+class PdflowKVSender(_RequestRoom, BaseKVSender):
     """One request on one prefill rank: chunks in, ``poll()`` out."""
 
     @property
@@ -355,7 +394,6 @@ class PdflowKVSender(BaseKVSender):
         # every room on every tick, far more often than its facts change).
         self._answered_facts: RoomFacts | None = None
         self._answer = int(KVPoll.Bootstrapping)
-        self._facts_of = mgr.book.reader()
         self._cleared = False
         self._aborted = False
         # The room's facts once SGLang is done with it and the book may forget it: what SGLang
@@ -363,15 +401,13 @@ class PdflowKVSender(BaseKVSender):
         # poll() answers from once the entry is gone.
         self._final_facts: RoomFacts | None = None
         self.conclude_state: int | None = None
-        rank, room = mgr.prefill_rank, self.bootstrap_room
-        mgr.book.start(room)
-        mgr.run(room, "open_room", rank.open_room, room, GENERATION)
+        self._claim()
+        self._call("open_room", mgr.prefill_rank.open_room, self.bootstrap_room, GENERATION)
 
     def init(self, num_kv_indices: int, aux_index: int | None = None) -> None:
         rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
         self.num_pages, self.aux_index, self.init_time = int(num_kv_indices), aux_index, time.time()
-        self.kv_mgr.run(room, "init_transfer", rank.init_transfer, room, self.num_pages,
-                        self.aux_index)  # fmt: skip
+        self._call("init_transfer", rank.init_transfer, room, self.num_pages, self.aux_index)
 
     def send(self, kv_indices: Sequence[int], state_indices: list[Any] | None = None,
              num_kv_tokens: int | None = None, indices_event: Any = None,
@@ -385,16 +421,16 @@ class PdflowKVSender(BaseKVSender):
         try:  # SGLang names the request's state on the last chunk only
             state = state_indices_for_pdflow(state_indices, len(self.kv_mgr.rank_kv.state))
         except UnsupportedByPdflow as exc:
-            self.kv_mgr.book.refuse(room, str(exc))
+            self._book.refuse(room, str(exc))
             return
         self.pages_sent += len(kv_indices)  # a tensor's length needs no copy
         is_last = self.pages_sent >= self.num_pages
         if indices_event is None:
             pages = [int(page) for page in kv_indices]
-            self.kv_mgr.run(room, "send_chunk", rank.send_chunk, room, pages, is_last, state)
+            self._call("send_chunk", rank.send_chunk, room, pages, is_last, state)
         else:
-            self.kv_mgr.run(room, "send_chunk", _send_chunk_when_copied, rank, room, kv_indices,
-                            is_last, state, indices_event)  # fmt: skip
+            self._call("send_chunk", _send_chunk_when_copied, rank, room, kv_indices, is_last,
+                       state, indices_event)  # fmt: skip
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         # A zero-page last chunk still ends the room (a fully cached prompt).
@@ -404,7 +440,7 @@ class PdflowKVSender(BaseKVSender):
         """prefill_complete policy: the forward pass ended; pdflow tells the decode it may
         reserve the room's pages now (and starts the room's bootstrap clock)."""
         rank, room = self.kv_mgr.prefill_rank, self.bootstrap_room
-        self.kv_mgr.run(room, "prefill_completed", rank.prefill_completed, room)
+        self._call("prefill_completed", rank.prefill_completed, room)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens the decode already holds (its ``decode_prefix_len``), known once the room is
@@ -440,14 +476,14 @@ class PdflowKVSender(BaseKVSender):
         and frees it. With TP > 1 that may be another rank's failure (SGLang takes the lowest
         poll over the ranks) while this rank's room is still live in pdflow: it is aborted and
         cleared here, or it would stay in pdflow and in the book, never polled again."""
-        facts = self._final_facts or self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._final_facts or self._book.facts(self.bootstrap_room)
         if self._final_facts is None and not self._aborted:
             self.abort()
         raise KVTransferError(self.bootstrap_room,
                               _terminal_reason(facts, self.bootstrap_room, "transfer"))
 
     def get_transfer_metric(self) -> KVTransferMetric:
-        facts = self._final_facts or self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._final_facts or self._book.facts(self.bootstrap_room)
         return KVTransferMetric(transfer_latency_s=facts.transfer_s,
                                 transfer_total_bytes=facts.bytes_moved)  # fmt: skip
 
@@ -456,8 +492,8 @@ class PdflowKVSender(BaseKVSender):
         (``release_aborted_prefill_waiting_req``), and pdflow still drains the room's
         writes before it forgets it. A later poll() reports Failed once pdflow closed it."""
         self._aborted = True
-        facts = self.kv_mgr.book.facts(self.bootstrap_room)
-        _queue_abort(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room)
+        facts = self._book.facts(self.bootstrap_room)
+        self._queue_abort(self.kv_mgr.prefill_rank)
         self._clear_in_pdflow()
         # Once pdflow closed it the book forgets it: a later poll() reads a closed failure.
         self._finish(RoomFacts(poll=KVPoll.Failed, closed=True,
@@ -467,24 +503,22 @@ class PdflowKVSender(BaseKVSender):
     def clear(self) -> None:
         """SGLang's end of a successful room (it reads the transfer metric after this)."""
         self._clear_in_pdflow()
-        self._finish(self.kv_mgr.book.facts(self.bootstrap_room))
+        self._finish(self._book.facts(self.bootstrap_room))
 
     def _finish(self, facts: RoomFacts) -> None:
         if self._final_facts is None:
             self._final_facts = facts
-        self.kv_mgr.book.finish(self.bootstrap_room)
+        self._book.finish(self.bootstrap_room)
 
     def _clear_in_pdflow(self) -> None:
         if self._cleared:
             return
         self._cleared = True
-        # A room pdflow never opened (refused) has nothing in flight: closed at once.
-        _queue_clear(self.kv_mgr, self.kv_mgr.prefill_rank, self.bootstrap_room,
-                     if_unknown=self.kv_mgr.book.close)  # fmt: skip
+        self._queue_clear(self.kv_mgr.prefill_rank)
 
 
 # ---- decode ------------------------------------------------------------------------------------
-class PdflowKVReceiver(BaseKVReceiver):
+class PdflowKVReceiver(_RequestRoom, BaseKVReceiver):
     """One request on one decode rank: open, publish its pages, ``poll()`` until it lands."""
 
     require_staging = False
@@ -503,8 +537,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         # As on the sender: the last facts poll() answered from, and that answer.
         self._answered_facts: RoomFacts | None = None
         self._answer = int(KVPoll.Bootstrapping)
-        self._facts_of = mgr.book.reader()
-        mgr.book.start(self.bootstrap_room)
+        self._claim()
 
     @property
     def supports_host_destination(self) -> bool:
@@ -514,7 +547,7 @@ class PdflowKVReceiver(BaseKVReceiver):
         rank, room, addr = self.kv_mgr.decode_rank, self.bootstrap_room, self.bootstrap_addr
         self.bootstrap_infos = [addr]  # one prefill instance: what a release waits on
         self._opened = True
-        self.kv_mgr.run(room, "open_room", rank.open, room, GENERATION, addr, prefill_dp_rank)
+        self._call("open_room", rank.open, room, GENERATION, addr, prefill_dp_rank)
 
     def send_metadata(self, kv_indices: Sequence[int], aux_index: int | None = None,
                       state_indices: list[Any] | None = None,
@@ -536,17 +569,17 @@ class PdflowKVReceiver(BaseKVReceiver):
                 problem = (f"{self.kv_mgr.state_cross_tp_refusal} (prefill attention TP "
                            f"{info.attn_tp_size}, this decode {self.kv_mgr.rank_kv.tp_size})")
         if problem:
-            self.kv_mgr.book.refuse(room, problem)
+            self._book.refuse(room, problem)
+        if problem or not self._claimed:
             return
         pages = [int(page) for page in kv_indices]
         self.init_time = time.time()
         rank = self.kv_mgr.decode_rank
-        self.kv_mgr.book.give_pages(room)  # before the call: a refusal takes it back
+        self._book.give_pages(room)  # before the call: a refusal takes it back
 
         prefix = int(decode_prefix_len or 0)
         # ``pages`` are those after the prefix the decode already holds, as SGLang gives them.
-        self.kv_mgr.run(room, "publish_pages", _publish_pages, rank, room, pages, aux_index,
-                        prefix, state)  # fmt: skip
+        self._call("publish_pages", _publish_pages, rank, room, pages, aux_index, prefix, state)
 
     def poll(self) -> int:
         facts = self._facts_of(self.bootstrap_room, NOTHING_KNOWN)
@@ -565,27 +598,28 @@ class PdflowKVReceiver(BaseKVReceiver):
         return answer
 
     def failure_exception(self) -> None:
-        facts = self.kv_mgr.book.facts(self.bootstrap_room)
+        facts = self._book.facts(self.bootstrap_room)
         raise KVTransferError(self.bootstrap_room,
                               _terminal_reason(facts, self.bootstrap_room, "receive"))
 
     def abort(self) -> None:
         self.conclude_state = KVPoll.Failed
-        if not self.kv_mgr.book.facts(self.bootstrap_room).local_error:
-            self.kv_mgr.book.refuse(self.bootstrap_room, "aborted by SGLang")
+        if not self._book.facts(self.bootstrap_room).local_error:
+            self._book.refuse(self.bootstrap_room, "aborted by SGLang")
         self.ensure_abort_notified()
 
     def ensure_abort_notified(self, *, force_arm: bool = False) -> None:
-        """Tell pdflow once; pdflow keeps the pages quarantined until every writer drained."""
-        if self.abort_notified:
+        """Tell pdflow once; pdflow keeps the pages quarantined until every writer drained.
+        A request refused for a room id in use tells nothing, so SGLang holds nothing: its
+        pages never reached pdflow."""
+        if self.abort_notified or not self._claimed:
             return
         self.abort_notified = True
-        if not self._opened:
-            return
-        _queue_abort(self.kv_mgr, self.kv_mgr.decode_rank, self.bootstrap_room)
+        if self._opened:
+            self._queue_abort(self.kv_mgr.decode_rank)
 
     def is_abort_release_safe(self) -> bool:
-        return self.kv_mgr.book.release_safe(self.bootstrap_room)
+        return self._book.release_safe(self.bootstrap_room)
 
     def clear(self) -> None:
         """SGLang is done with the request: pdflow clears the room, and the book forgets it
@@ -593,12 +627,11 @@ class PdflowKVReceiver(BaseKVReceiver):
         if self._cleared:
             return
         self._cleared = True
-        book, room = self.kv_mgr.book, self.bootstrap_room
-        book.finish(room)
-        if not self._opened:
-            book.close(room)
-            return
-        _queue_clear(self.kv_mgr, self.kv_mgr.decode_rank, room, if_unknown=book.close)
+        self._book.finish(self.bootstrap_room)
+        if self._opened:
+            self._queue_clear(self.kv_mgr.decode_rank)
+        else:
+            self._book.close(self.bootstrap_room)
 
 
 # ---- bootstrap server --------------------------------------------------------------------------

@@ -66,20 +66,24 @@ class RoomBook:
         every tick). The dict is never replaced, so a reader taken once stays current."""
         return self._rooms.get
 
-    def start(self, room: int) -> None:
-        """Forget an earlier use of the room id before it is opened again."""
+    def claim(self, room: int) -> bool:
+        """Start tracking a new request's room. False, changing nothing, while an earlier
+        request with this id is still tracked: both would read and write one entry (pdflow's
+        events name the room id and the adapter's fixed generation only), and the earlier
+        one's pages could be freed on the newer one's facts."""
         with self._lock:
+            if room in self._rooms:
+                return False
             self._rooms[room] = NOTHING_KNOWN
-
-    def forget(self, room: int) -> None:
-        with self._lock:
-            self._rooms.pop(room, None)
+            return True
 
     def refuse(self, room: int, reason: str, *, pages_taken: bool = True) -> None:
         """Fail the room with ``reason``; ``pages_taken=False`` when the refused call was the
         one that hands pdflow the pages (a refused input changes no state in the core)."""
         with self._lock:
-            facts = self._rooms.get(room, NOTHING_KNOWN)
+            facts = self._rooms.get(room)
+            if facts is None:  # a late refusal for a room already dropped: nothing to fail
+                return
             if not facts.local_error:
                 facts = replace(facts, local_error=reason)
             if not pages_taken:
@@ -87,45 +91,54 @@ class RoomBook:
             self._rooms[room] = facts
 
     def give_pages(self, room: int) -> None:
-        with self._lock:
-            self._rooms[room] = replace(self._rooms.get(room, NOTHING_KNOWN), pages_given=True)
+        self._update(room, pages_given=True)
 
     def release_safe(self, room: int) -> bool:
         """Decode: whether SGLang may free the room's pages now. Yes once pdflow released
         them (every writer drained or was fenced), once the room succeeded (every writer
         reported its writes landed, and none writes again), or if pdflow never had them."""
-        facts = self._rooms.get(room, NOTHING_KNOWN)
-        return facts.released or facts.poll is KVPoll.Success or not facts.pages_given
+        return _release_safe(self._rooms.get(room, NOTHING_KNOWN))
 
     def close(self, room: int) -> None:
         """The room is closed in pdflow (or pdflow never opened it)."""
         with self._lock:
-            self._closed(room, self._rooms.get(room, NOTHING_KNOWN))
+            facts = self._rooms.get(room)
+            if facts is not None:  # an entry already dropped is not made again
+                self._closed(room, facts)
 
     def finish(self, room: int) -> None:
-        """SGLang is done with the room: forget it now if pdflow closed it, else on closing."""
+        """SGLang is done with the room: the entry goes once pdflow closed it too and no write
+        can land in its pages (:meth:`_settle`)."""
         with self._lock:
             facts = self._rooms.get(room)
-            if facts is None:
-                return
-            if facts.closed:
-                del self._rooms[room]
-            else:
-                self._rooms[room] = replace(facts, finished=True)
+            if facts is not None:
+                self._settle(room, replace(facts, finished=True))
 
     def __len__(self) -> int:
         return len(self._rooms)
 
     def _closed(self, room: int, facts: RoomFacts) -> None:
-        if facts.finished:
+        self._settle(room, replace(facts, closed=True))
+
+    def _settle(self, room: int, facts: RoomFacts) -> None:
+        """Store the facts, or drop the entry once SGLang and pdflow are both done with the
+        room and its pages are safe to free: an unknown room reads as release-safe, so an
+        entry whose pages a write may still reach stays until pdflow releases them."""
+        if facts.finished and facts.closed and _release_safe(facts):
             self._rooms.pop(room, None)
         else:
-            self._rooms[room] = replace(facts, closed=True)
+            self._rooms[room] = facts
 
     def record_transfer(self, room: int, nbytes: int | None, seconds: float | None) -> None:
+        self._update(room, bytes_moved=nbytes, transfer_s=seconds)
+
+    def _update(self, room: int, **changes: object) -> None:
+        """Change a tracked room's facts; an entry already dropped is not made again (it would
+        stay for good, and hold the id against its next request)."""
         with self._lock:
-            facts = self._rooms.get(room, NOTHING_KNOWN)
-            self._rooms[room] = replace(facts, bytes_moved=nbytes, transfer_s=seconds)
+            facts = self._rooms.get(room)
+            if facts is not None:
+                self._rooms[room] = replace(facts, **changes)
 
     def apply(self, event: NodeEvent) -> None:
         """Record one node event (called on the loop thread)."""
@@ -140,7 +153,8 @@ class RoomBook:
             if isinstance(event, RoomStatus):
                 facts = replace(facts, poll=event.poll, reason=event.reason or facts.reason)
             elif isinstance(event, PagesReleased):
-                facts = replace(facts, released=True)
+                self._settle(room, replace(facts, released=True))
+                return
             elif isinstance(event, PagesHeld):
                 facts = replace(facts, held=True)
             elif isinstance(event, RoomClosed):
@@ -149,3 +163,7 @@ class RoomBook:
             else:
                 return
             self._rooms[room] = facts
+
+
+def _release_safe(facts: RoomFacts) -> bool:
+    return facts.released or facts.poll is KVPoll.Success or not facts.pages_given
