@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 import anyio
 import pytest
 
+from pdflow.core.framework.errors import LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import EventHub, RoomStatus
 
@@ -18,6 +19,9 @@ def _run(story: Callable[[], Awaitable[None]]) -> None:
             await story()
 
     anyio.run(bounded, backend="asyncio")
+
+
+_OPEN = {"is_open": True, "open_call": "open"}
 
 
 def _status(poll: KVPoll, room: int = 7) -> RoomStatus:
@@ -40,7 +44,7 @@ def test_a_waiter_wakes_on_the_first_status_at_its_threshold_or_failed(
         got: list[RoomStatus] = []
 
         async def waiter() -> None:
-            got.append(await hub.wait_status(0, 7, at_least))
+            got.append(await hub.wait_status(0, 7, at_least, **_OPEN))
 
         async with anyio.create_task_group() as tasks:
             tasks.start_soon(waiter)
@@ -58,11 +62,11 @@ def test_the_current_status_answers_at_once_and_every_waiter_of_a_room_wakes() -
         hub = EventHub()
         ready = _status(KVPoll.WaitingForInput)
         hub.publish(ready)
-        assert await hub.wait_status(0, 7, KVPoll.WaitingForInput) == ready
+        assert await hub.wait_status(0, 7, KVPoll.WaitingForInput, **_OPEN) == ready
         got: list[RoomStatus] = []
 
         async def waiter() -> None:
-            got.append(await hub.wait_status(0, 7, KVPoll.Success))
+            got.append(await hub.wait_status(0, 7, KVPoll.Success, **_OPEN))
 
         async with anyio.create_task_group() as tasks:
             for _ in range(3):
@@ -83,17 +87,33 @@ def test_a_cancelled_waiter_leaves_nothing_and_the_others_still_wake() -> None:
         got: list[RoomStatus] = []
 
         async def waiter() -> None:
-            got.append(await hub.wait_status(0, 7, KVPoll.Success))
+            got.append(await hub.wait_status(0, 7, KVPoll.Success, **_OPEN))
 
         async with anyio.create_task_group() as outer:
             outer.start_soon(waiter)
             with anyio.move_on_after(0.01):  # this one gives up on room 7 ...
-                await hub.wait_status(0, 7, KVPoll.Success)
+                await hub.wait_status(0, 7, KVPoll.Success, **_OPEN)
             with anyio.move_on_after(0.01):  # ... and this one on room 9, which never changes
-                await hub.wait_status(0, 9, KVPoll.Success)
+                await hub.wait_status(0, 9, KVPoll.Success, **_OPEN)
             assert hub.waiting_rooms() == 1, "a cancelled wait must not stay registered"
             hub.publish(_status(KVPoll.Success))
         assert got == [_status(KVPoll.Success)]
         assert hub.waiting_rooms() == 0
+
+    _run(story)
+
+
+def test_a_wait_on_a_room_that_is_not_open_and_has_no_status_is_refused() -> None:
+    """No status would ever come: the caller learns it at once instead of waiting for good. A
+    room that closed after its last status still answers with it until it is reopened."""
+
+    async def story() -> None:
+        hub = EventHub()
+        with pytest.raises(LocalProtocolError, match="room 7 is not open on rank 0") as refused:
+            await hub.wait_status(0, 7, KVPoll.Success, is_open=False, open_call="Rank.open")
+        assert "Rank.open" in refused.value.hint and hub.waiting_rooms() == 0
+        hub.publish(_status(KVPoll.Failed))
+        assert (await hub.wait_status(0, 7, KVPoll.Success, is_open=False,
+                                      open_call="Rank.open")).poll is KVPoll.Failed  # fmt: skip
 
     _run(story)

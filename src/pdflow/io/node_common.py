@@ -34,6 +34,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from pdflow import loop_idle
 from pdflow.core.endpoints.endpoint_io import AnyEndpointInput, Dropped, RoomRemoved, TimerFired
+from pdflow.core.framework.errors import LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.messages import PeerId
@@ -173,10 +174,17 @@ class EventHub:
     def status(self, rank: int, room: int) -> RoomStatus | None:
         return self._status.get((rank, room))
 
-    async def wait_status(self, rank: int, room: int, at_least: KVPoll) -> RoomStatus:
+    async def wait_status(self, rank: int, room: int, at_least: KVPoll, *, is_open: bool,
+                          open_call: str) -> RoomStatus:  # fmt: skip
         """The room's first status (the current one, or a later one) that is Failed or at least
-        ``at_least``."""
+        ``at_least``. A room that is not open (``is_open``, the endpoint's answer) and has no
+        status is refused: no status would ever come, and the caller would wait for good."""
         key = (rank, room)
+        if not is_open and key not in self._status:
+            raise LocalProtocolError(
+                f"room {room} is not open on rank {rank}: never opened, or cleared and closed",
+                hint=f"open it first ({open_call}); a cleared room id needs a new open",
+            )
         while True:
             current = self._status.get(key)
             if current is not None and (current.poll is KVPoll.Failed or current.poll >= at_least):

@@ -250,7 +250,10 @@ class DecodeRank:
     async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
         """Until the room wants pages (WaitingForInput) or later; with ``terminal``, its end."""
         threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
-        return await self._node.runtime.events.wait_status(self.rank, room, threshold)
+        return await self._node.runtime.events.wait_status(
+            self.rank, room, threshold, is_open=self.poll(room) is not None,
+            open_call="DecodeRank.open",
+        )  # fmt: skip
 
     @property
     def allocatable(self) -> int:

@@ -297,7 +297,10 @@ class PrefillRank:
     async def wait(self, room: int, *, terminal: bool = False) -> RoomStatus:
         """Until the room is ready for input (or past it), or with ``terminal`` until it ends."""
         threshold = KVPoll.Success if terminal else KVPoll.WaitingForInput
-        return await self._node.runtime.events.wait_status(self.rank, room, threshold)
+        return await self._node.runtime.events.wait_status(
+            self.rank, room, threshold, is_open=self.poll(room) is not None,
+            open_call="PrefillRank.open_room",
+        )  # fmt: skip
 
 
 class PrefillRankEffects(RankEffects):

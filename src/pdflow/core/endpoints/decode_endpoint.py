@@ -173,7 +173,10 @@ class DecodeSnapshot(msgspec.Struct, frozen=True):
 
 
 class DecodeEndpoint(RoomHost[ReceiverRoom]):
-    open_hint = "OpenReceiver first; a cleared room needs a new OpenReceiver"
+    open_hint = (
+        "open it first (DecodeRank.open, the core's OpenReceiver); a cleared room id needs a "
+        "new open"
+    )
     role = "decode"
 
     def __init__(self, config: DecodeEndpointConfig) -> None:
@@ -240,7 +243,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             if not isinstance(call.call, AbortRequested):
                 raise LocalProtocolError(
                     f"a decode room takes AbortRequested calls, not {type(call.call).__name__}",
-                    hint="publish pages with PublishPages",
+                    hint="publish pages with DecodeRank.publish_pages (the core's PublishPages)",
                 )
             self._room_input(self._known_room(call.room), call.call, now, out, fired)
         elif kind is HeartbeatResult:

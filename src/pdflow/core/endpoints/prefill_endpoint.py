@@ -102,7 +102,10 @@ class PrefillSnapshot(msgspec.Struct, frozen=True):
 
 
 class PrefillEndpoint(RoomHost[SenderRoom]):
-    open_hint = "OpenRoom first; a cleared room cannot be used again without OpenRoom"
+    open_hint = (
+        "open it first (PrefillRank.open_room, the core's OpenRoom); a cleared room id needs "
+        "a new open"
+    )
     role = "prefill"
 
     def __init__(self, config: PrefillEndpointConfig) -> None:
