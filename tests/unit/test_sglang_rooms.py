@@ -12,7 +12,7 @@ from pdflow.sglang.rooms import NOTHING_KNOWN, RoomBook
 
 def test_polling_reads_one_snapshot_until_an_event_replaces_it() -> None:
     book = RoomBook()
-    book.start(7)
+    assert book.claim(7)
     first = book.facts(7)
     # The scheduler polls every room on every tick: no copy per read.
     assert book.facts(7) is first
@@ -29,6 +29,8 @@ def test_polling_reads_one_snapshot_until_an_event_replaces_it() -> None:
 
 def test_refusal_keeps_the_first_reason_and_events_of_unknown_rooms_are_ignored() -> None:
     book = RoomBook()
+    book.refuse(3, "before the claim")  # an unknown room: nothing to fail, nothing made
+    assert len(book) == 0 and book.claim(3)
     book.refuse(3, "first")
     book.refuse(3, "second")
     assert book.facts(3).local_error == "first"
@@ -36,19 +38,21 @@ def test_refusal_keeps_the_first_reason_and_events_of_unknown_rooms_are_ignored(
     assert book.facts(4).poll is None  # never opened here: nothing recorded
     book.record_transfer(3, 4096, 0.5)
     assert (book.facts(3).bytes_moved, book.facts(3).transfer_s) == (4096, 0.5)
-    book.forget(3)
-    assert book.facts(3).local_error == ""
+    book.finish(3)
+    book.close(3)  # SGLang and pdflow both done, no pages given: the entry goes
+    assert book.facts(3).local_error == "" and len(book) == 0
 
 
 def test_a_reader_taken_before_the_room_opened_sees_every_later_snapshot() -> None:
     book = RoomBook()
     read = book.reader()  # the adapter's senders and receivers take it once, when made
     assert read(5, NOTHING_KNOWN) is NOTHING_KNOWN
-    book.start(5)
+    assert book.claim(5)
     book.apply(RoomStatus(rank=0, room=5, generation=0, poll=KVPoll.WaitingForInput))
     assert read(5, NOTHING_KNOWN) is book.facts(5)
     assert read(5, NOTHING_KNOWN).poll is KVPoll.WaitingForInput
     book.refuse(5, "refused")
     assert read(5, NOTHING_KNOWN).local_error == "refused"
-    book.forget(5)
+    book.finish(5)
+    book.apply(RoomClosed(rank=0, room=5, generation=0))
     assert read(5, NOTHING_KNOWN) is NOTHING_KNOWN
