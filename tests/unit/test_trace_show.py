@@ -125,6 +125,27 @@ def test_trace_check_says_when_records_are_missing_or_the_spec_differs(
     assert "warning" not in capsys.readouterr().err
 
 
+def test_a_spliced_clock_is_warned_of_and_a_header_with_a_foreign_role_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import msgspec
+
+    from pdflow.trace.format import StepRecord, TraceHeader
+    from tests.unit.trace_fixtures import lines_of, rewrite
+
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    late = next(line for line in lines if isinstance(line, StepRecord) and line.seq == 5)
+    spliced = [msgspec.structs.replace(line, t=line.t - 1000.0) if line is late else line
+               for line in lines]  # fmt: skip
+    assert main(["trace", "check", str(rewrite(tmp_path / "spliced.jsonl", spliced))]) == 0
+    assert f"endpoint {late.endpoint}: the clock goes back at seq 5" in capsys.readouterr().err
+    router = [msgspec.structs.replace(line, role="router") if isinstance(line, TraceHeader)
+              else line for line in lines]  # fmt: skip
+    assert main(["trace", "show", str(rewrite(tmp_path / "router.jsonl", router))]) == 2
+    err = capsys.readouterr().err
+    assert "role 'router' does not match its" in err and "Traceback" not in err
+
+
 def test_folders_and_bad_numbers_get_a_clear_refusal(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

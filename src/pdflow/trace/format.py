@@ -103,12 +103,27 @@ def encode_line(line: TraceLine | msgspec.Struct) -> bytes:
 
 def decode_line(data: bytes | str) -> TraceLine:
     line = _DECODER.decode(data)
-    if isinstance(line, TraceHeader) and line.format > TRACE_FORMAT_VERSION:
+    if isinstance(line, TraceHeader):
+        _check_header(line)
+    return line
+
+
+def _check_header(header: TraceHeader) -> None:
+    """What the schema alone lets through: a header whose role or clock replay cannot honour."""
+    if header.format > TRACE_FORMAT_VERSION:
         raise TraceFormatError(
-            f"trace format {line.format} is newer than this pdflow reads "
+            f"trace format {header.format} is newer than this pdflow reads "
             f"({TRACE_FORMAT_VERSION}); upgrade pdflow to read it"
         )
-    return line
+    if header.role != role_of(header.config):
+        raise TraceFormatError(
+            f"endpoint {header.endpoint}: role {header.role!r} does not match its "
+            f"{role_of(header.config)} configuration; the header was edited or is not pdflow's"
+        )
+    if header.clock not in CLOCKS:
+        raise TraceFormatError(
+            f"endpoint {header.endpoint}: clock {header.clock!r} is none of {', '.join(CLOCKS)}"
+        )
 
 
 def read_trace(path: Path, torn_tails: list[str] | None = None) -> Iterator[TraceLine]:

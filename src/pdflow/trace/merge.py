@@ -35,6 +35,9 @@ class Trace:
     """Endpoints whose records are not contiguous from seq 0: (first missing seq, next present)."""
     torn: list[str] = field(default_factory=list)
     """Torn last lines dropped (a process that died mid-write), one description each."""
+    backwards: dict[str, tuple[int, float, float]] = field(default_factory=dict)
+    """Endpoints whose clock went back between consecutive records: (the later record's seq,
+    its t, the t before it). Neither clock ever goes back, so the file was spliced or edited."""
 
     def of(self, endpoint: str) -> list[StepRecord]:
         return [r for r in self.records if r.endpoint == endpoint]
@@ -94,7 +97,8 @@ def _load(paths: Sequence[Path]) -> Trace:
             f"{', '.join(map(str, paths))}: no pdflow trace header; the file is empty or not a "
             "trace (a node with PDFLOW_TRACE=0 writes none)"
         )
-    return Trace(headers, merge_records(records), _gaps(headers, records), torn)
+    return Trace(headers, merge_records(records), _gaps(headers, records), torn,
+                 _clock_going_back(records))  # fmt: skip
 
 
 def merge_records(records: dict[_Key, tuple[_Order, StepRecord]]) -> list[StepRecord]:
@@ -161,6 +165,21 @@ def _add_header(headers: dict[str, TraceHeader], header: TraceHeader, path: Path
 def _identity(header: TraceHeader) -> tuple[object, ...]:
     # wall_start differs between rotated segments of one run; it is for humans only.
     return (header.role, header.config, header.spec_sha256, header.clock, header.seed)
+
+
+def _clock_going_back(
+    records: dict[_Key, tuple[_Order, StepRecord]],
+) -> dict[str, tuple[int, float, float]]:
+    """The first place, per endpoint in seq order, where a record's t is below the one before."""
+    last: dict[str, tuple[int, float]] = {}
+    found: dict[str, tuple[int, float, float]] = {}
+    for endpoint, seq in sorted(records):
+        t = records[(endpoint, seq)][1].t
+        before = last.get(endpoint)
+        if before is not None and t < before[1] and endpoint not in found:
+            found[endpoint] = (seq, t, before[1])
+        last[endpoint] = (seq, t)
+    return found
 
 
 def _gaps(headers: Iterable[str], records: Iterable[_Key]) -> dict[str, tuple[int, int]]:
