@@ -52,7 +52,10 @@ def test_the_timeline_marks_every_step_of_one_room(
     labels = [step["from"] for step in timeline["steps"]] + [timeline["steps"][-1]["to"]]
     missing = [label for label in [*EXPECTED, polled_in] if label not in labels]
     assert not missing, f"marks never stamped: {missing} (stamped: {labels})"
-    assert ("worker thread>" in labels) is in_a_worker, labels
+    if in_a_worker:
+        assert "worker thread>" in labels, labels
+    # A 1 MiB write still on the wire after the loop's 2 ms of polling goes to a worker thread
+    # too (a loaded machine): its absence there is not asserted.
     assert timeline["rooms"] + timeline["left_out"] == 3
     assert timeline["total_median_ms"] > 0
     assert timeline["parts_median_ms"]["wire"] > 0, "no room's wire was split out"
