@@ -1,7 +1,8 @@
 """A refused node call changes nothing (docs/embedding.md): a duplicate open keeps the room's
 status (waiters and the decode's page release read it), a refused chunk leaves no readiness
 object behind for the id's next room, an open whose DP registration fails leaves nothing open,
-and admit after publish_pages is refused rather than counting pages that may be released."""
+admit after publish_pages is refused rather than counting pages that may be released, and
+finish_request naming another generation than the admitted one is refused."""
 
 from __future__ import annotations
 
@@ -94,8 +95,14 @@ def test_a_refused_duplicate_open_keeps_the_rooms_status() -> None:
         await d_rank.clear(7)
         # A Success room's pages stay admitted until the engine finishes decoding on them.
         assert d_node.admission[0].admitted == 1
+        with pytest.raises(InvalidInput, match="room 7 is admitted as 7/0"):
+            d_rank.finish_request(7, 1)  # a wrong generation would leave the pages counted
+        assert d_node.admission[0].admitted == 1
         d_rank.finish_request(7, 0)
         assert d_node.admission[0].admitted == 0
+        d_rank.finish_request(7, 0)  # again: nothing admitted, nothing to do
+        with pytest.raises(LocalProtocolError, match="room 8 is not open"):
+            await d_rank.wait(8)  # never opened: refused at once, not a wait for good
 
     _with_nodes(story)
 

@@ -51,6 +51,11 @@ class AdmissionGate:
     def is_admitted(self, request_id: str) -> bool:
         return request_id in self.queue.admitted
 
+    def admitted_with_prefix(self, prefix: str) -> list[str]:
+        """The admitted requests whose id starts with ``prefix`` (a walk over the admitted:
+        for an error message, never on a hot path)."""
+        return [rid for rid in self.queue.admitted if rid.startswith(prefix)]
+
     async def admit(self, request_id: str, input_len: int, max_new: int,
                     prefix_len: int = 0) -> int:  # fmt: skip
         """Wait until the request is admitted; return the pages it holds (publish that many).

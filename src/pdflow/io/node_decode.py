@@ -139,7 +139,12 @@ class RotationReport(msgspec.Struct, frozen=True):
 
 def request_id(room: int, generation: int) -> str:
     """The admission queue's name for one room instance's request."""
-    return f"{room}/{generation}"
+    return f"{request_id_prefix(room)}{generation}"
+
+
+def request_id_prefix(room: int) -> str:
+    """What the ids of every generation of ``room`` start with."""
+    return f"{room}/"
 
 
 class DecodeRank:
@@ -223,8 +228,19 @@ class DecodeRank:
 
     def finish_request(self, room: int, generation: int) -> None:
         """The engine is done with a successful room's request (decoding finished): its pages
-        return to the pool admission sees."""
-        self._node.admission[self.rank].finish(request_id(room, generation))
+        return to the pool admission sees. Naming another generation than the one admitted
+        raises ``InvalidInput`` (the admitted request would keep its pages counted); a request
+        that is not admitted (never, or its failed room's pages came back) is a no-op."""
+        gate, rid = self._node.admission[self.rank], request_id(room, generation)
+        if not gate.is_admitted(rid):
+            others = gate.admitted_with_prefix(request_id_prefix(room))
+            if others:
+                raise InvalidInput(
+                    f"finish_request({room}, {generation}): room {room} is admitted as "
+                    f"{', '.join(others)} (room/generation), not generation {generation}; pass "
+                    "the generation the room was opened with"
+                )
+        gate.finish(rid)
 
     async def abort(self, room: int, reason: str = "aborted by the engine") -> None:
         await self._host.call(RoomCall(room, AbortRequested(reason)))
