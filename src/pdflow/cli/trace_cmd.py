@@ -142,8 +142,9 @@ def _warn_partial(trace: Trace, bundled_spec: bool) -> None:
         print(f"warning: endpoint {name}: records from seq {missing} to {found - 1} are missing "
               "(rotated away?); only the records present are checked", file=sys.stderr)  # fmt: skip
     for name, (seq, t, before) in trace.backwards.items():
-        print(f"warning: endpoint {name}: the clock goes back at seq {seq} ({t} after {before}); "
-              "no pdflow clock does that, so the file was spliced or edited", file=sys.stderr)  # fmt: skip
+        print(f"warning: endpoint {name}: the clock goes back at seq {seq} ({t} after "
+              f"{before}); no pdflow clock does that, so the file was spliced or edited",
+              file=sys.stderr)  # fmt: skip
     if bundled_spec:
         for mismatch in spec_mismatches(trace):
             print(f"warning: {mismatch}; checked against this pdflow's spec", file=sys.stderr)
