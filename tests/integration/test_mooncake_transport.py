@@ -589,6 +589,41 @@ async def test_one_process_partial_failure_settles_before_returning(
     assert dst.sha256(0, size) == snapshot, "bytes landed after batch_write returned"
 
 
+async def test_one_process_a_submit_that_raises_fails_its_op_and_the_submitted_ones_settle(
+    engine_pair: tuple[MooncakeTransport, MooncakeTransport], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The binding raises (not refuses) on an address it cannot convert: batch_write raised
+    with the ops before it still on the wire, so a fence through close_session was void."""
+    sender, receiver = engine_pair
+    size = 16 << 20
+    src, dst = registered_buffers(engine_pair, size, seed=6)
+    half = size // 2
+    engine = sender._engine
+    submitted: list[int] = []
+
+    class RaisesOnSecondSubmit:
+        def __getattr__(self, name: str) -> object:
+            return getattr(engine, name)
+
+        def transfer_submit_write(self, peer: str, src_addr: int, dst_addr: int,
+                                  length: int) -> int:  # fmt: skip
+            submitted.append(dst_addr)
+            if len(submitted) == 2:
+                raise TypeError("incompatible function arguments")
+            return int(engine.transfer_submit_write(peer, src_addr, dst_addr, length))
+
+    monkeypatch.setattr(sender, "_engine", RaisesOnSecondSubmit())
+    ops = [Op(src.addr, dst.addr, half), Op(src.addr + half, dst.addr + half, half)]
+    with anyio.fail_after(60):
+        outcome = await sender.batch_write(receiver.session_id, ops)
+    assert not outcome.ok and outcome.error is not None and "first failed op 1" in outcome.error
+    assert (outcome.nops, outcome.nbytes) == (1, half), "the first op was awaited and landed"
+    assert dst.sha256(0, half) == src.sha256(0, half)
+    with pytest.raises(InvalidWriteError, match="past the 64-bit address space"):
+        await sender.batch_write(receiver.session_id, [Op(src.addr, (1 << 64) - 4096, 8192)])
+    assert len(submitted) == 2, "a destination past the address space is refused before submit"
+
+
 async def test_one_process_close_session_fences_concurrent_writes(
     engine_pair: tuple[MooncakeTransport, MooncakeTransport],
 ) -> None:

@@ -62,7 +62,8 @@ def test_layout_derived_sizes_and_buffer_order() -> None:
         ({"k_addrs": (), "v_addrs": ()}, "num_layers must be a positive"),
         ({"v_addrs": (2000,)}, "one V buffer per K buffer"),
         ({"k_addrs": (0, 100)}, "buffers overlap"),
-        ({"k_addrs": (-8, 1000)}, "must be >= 0"),
+        ({"k_addrs": (-8, 1000)}, "outside the 64-bit address space"),
+        ({"k_addrs": ((1 << 64) - 64, 1000)}, "outside the 64-bit address space"),
     ],
 )
 def test_layout_rejects_bad_geometry(overrides: dict[str, object], message: str) -> None:
@@ -169,3 +170,19 @@ def test_state_components_round_trip_as_a_tagged_union() -> None:
     ]
     encoded = msgspec.msgpack.encode(parts)
     assert msgspec.msgpack.decode(encoded, type=list[StateComponent]) == parts
+
+
+def test_buffers_past_the_address_space_are_refused_where_they_are_described() -> None:
+    """A peer's layout names the destination of writes: a span past 2**64 is refused when the
+    layout is decoded, not found by the engine in the middle of a call."""
+    from pdflow.core.dataplane.buffers import KvBuffer
+    from pdflow.core.dataplane.layout import AuxBuffer, StateBuffers, StateKind
+
+    top = (1 << 64) - 4096
+    with pytest.raises(InvalidInput, match="outside the 64-bit address space"):
+        KvBuffer(addr=top, length=8192, item_len=4096, layer=0)
+    with pytest.raises(InvalidInput, match="outside the 64-bit address space"):
+        AuxBuffer(addrs=(top,), item_lens=(64,), num_rows=128)
+    with pytest.raises(InvalidInput, match="outside the 64-bit address space"):
+        StateBuffers(kind=StateKind.MAMBA, addrs=(top,), item_lens=(4096,), num_items=2)
+    KvBuffer(addr=top, length=4096, item_len=4096, layer=0)  # the last page of memory is fine

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from pdflow.core.dataplane.layout import ADDRESS_SPACE
 from pdflow.transport.base import (
     FenceUnavailableError,
     InvalidWriteError,
@@ -187,6 +188,13 @@ class GuardedTransport(Transport):
                 _as_address(op.dst_addr, "dst_addr", index),
                 _as_address(op.length, "length", index),
             )
+            if write.dst_addr + write.length > ADDRESS_SPACE:
+                # A peer's layout names the destination: refused here, before any op of the
+                # call is on the wire (an engine may raise on it mid-call instead).
+                raise InvalidWriteError(
+                    f"op {index}: destination [{write.dst_addr:#x}, +{write.length}) ends past "
+                    "the 64-bit address space; the peer's layout is corrupt"
+                )
             if not self._regions.covers(write.src_addr, write.length):
                 raise InvalidWriteError(
                     f"op {index}: source [{write.src_addr:#x}, +{write.length}) is not inside a "

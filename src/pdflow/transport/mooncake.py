@@ -237,9 +237,14 @@ class _WriteJob:
                 continue
             limit -= 1
             write = call.writes[call.next_index]
-            handle = engine.transfer_submit_write(
-                call.peer, write.src_addr, write.dst_addr, write.length
-            )
+            try:
+                handle = engine.transfer_submit_write(
+                    call.peer, write.src_addr, write.dst_addr, write.length
+                )
+            except Exception:  # e.g. an address the binding cannot convert
+                # A refused op, like a refused handle: raising here would leave the ops
+                # already submitted unpolled, and batch_write would return while they land.
+                handle = 0
             if _is_batch_id(handle):
                 pending.setdefault(call.peer, deque()).append((handle, call, call.next_index))
                 call.outstanding += 1

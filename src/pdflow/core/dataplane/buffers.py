@@ -36,6 +36,7 @@ from pdflow.core.dataplane.layout import (
     KvDtype,
     KvLayout,
     StateBuffers,
+    check_spans,
     rank_head_range,
 )
 from pdflow.core.framework.errors import InvalidInput
@@ -96,6 +97,7 @@ class KvBuffer(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
                 f"KvBuffer of {self.length} bytes cannot hold one page of {self.item_len} bytes "
                 f"({self.describe()})"
             )
+        check_spans(f"KvBuffer {self.describe()}", [(self.addr, self.length)])
 
     def describe(self) -> str:
         kind = "draft " if self.draft else ""

@@ -41,6 +41,21 @@ _ITEMSIZE = {
 }
 
 
+ADDRESS_SPACE = 1 << 64
+"""Every buffer lies inside a 64-bit address space: a span past it is no memory at all (a
+peer's layout that claims one would make the transport's engine raise instead of refuse)."""
+
+
+def check_spans(what: str, spans: Sequence[tuple[int, int]]) -> None:
+    """Each ``(addr, nbytes)`` is a buffer inside the 64-bit address space, or InvalidInput."""
+    for addr, nbytes in spans:
+        if addr < 0 or addr + nbytes > ADDRESS_SPACE:
+            raise InvalidInput(
+                f"{what} buffer [{addr:#x}, +{nbytes}) is outside the 64-bit address space; "
+                "give addresses as unsigned pointers to registered memory"
+            )
+
+
 def _require_positive(**values: int) -> None:
     for name, value in values.items():
         if value <= 0:
@@ -112,8 +127,7 @@ class KvLayout(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True
                 f"KvLayout needs one V buffer per K buffer, got {len(self.k_addrs)} K and "
                 f"{len(self.v_addrs)} V addresses"
             )
-        if any(addr < 0 for addr in self.buffer_addrs):
-            raise InvalidInput("KvLayout buffer addresses must be >= 0")
+        check_spans("KvLayout", [(addr, self.buffer_bytes) for addr in self.buffer_addrs])
         spans = sorted(self.buffer_addrs)
         for lower, upper in itertools.pairwise(spans):
             if upper < lower + self.buffer_bytes:
@@ -299,11 +313,11 @@ class AuxBuffer(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=Tru
                 f"AuxBuffer needs one item length per buffer, got {len(self.addrs)} addresses "
                 f"and {len(self.item_lens)} item lengths"
             )
-        if any(addr < 0 for addr in self.addrs):
-            raise InvalidInput("AuxBuffer addresses must be >= 0")
         _require_positive(num_rows=self.num_rows)
         for length in self.item_lens:
             _require_positive(item_len=length)
+        rows = zip(self.addrs, self.item_lens, strict=True)
+        check_spans("AuxBuffer", [(addr, length * self.num_rows) for addr, length in rows])
 
     @classmethod
     def single(cls, base_addr: int, row_bytes: int, num_rows: int) -> AuxBuffer:
@@ -366,11 +380,11 @@ class StateBuffers(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=
                 f"StateBuffers needs one item length per buffer, got {len(self.addrs)} "
                 f"addresses and {len(self.item_lens)} item lengths"
             )
-        if any(addr < 0 for addr in self.addrs):
-            raise InvalidInput("StateBuffers addresses must be >= 0")
         _require_positive(num_items=self.num_items, tokens=self.tokens)
         for length in self.item_lens:
             _require_positive(item_len=length)
+        items = zip(self.addrs, self.item_lens, strict=True)
+        check_spans("StateBuffers", [(addr, length * self.num_items) for addr, length in items])
         if self.total_heads and len(self.total_heads) != len(self.addrs):
             raise InvalidInput(
                 f"StateBuffers needs one total_heads per buffer (or none), got "
