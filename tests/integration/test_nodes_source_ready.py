@@ -79,3 +79,51 @@ def test_the_shell_reads_source_pages_only_after_the_engine_says_they_are_ready(
     assert result["poll"] is KVPoll.Success, result["reason"]
     assert result["landed"] == {bytes([0x2A]) * result["item_len"]}, "bytes finished in time"
     assert result["waits"] == 1
+
+
+class BrokenReadiness:
+    """The engine's readiness object fails (a CUDA error surfacing at synchronize)."""
+
+    def synchronize(self) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+
+async def a_failed_readiness_then_a_healthy_room() -> dict[str, object]:
+    settings = load_settings(trace_enabled=False)
+    fabric = InProcessFabric()
+    p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
+    outcomes: dict[str, object] = {}
+    async with (
+        fabric.create_transport() as p_transport,
+        fabric.create_transport() as d_transport,
+        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
+                    settings=settings) as p_node,
+        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
+    ):  # fmt: skip
+        p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        for room, ready in ((1, BrokenReadiness()), (2, None)):
+            await p_rank.open_room(room, 0)
+            await d_rank.open(room, 0, p_node.bootstrap)
+            await d_rank.wait(room)
+            await d_rank.publish_pages(room, [2 * room, 2 * room + 1])
+            await p_rank.wait(room)
+            await p_rank.init_transfer(room, 2)
+            await p_rank.send_chunk(room, [0, 1], is_last=True, ready=ready)
+            with anyio.fail_after(10):
+                status = await p_rank.wait(room, terminal=True)
+                outcomes[f"prefill {room}"] = (status.poll, status.reason)
+                outcomes[f"decode {room}"] = (await d_rank.wait(room, terminal=True)).poll
+        del p_cache, d_cache
+    return outcomes
+
+
+def test_a_readiness_object_that_raises_fails_its_chunk_and_the_node_serves_on() -> None:
+    """Raising out of the write job ended the node: every room of it, the engine's own
+    ``async with`` included."""
+    outcomes = anyio.run(a_failed_readiness_then_a_healthy_room, backend="asyncio")
+    poll, reason = outcomes["prefill 1"]  # type: ignore[misc]
+    assert poll is KVPoll.Failed and "illegal memory access" in reason
+    assert outcomes["decode 1"] is KVPoll.Failed
+    assert outcomes["prefill 2"][0] is KVPoll.Success  # type: ignore[index]
+    assert outcomes["decode 2"] is KVPoll.Success

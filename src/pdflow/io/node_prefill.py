@@ -632,16 +632,15 @@ class PrefillNode(NodeLifecycle):
             ops = (*ops, *self._state_plan(host.rank, start, args))
         except InvalidInput as exc:
             return _failed(start, f"cannot plan writes into {start.peer.address}: {exc}")
-        ready = self.source_ready.get((host.rank, start.room))
-        if ready is not None:
-            await anyio.to_thread.run_sync(ready.synchronize)
-        if staged is not None and staged.inline:
-            copy_staged_host(staged.region, staged.pages, staged.slot, gather=True)
-        elif staged is not None and self._executor is not None:
-            await anyio.to_thread.run_sync(staged.gather, self._executor)
-        checksum = None
-        if self.settings.checksum and self._executor is not None:
-            checksum = await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
+        try:
+            checksum = await self._prepare_sources(host, start, args, staged)
+        except Exception as exc:
+            # The engine's readiness object, a gather or a digest failed: nothing was written
+            # yet, so the chunk fails alone (raising would end every room of the node).
+            log.warning("chunk_preparation_failed", room=start.room, seq=start.seq,
+                        error=f"{type(exc).__name__}: {exc}")  # fmt: skip
+            return _failed(start, f"reading the chunk's sources failed: "
+                                  f"{type(exc).__name__}: {exc}")  # fmt: skip
         if not self._write_wanted(host, start):  # aborted during the gather or the digest
             return _failed(start, _NOT_SUBMITTED)
         try:
@@ -659,6 +658,21 @@ class PrefillNode(NodeLifecycle):
             kv = self.rank_kv[self.rank_index(host.rank)]
             aux = read_aux_row(aux_buffer_of(kv, "the last chunk"), start.src_aux_index)
         return TransferCompleted(start.room, start.generation, start.seq, True, "", checksum, aux)
+
+    async def _prepare_sources(self, host: EndpointHost, start: StartTransfer, args: KvArgs,
+                               staged: StagedWrite | None) -> int | None:  # fmt: skip
+        """Before the writes: wait for the chunk's readiness, gather a staged chunk, take the
+        digest (returned, when checksums are on)."""
+        ready = self.source_ready.get((host.rank, start.room))
+        if ready is not None:
+            await anyio.to_thread.run_sync(ready.synchronize)
+        if staged is not None and staged.inline:
+            copy_staged_host(staged.region, staged.pages, staged.slot, gather=True)
+        elif staged is not None and self._executor is not None:
+            await anyio.to_thread.run_sync(staged.gather, self._executor)
+        if self.settings.checksum and self._executor is not None:
+            return await anyio.to_thread.run_sync(self._digest, host.rank, start, args)
+        return None
 
     @staticmethod
     def _write_wanted(host: EndpointHost, start: StartTransfer) -> bool:
