@@ -223,3 +223,71 @@ def test_digest_matches_across_tp_and_catches_a_misplaced_page() -> None:
         moved = kv_digest(executor, slices, dst_pages, (5, 9, 6), 16)
         assert moved != received
     del decode_cache
+
+
+async def test_an_engine_call_cancelled_while_its_step_sends_still_carries_out_the_step(
+    tmp_path: anyio.Path,
+) -> None:
+    """The core moved when the call's step ran; an engine that gives up on the call (its own
+    deadline) while a send of that step waits for room must not leave the step's later
+    outputs undone: here the status the waiters read and the ABORT to the second writer,
+    which the core never sends again."""
+    from pdflow.core.protocol.messages import Abort
+
+    settings = load_settings(env={}, trace_dir=str(tmp_path), trace_enabled=False)
+    async with two_nodes(settings) as (p_node, d_node):
+        d_rank, room = d_node.ranks[0], 5
+        for rank in p_node.ranks:
+            await rank.open_room(room, 0)
+        await d_rank.open(room, 0, p_node.bootstrap)
+        await d_rank.wait(room)
+        await d_rank.publish_pages(room, [1, 2])
+        for rank in p_node.ranks:
+            await rank.wait(room)
+        channel = d_node._channels[0]
+        real_send = channel.send_soon
+        aborts: list[str] = []
+
+        def full_queue_for_aborts(address: str, message: Any, msg_id: str | None) -> Any:
+            if not isinstance(message, Abort):
+                return real_send(address, message, msg_id)
+            aborts.append(address)
+
+            async def wait_for_room_then_send() -> bool:
+                await anyio.sleep(0.5)  # the peer's queue was full (ControlChannel's wait)
+                return bool(real_send(address, message, msg_id))
+
+            return wait_for_room_then_send()
+
+        channel.send_soon = full_queue_for_aborts  # type: ignore[method-assign]
+        with anyio.move_on_after(0.1):  # the engine's deadline on abort()
+            await d_rank.abort(room, "client went away")
+        with anyio.fail_after(10):
+            assert (await d_rank.wait(room, terminal=True)).poll is KVPoll.Failed
+            for rank in p_node.ranks:
+                assert (await rank.wait(room, terminal=True)).poll is KVPoll.Failed
+        assert len(aborts) == len(p_node.ranks), "an ABORT per writer, each sent"
+
+
+async def test_a_rotation_that_fails_leaves_the_decode_serving_and_is_counted(
+    tmp_path: anyio.Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The quarantine threshold spawns the rotation in the node's task group: a new engine
+    that will not start ended the node, every room of it with it."""
+    from pdflow.transport.base import TransportError
+    from pdflow.transport.inprocess import InProcessTransport
+
+    async def engine_will_not_start(self: InProcessTransport) -> str:
+        raise TransportError("Mooncake engine failed to initialise (status -1)")
+
+    monkeypatch.setattr(InProcessTransport, "can_rotate", property(lambda self: True))
+    monkeypatch.setattr(InProcessTransport, "rotate", engine_will_not_start)
+    settings = load_settings(env={}, trace_dir=str(tmp_path), trace_enabled=False)
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        d_node._rotation_wanted = True  # what update_quarantine does past the threshold
+        d_node.spawn(lambda: d_node._rotate_when_wanted("quarantine_threshold"))
+        await anyio.sleep(0.2)
+        assert await one_room(p_node, d_node, 2) is KVPoll.Success
+        failed = d_node.runtime.metrics.session_rotations.labels("failed")._value.get()
+        assert failed == 1 and not d_node.rotations

@@ -334,7 +334,12 @@ class EndpointHost:
                 )
                 pending = self._dispatch(output, msg_id)
                 if pending is not None:
-                    await pending
+                    # The core has moved: every output of the step must be carried out, or a
+                    # cancelled caller (its own timeout) would leave the rest undone, e.g. the
+                    # ABORT to a second writer, which the core never sends again. Sends are
+                    # bounded (ControlChannel), so the shield is too.
+                    with anyio.CancelScope(shield=True):
+                        await pending
             return step
 
     def _rearm(self, timer_at: float | None) -> None:

@@ -125,6 +125,9 @@ yet (it does so as it opens the room, usually within milliseconds)."""
 
 # How often a rotation looks again for live rooms of the old session (each ends by its own timers).
 _DRAIN_POLL_S = 0.02
+# After a rotation that failed (the new engine would not start, a region was refused), the
+# quarantine threshold asks for the next one only this much later: not one engine per check.
+_ROTATION_RETRY_S = 60.0
 
 
 class RotationReport(msgspec.Struct, frozen=True):
@@ -418,6 +421,7 @@ class DecodeNode(NodeLifecycle):
         self.admission: dict[int, AdmissionGate] = {}
         self._rotation_lock = anyio.Lock()
         self._rotation_wanted = False
+        self._rotation_failed_at: float | None = None
         self.rotations: list[RotationReport] = []
 
     async def _start(self) -> None:
@@ -550,6 +554,9 @@ class DecodeNode(NodeLifecycle):
         percent = self.settings.rotate_quarantine_percent
         if not percent or self._rotation_wanted or not self.transport.can_rotate:
             return False
+        failed_at = self._rotation_failed_at
+        if failed_at is not None and anyio.current_time() < failed_at + _ROTATION_RETRY_S:
+            return False
         for host in self._hosts:
             endpoint = host.endpoint
             limit = percent / 100 * endpoint.config.num_pages
@@ -562,8 +569,17 @@ class DecodeNode(NodeLifecycle):
         return False
 
     async def _rotate_when_wanted(self, reason: str) -> None:
+        """A rotation the quarantine asked for. One that fails leaves the pages quarantined
+        (nothing was retired, so nothing is released) and the node serving: raising here
+        would end every room of the node."""
         try:
             await self.reclaim_quarantine(reason=reason)
+        except Exception as exc:
+            self._rotation_failed_at = anyio.current_time()
+            self.runtime.metrics.session_rotations.labels("failed").inc()
+            log.error("session_rotation_failed", node=self.runtime.node_id, reason=reason,
+                      error=f"{type(exc).__name__}: {exc}",
+                      retry_in_s=_ROTATION_RETRY_S)  # fmt: skip
         finally:
             self._rotation_wanted = False
 
