@@ -365,3 +365,35 @@ async def test_send_soon_answers_at_once_and_hands_back_only_a_wait_for_room() -
     finally:
         sender.close()
         context.term()
+
+
+async def test_a_peer_that_reads_nothing_holds_the_sender_for_one_timeout_not_one_per_message(
+) -> None:
+    """Each wait for room holds the sending rank's step (and every engine call of the rank):
+    after one timeout, sends to a peer still not reading are refused at once until it reads."""
+    context = zmq.asyncio.Context()
+    failed: list[str] = []
+    refused: list[str] = []
+    sender = ControlChannel.open(context, MsgpackCodec(), send_timeout_s=0.2, send_hwm=1,
+                                 on_send_failed=failed.append,
+                                 on_refused=refused.append)  # fmt: skip
+    port = free_port()
+    peer = f"127.0.0.1:{port}"
+    pull = None
+    try:
+        results = [await sender.send(peer, Abort(n, 0, DECODE, PREFILL), None) for n in range(8)]
+        assert results[0] is True and not any(results[1:])
+        assert failed == [peer], "one timed-out wait, then refusals without waiting"
+        assert refused == ["peer_stalled"] * (len(results) - 2)
+        pull = context.socket(zmq.PULL)
+        pull.bind(f"tcp://{peer}")  # the peer comes back and reads
+        with anyio.fail_after(5):
+            await pull.recv_multipart()  # the one message queued before the stall
+            while not await sender.send(peer, Abort(99, 0, DECODE, PREFILL), None):
+                await anyio.sleep(0.05)
+            assert (await pull.recv_multipart())[-1]  # delivered: the stall is lifted
+    finally:
+        sender.close()
+        if pull is not None:
+            pull.close(linger=0)
+        context.term()

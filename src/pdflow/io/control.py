@@ -40,7 +40,7 @@ log = structlog.get_logger("pdflow.control")
 Deliver = Callable[[ControlMessage, str | None], Awaitable[None]]
 
 
-SEND_REFUSALS = ("bad_address", "connect_failed", "oversized", "send_error")
+SEND_REFUSALS = ("bad_address", "connect_failed", "oversized", "peer_stalled", "send_error")
 
 
 class SendRefused(Exception):
@@ -66,13 +66,17 @@ class PushSocket:
     """One peer's PUSH: the asyncio socket, for the bounded wait while the peer's queue is
     full, and its synchronous shadow, which queues a message at once without pyzmq's Future."""
 
-    __slots__ = ("_now", "sock", "waiting")
+    __slots__ = ("_now", "sock", "stalled", "waiting")
 
     def __init__(self, sock: zmq.asyncio.Socket) -> None:
         self.sock = sock
         self._now: zmq.Socket[bytes] = zmq.Socket.shadow(sock.underlying)  # sock owns it
         self.waiting = 0
         """Sends waiting for room: while one is, later messages wait behind it, in order."""
+        self.stalled = False
+        """A send to this peer timed out and its queue has not taken a message since: the
+        peer reads nothing, and a full queue refuses at once instead of waiting again (each
+        wait holds the sending rank's step, and so every engine call of that rank)."""
 
     def queue_now(self, frames: list[bytes]) -> bool:
         """Queue the message now if nothing waits before it and the queue has room (SNDHWM);
@@ -83,6 +87,7 @@ class PushSocket:
             self._now.send_multipart(frames, zmq.NOBLOCK)
         except zmq.Again:
             return False
+        self.stalled = False
         return True
 
     def close(self, linger: int | None = None) -> None:
@@ -217,6 +222,10 @@ class ControlChannel:
             return self._refused(
                 address, message, SendRefused("send_error", f"{address!r}: {exc}")
             )
+        if push.stalled:
+            return self._refused(address, message, SendRefused(
+                "peer_stalled", f"{address!r} read nothing since a send to it timed out"
+            ))  # fmt: skip
         return self._send_waiting(address, message, push, frames)
 
     def _refused(self, address: str, message: ControlMessage, refused: SendRefused) -> bool:
@@ -239,9 +248,11 @@ class ControlChannel:
                     return self._refused(
                         address, message, SendRefused("send_error", f"{address!r}: {exc}")
                     )
+                push.stalled = False
                 return True
         finally:
             push.waiting -= 1
+        push.stalled = True
         self._on_send_failed(address)
         log.warning("control_send_timeout", to=address, message=type(message).__name__,
                     timeout_s=self._send_timeout_s)  # fmt: skip
