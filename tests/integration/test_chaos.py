@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -13,12 +14,27 @@ from typing import Any
 
 import pytest
 
+from pdflow.chaos.netns import NETWORK_FAULTS, namespace_name
+from pdflow.chaos.run import ChaosOptions, plan_schedule
 from tests.integration.test_trace_html_chromium import _chromium
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(420)]
 
 PASSING_KINDS = "partition,oneway,kill,pause,slow,registry,pause_mid_write"
 """Every nemesis kind: main survives them all since honest liveness landed (docs/chaos.md)."""
+EVERY_KIND_SEED = 434
+"""The first seed whose 60 s schedule over ``PASSING_KINDS`` draws every kind (seed 1's draws
+five of the seven: no partition, no kill)."""
+
+
+def namespaces_available() -> bool:
+    """Whether this process may create network namespaces (root, iproute2, the privilege)."""
+    if os.geteuid() != 0 or shutil.which("ip") is None:
+        return False
+    probe = namespace_name(os.getpid(), "ciprobe")
+    added = subprocess.run(["ip", "netns", "add", probe], capture_output=True)
+    subprocess.run(["ip", "netns", "del", probe], capture_output=True)
+    return added.returncode == 0
 
 
 def chaos(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -32,11 +48,22 @@ def chaos(out: Path, *args: str, env: dict[str, str] | None = None) -> tuple[int
 
 
 def test_a_short_seeded_run_under_faults_passes_the_checker(tmp_path: Path) -> None:
-    code, result = chaos(tmp_path, "--seed", "1", "--duration", "60", "--nemesis", PASSING_KINDS)
+    requested = PASSING_KINDS.split(",")
+    schedule = plan_schedule(ChaosOptions(seed=EVERY_KIND_SEED, duration_s=60.0,
+                                          nemesis=tuple(requested)))  # fmt: skip
+    assert {f.kind for f in schedule} == set(requested)
+    code, result = chaos(tmp_path, "--seed", str(EVERY_KIND_SEED), "--duration", "60",
+                         "--nemesis", PASSING_KINDS)  # fmt: skip
     violations = result["violations"]
     assert code == 0 and violations == [], json.dumps(violations, indent=1)[:4000]
     run = result["run"]
-    assert [f for f in run["faults"] if f["started"] is not None and not f["error"]]
+    if namespaces_available():
+        assert run["network"] == "netns", run["unavailable"]
+    # Every kind asked for was in place at least once (the network's own on namespaces).
+    applied = {f["fault"]["kind"] for f in run["faults"]
+               if f["started"] is not None and not f["error"] and not f["skipped"]}  # fmt: skip
+    injectable = set(requested) - (set(NETWORK_FAULTS) if run["network"] != "netns" else set())
+    assert applied >= injectable, [f for f in run["faults"] if f["error"] or f["skipped"]]
     attempts = [a for a in run["attempts"] if not a["probe"]]
     assert sum(a["decode_results"] == ["Success"] * len(a["decode_results"])
                for a in attempts) > 50  # fmt: skip

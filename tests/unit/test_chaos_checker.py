@@ -9,7 +9,8 @@ from pdflow.chaos.run import ChaosOptions, ReplayResult, RunRecord
 from pdflow.chaos.workload import Attempt
 
 LIVES = {
-    "prefill-0": [{"incarnation": "p0-a", "lost": True}, {"incarnation": "p0-b", "lost": False}],
+    "prefill-0": [{"incarnation": "p0-a", "lost": True, "ended_by": "nemesis"},
+                  {"incarnation": "p0-b", "lost": False}],
     "decode-0": [{"incarnation": "d0", "lost": False}],
 }
 

@@ -15,6 +15,9 @@ What must hold:
   decode must have fenced them by engine rotation;
 * recovery without restarting any decode: every prefill x decode pair served a fresh room after
   the heal, and each decode ran one life only;
+* no process died but those the nemesis killed (any other life that ended during the run is
+  ``process_died``, even though the heal starts it again);
+* every fault the nemesis put in place was undone (``fault_heal_failed`` otherwise);
 * every process life's traces replay with ``pdflow replay``.
 """
 
@@ -64,6 +67,8 @@ def check(run: RunRecord) -> list[Violation]:
     for name, state in sorted(run.final_state.items()):
         found.extend(_state_violations(name, state, ended))
     found.extend(_recovery_violations(run))
+    found.extend(_death_violations(run))
+    found.extend(_fault_violations(run))
     for replay in run.replays:
         if replay.returncode != 0:
             found.append(Violation(
@@ -78,11 +83,13 @@ def _attempt_violations(a: Attempt) -> list[Violation]:
     where: dict[str, Any] = {"room": a.room, "generation": a.generation, "t": a.started}
     if not a.decode_results:
         return [Violation(kind="not_terminal", process=a.decode, **where,
-                          detail=f"{a.decode} never reported the room as ended")]  # fmt: skip
+                          detail=f"{a.decode} never reported the room as ended "
+                                 f"{a.decode_reasons or ''}".rstrip())]  # fmt: skip
     found = []
     if not a.prefill_results:
         found.append(Violation(kind="not_terminal", process=a.prefill, **where,
-                               detail=f"{a.prefill} never reported the room as ended"))  # fmt: skip
+                               detail=f"{a.prefill} never reported the room as ended "
+                                      f"{a.prefill_reasons or ''}".rstrip()))  # fmt: skip
     if any(r in ("Killed", "NotRunning") for r in a.decode_results):
         found.append(Violation(kind="decode_died", process=a.decode, **where,
                                detail="; ".join(a.decode_reasons)))  # fmt: skip
@@ -136,6 +143,33 @@ def _event_violations(event: dict[str, Any]) -> list[Violation]:
                           room=event.get("room"), generation=event.get("generation"),
                           detail=detail)]  # fmt: skip
     return []
+
+
+def _death_violations(run: RunRecord) -> list[Violation]:
+    """A life that ended during the run without the nemesis killing it (one whose record does
+    not say who ended it counts as such: the harness always records it)."""
+    found = []
+    for name, lives in sorted(run.lives.items()):
+        for life in lives:
+            if not life.get("lost") or life.get("ended_by") == "nemesis":
+                continue
+            ended = life.get("ended")
+            log = Path(run.options.out_dir) / "logs" / f"{name}-life{life.get('life')}.log"
+            found.append(Violation(
+                kind="process_died", process=name,
+                t=None if ended is None or not run.wall0 else round(ended - run.wall0, 3),
+                detail=f"{name} life {life.get('life')} (pid {life.get('pid')}, incarnation "
+                       f"{life.get('incarnation')}) ended with rc {life.get('returncode')} "
+                       f"during the run and the nemesis did not kill it; see the end of {log}",
+            ))  # fmt: skip
+    return found
+
+
+def _fault_violations(run: RunRecord) -> list[Violation]:
+    """A fault that was not undone leaves the rest of the run, the checks included, under it."""
+    return [Violation(kind="fault_heal_failed", process=f.fault.target, t=f.healed,
+                      detail=f"{f.fault.describe()}: {f.heal_error}")
+            for f in run.faults if f.heal_error]  # fmt: skip
 
 
 def ended_incarnations(run: RunRecord) -> set[str]:

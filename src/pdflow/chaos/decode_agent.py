@@ -3,11 +3,12 @@
     python -m pdflow.chaos.decode_agent '<json options>'
 
 The engine takes pages only from what the node released (``PagesReleased``), paints every
-released page with the canary and checks it when the page is taken again and on a periodic
-scan: a broken canary is a write that landed after release, reported at once as a ``canary``
-event. A successful room's pages must hold exactly the room's pattern (``mismatch`` says
-where not). Commands: ``room``, ``state`` (ledger, engine free list, open rooms, a full canary
-scan), ``quit``.
+released page with the canary in the step the node publishes the release (``node.watch``),
+keeps it out of reuse for ``REUSE_AFTER_S`` and checks it when the page is taken again, on a
+periodic scan and at the end: a broken canary is a write that landed after release, reported
+at once as a ``canary`` event. A successful room's pages must hold exactly the room's pattern
+(``mismatch`` says where not). Commands: ``room``, ``state`` (ledger, engine free list, open
+rooms, a full canary scan), ``quit``.
 
 Mutants, to show the checker goes red (``PDFLOW_CHAOS_MUTANT``):
 
@@ -21,10 +22,12 @@ Mutants, to show the checker goes red (``PDFLOW_CHAOS_MUTANT``):
 from __future__ import annotations
 
 import json
+import math
 import os
 import random
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import anyio
@@ -41,7 +44,7 @@ from pdflow.chaos.agent_io import (
 from pdflow.chaos.kv_pattern import broken_canaries, mismatch, pages_for, paint_canary, rank_caches
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import HostKvCache, RankKv, staging_page_bytes
-from pdflow.io.node_common import PagesHeld, PagesReleased
+from pdflow.io.node_common import NodeEvent, PagesHeld, PagesReleased
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -70,19 +73,30 @@ class NoopFenceTransport(MooncakeTransport):
 
     async def lift_fence(self, peer_session_id: str) -> None:
         return None
+
+
 CANARY_SCAN_S = 1.0
 STAGING_PAGES = 512
+REUSE_AFTER_S = 2.0
+"""A released page is not taken again for this long: a late write landing in it within that
+time meets its canary (found by the scan or when it is taken), not the next room's bytes."""
 
 
 class RankPages:
-    """One rank's pages as the engine sees them: free (canary painted) or in use."""
+    """One rank's pages as the engine sees them: free (canary painted) or in use.
 
-    def __init__(self, cache: HostKvCache, kv: RankKv, rng: random.Random) -> None:
+    Rooms waiting for pages share one event, set on every release and replaced only once it
+    has been set, so every waiter wakes on a release (each rechecks and waits again)."""
+
+    def __init__(self, cache: HostKvCache, kv: RankKv, rng: random.Random,
+                 reuse_after_s: float = REUSE_AFTER_S) -> None:  # fmt: skip
         self.cache, self.kv, self.rng = cache, kv, rng
+        self.reuse_after_s = reuse_after_s
         pool = kv.layout.num_pages
         self.free = set(range(pool))
         self.in_use: set[int] = set()
         self.released_by: dict[int, tuple[int, int, float]] = {}
+        self.released_at: dict[int, float] = {}  # monotonic, for the reuse quarantine
         self.freed = anyio.Event()
         paint_canary(cache, kv, range(pool))
 
@@ -90,13 +104,15 @@ class RankPages:
         strays = [p for p in pages if p not in self.in_use]
         if strays:
             emit(event="violation", kind="release_not_in_use", rank=self.kv.tp_rank,
-                 pages=strays, room=room, generation=generation)  # fmt: skip
-        now = time.time()
+                 pages=strays, room=room, generation=generation,
+                 found_at=time.time())  # fmt: skip
+        now, clock = time.time(), time.monotonic()
         for page in pages:
             if page in self.in_use:
                 self.in_use.discard(page)
                 self.free.add(page)
                 self.released_by[page] = (room, generation, now)
+                self.released_at[page] = clock
         paint_canary(self.cache, self.kv, [p for p in pages if p in self.free])
         self.freed.set()
 
@@ -108,14 +124,78 @@ class RankPages:
                  found_at=time.time())  # fmt: skip
             paint_canary(self.cache, self.kv, [page])  # report each landing once
 
-    def take(self, count: int) -> list[int] | None:
+    def reusable(self, now: float) -> list[int]:
+        """Free pages out of their reuse quarantine (``now`` on the monotonic clock)."""
+        since = self.released_at
+        return sorted(p for p in self.free
+                      if now - since.get(p, -math.inf) >= self.reuse_after_s)  # fmt: skip
+
+    def reusable_in(self, count: int, now: float) -> float:
+        """Seconds until ``count`` pages are reusable if nothing else is released (inf when
+        fewer than ``count`` are free: only a release can help)."""
         if len(self.free) < count:
+            return math.inf
+        ready = sorted(now - self.released_at.get(p, -math.inf) for p in self.free)
+        return max(0.0, self.reuse_after_s - ready[len(ready) - count])
+
+    def take(self, count: int) -> list[int] | None:
+        ready = self.reusable(time.monotonic())
+        if len(ready) < count:
             return None
-        taken = self.rng.sample(sorted(self.free), count)
+        taken = self.rng.sample(ready, count)
         self.check(taken, "taken")
         self.free.difference_update(taken)
         self.in_use.update(taken)
         return taken
+
+    async def wait_for_release(self, count: int) -> None:
+        """Until a page is released, or until ``count`` pages leave their quarantine."""
+        if self.freed.is_set():
+            self.freed = anyio.Event()
+        with anyio.move_on_after(self.reusable_in(count, time.monotonic())):
+            await self.freed.wait()
+
+
+async def take_all(pages: Sequence[RankPages], indices: list[int],
+                   count: int) -> dict[int, list[int]]:  # fmt: skip
+    """``count`` pages on every rank in ``indices``, taken at once: holding one rank's pages
+    while waiting on another's deadlocks."""
+    while True:
+        now = time.monotonic()
+        short = next((i for i in indices if len(pages[i].reusable(now)) < count), None)
+        if short is None:
+            break
+        await pages[short].wait_for_release(count)
+    taken = {}
+    for i in indices:
+        got = pages[i].take(count)
+        assert got is not None
+        taken[i] = got
+    return taken
+
+
+def follow_releases(node: DecodeNode, pages: Sequence[RankPages], index_of: dict[int, int],
+                    mutant: str) -> None:  # fmt: skip
+    """Free (and paint) a room's pages in the very step the node publishes their release
+    (``node.watch``, no hand-over to a reader task, so no write can land between the release
+    and the paint and be painted over)."""
+    freed_early: set[tuple[int, int, int]] = set()
+
+    def on_event(event: NodeEvent) -> None:
+        if not isinstance(event, PagesReleased | PagesHeld):
+            return
+        key = (event.rank, event.room, event.generation)
+        if isinstance(event, PagesHeld):
+            if mutant != FREE_ON_HOLD:
+                return
+            # The mutant reuses quarantined pages as if the fence made them safe.
+            freed_early.add(key)
+        elif key in freed_early:
+            freed_early.discard(key)
+            return
+        pages[index_of[event.rank]].release(event.pages, event.room, event.generation)
+
+    node.watch(on_event)
 
 
 async def main(options: dict[str, Any]) -> None:
@@ -138,25 +218,7 @@ async def main(options: dict[str, Any]) -> None:
         anyio.create_task_group() as tasks,
     ):  # fmt: skip
         index_of = {kv.tp_rank: i for i, (_, kv) in enumerate(caches)}
-        freed_early: set[tuple[int, int, int]] = set()
-
-        async def pump() -> None:
-            async with node.subscribe() as stream:
-                async for event in stream:
-                    # The mutant reuses quarantined pages as if the fence had made them safe.
-                    if not isinstance(event, PagesReleased | PagesHeld):
-                        continue
-                    key = (event.rank, event.room, event.generation)
-                    if isinstance(event, PagesHeld):
-                        if mutant != FREE_ON_HOLD:
-                            continue
-                        # The mutant reuses quarantined pages as if the fence made them safe.
-                        freed_early.add(key)
-                    elif key in freed_early:
-                        freed_early.discard(key)
-                        continue
-                    pages[index_of[event.rank]].release(event.pages, event.room,
-                                                        event.generation)  # fmt: skip
+        follow_releases(node, pages, index_of, mutant)
 
         async def scan() -> None:
             while True:
@@ -164,23 +226,9 @@ async def main(options: dict[str, Any]) -> None:
                 for rank_pages in pages:
                     rank_pages.check(sorted(rank_pages.free), "scan")
 
-        tasks.start_soon(pump)
         tasks.start_soon(scan)
         emit(event="ready", pid=os.getpid(), incarnation=node.incarnation, mutant=mutant,
              ranks=[r.peer.address for r in node.ranks])  # fmt: skip
-
-        async def take_all(indices: list[int], count: int) -> dict[int, list[int]]:
-            # All ranks at once: holding one rank's pages while waiting on another's deadlocks.
-            while any(len(pages[i].free) < count for i in indices):
-                short = next(i for i in indices if len(pages[i].free) < count)
-                pages[short].freed = anyio.Event()
-                await pages[short].freed.wait()
-            taken = {}
-            for i in indices:
-                got = pages[i].take(count)
-                assert got is not None
-                taken[i] = got
-            return taken
 
         async def room(cmd: dict[str, Any]) -> None:
             try:
@@ -196,7 +244,7 @@ async def main(options: dict[str, Any]) -> None:
                 await rank.open(room_id, generation, cmd["bootstrap"])
             ready = [(await rank.wait(room_id)).poll is not KVPoll.Failed for rank in ranks]
             count = pages_for(cmd["tokens"])
-            held = await take_all([i for i, ok in enumerate(ready) if ok], count)
+            held = await take_all(pages, [i for i, ok in enumerate(ready) if ok], count)
             results: dict[int, tuple[str, str]] = {}
 
             async def one(index: int) -> None:

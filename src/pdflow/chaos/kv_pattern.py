@@ -1,6 +1,6 @@
 """What a chaos room's KV bytes must be, and the canary a free decode page holds.
 
-Every byte of a room's pages is a function of (room, generation, buffer, page position, token,
+Every byte of a room's pages is a hash of (room, generation, buffer, page position, token,
 global head, offset), in ``[0, 250]``; so a decode checks exactly what landed without trusting
 the checksums, and a write from an earlier generation of the same room id is told apart. A
 released page is filled with :data:`CANARY` (251), which no pattern byte can equal: any other
@@ -40,16 +40,35 @@ def page_view(cache: HostKvCache, kv: RankKv) -> np.ndarray:
     )  # fmt: skip
 
 
+_MASK = (1 << 64) - 1
+
+
+def _mix(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finalizer, elementwise on uint64 (wrapping)."""
+    x = x ^ (x >> np.uint64(30))
+    x = x * np.uint64(0xBF58476D1CE4E5B9)
+    x = x ^ (x >> np.uint64(27))
+    x = x * np.uint64(0x94D049BB133111EB)
+    mixed: np.ndarray = x ^ (x >> np.uint64(31))
+    return mixed
+
+
 def pattern(room: int, generation: int, positions: int, kv: RankKv) -> np.ndarray:
+    """A hash of (room, generation, buffer, position, token, global head, offset) mod 251: two
+    room instances' bytes agree at a given place with probability 1/251 each, independently, so
+    another room's chunk landing in these pages differs in almost every byte."""
     layout, heads = kv.token_layout, kv.heads
-    b = np.arange(2 * layout.num_layers).reshape(-1, 1, 1, 1, 1)
-    pos = np.arange(positions).reshape(1, -1, 1, 1, 1)
-    t = np.arange(layout.page_size).reshape(1, 1, -1, 1, 1)
-    h = np.arange(heads.start, heads.stop).reshape(1, 1, 1, -1, 1)
-    d = np.arange(layout.head_bytes).reshape(1, 1, 1, 1, -1)
-    seed = (room * 131 + generation * 977) % 251
-    values = seed + b * 71 + pos * 31 + t * 7 + h * 13 + d
-    return (values % 251).astype(np.uint8)
+    key = _mix(np.array([(room * 0x9E3779B97F4A7C15 + generation + 1) & _MASK], np.uint64))[0]
+    b = np.arange(2 * layout.num_layers, dtype=np.uint64).reshape(-1, 1, 1, 1, 1)
+    pos = np.arange(positions, dtype=np.uint64).reshape(1, -1, 1, 1, 1)
+    t = np.arange(layout.page_size, dtype=np.uint64).reshape(1, 1, -1, 1, 1)
+    h = np.arange(heads.start, heads.stop, dtype=np.uint64).reshape(1, 1, 1, -1, 1)
+    d = np.arange(layout.head_bytes, dtype=np.uint64).reshape(1, 1, 1, 1, -1)
+    # A place's index in the room's whole (all heads) KV, so every TP split agrees on it.
+    total_heads = np.uint64(GEOMETRY["total_kv_heads"])
+    place = (((b * np.uint64(1 << 20) + pos) * np.uint64(layout.page_size) + t) * total_heads
+             + h) * np.uint64(layout.head_bytes) + d  # fmt: skip
+    return (_mix(place ^ key) % np.uint64(251)).astype(np.uint8)
 
 
 def fill(cache: HostKvCache, kv: RankKv, room: int, generation: int,

@@ -1,15 +1,20 @@
 """The seeded nemesis: the whole fault schedule is drawn from the seed and written before the
 run starts; then each fault is applied at its time and undone (healed) at its end.
 
-Kinds (``--nemesis``): ``partition`` (a host's link down, then up), ``oneway`` (one host's
-packets to another dropped, the reverse delivered), ``kill`` (kill -9 a prefill instance, restart
-it with a new incarnation on the same addresses), ``pause`` (SIGSTOP a prefill or decode past
-the heartbeat window, the time a stopped process takes to be declared dead, then SIGCONT),
+Kinds (``--nemesis``): ``partition`` (a host's link down, then up), ``oneway`` (one host cannot
+reach another, which still reaches it: see :mod:`pdflow.chaos.netns`), ``kill`` (kill -9 a
+prefill instance, restart it with a new incarnation on the same addresses), ``pause``
+(SIGSTOP a prefill or decode past the heartbeat window, the time a stopped process takes to be
+declared dead, then SIGCONT),
 ``registry`` (kill -9 the standalone registry and restart it, empty) and ``slow`` (a
 rate-limited link); and, only when named, ``pause_mid_write`` (a prefill stopped at the moment
 it hands a write to a decode to the transport, so the write is still to land when the decode
 declares it dead and lets its pages go; then SIGCONT). Faults do not overlap, so every one is
-healed before the next begins and the last is healed before the workload ends.
+healed before the next begins. Each lasts its planned length from the moment it is in place
+(a late start shifts its end, and the faults after it, rather than shortening it); the record
+keeps the planned times (``fault.at``, ``fault.end``) and the actual ones. The schedule is drawn
+over the kinds asked for whatever the network can do, so a seed gives one schedule everywhere; a
+network fault the network cannot inject is skipped when it comes up, and recorded as skipped.
 """
 
 from __future__ import annotations
@@ -23,7 +28,7 @@ import anyio
 import msgspec
 import structlog
 
-from pdflow.chaos.netns import Network
+from pdflow.chaos.netns import NETWORK_FAULTS, Network
 
 log = structlog.get_logger("pdflow.chaos.nemesis")
 
@@ -56,10 +61,24 @@ class Fault(msgspec.Struct, frozen=True):
 
 
 class Applied(msgspec.Struct):
+    """What became of one planned fault (times on the run's clock). ``started``: when it was in
+    place (or, where ``error`` says it failed to apply, when the nemesis tried); ``healed``:
+    when it was undone; the planned times are ``fault.at`` and ``fault.end``."""
+
     fault: Fault
     started: float | None = None
     healed: float | None = None
     error: str = ""
+    heal_error: str = ""
+    skipped: str = ""
+
+    @property
+    def applied(self) -> bool:
+        return self.started is not None and not self.error and not self.skipped
+
+    @property
+    def late_s(self) -> float | None:
+        return None if self.started is None else self.started - self.fault.at
 
 
 def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Sequence[str],
@@ -101,8 +120,10 @@ def plan_faults(seed: int, duration_s: float, kinds: Sequence[str], prefills: Se
 
 
 Restart = Callable[[str], Awaitable[None]]
-Kill = Callable[[str], Awaitable[None]]
-Signal = Callable[[str, signal.Signals], None]
+Kill = Callable[[str], Awaitable[bool]]
+"""kill -9 the named process; False when it was not running (nothing was killed)."""
+Signal = Callable[[str, signal.Signals], bool]
+"""Send a signal; False when the process was not running (nothing was sent)."""
 PauseAtWrite = Callable[[str, str, float], Awaitable[bool]]
 """(prefill, decode, within_s): arm the prefill to stop itself inside its next write to the
 decode; True once it is stopped, False if no such write began within ``within_s``."""
@@ -110,6 +131,11 @@ decode; True once it is stopped, False if no such write began within ``within_s`
 
 class NoWriteToPause(RuntimeError):
     """A ``pause_mid_write`` fault found no write to stop inside."""
+
+
+class NotRunning(RuntimeError):
+    """A process fault found its target not running (it died unplanned: the checker reports
+    that as ``process_died``)."""
 
 
 class Nemesis:
@@ -132,40 +158,49 @@ class Nemesis:
             fault = applied.fault
             if fault.at > self.now():
                 await anyio.sleep(fault.at - self.now())
+            if fault.kind in NETWORK_FAULTS and not self.network.can(fault.kind):
+                applied.skipped = self.network.unavailable[fault.kind]
+                log.info("fault_skipped", fault=fault.describe(), why=applied.skipped)
+                continue
+            in_place = False
             try:
                 applied.started = self.now()
-                end = await self._begin(fault)
-                if fault.kind == PAUSE_MID_WRITE:  # its time runs from the stop, not the arming
-                    applied.started = self.now()
+                await self._begin(fault)
+                in_place = True
+                # Its planned length runs from here (for pause_mid_write: from the stop).
+                applied.started = self.now()
                 log.info("fault_started", fault=fault.describe(), t=round(applied.started, 3))
-                await anyio.sleep(max(0.0, end - self.now()))
+                await anyio.sleep(fault.duration)
             except Exception as exc:
                 applied.error = f"{type(exc).__name__}: {exc}"
                 log.error("fault_failed", fault=fault.describe(), error=applied.error)
             finally:
-                with anyio.CancelScope(shield=True):
-                    await self._heal(fault, applied)
+                # A network fault that failed to apply left nothing to undo (the network cleans
+                # up a half-applied one itself); a process is always resumed or restarted.
+                if in_place or fault.kind not in NETWORK_FAULTS:
+                    with anyio.CancelScope(shield=True):
+                        await self._heal(fault, applied)
 
-    async def _begin(self, fault: Fault) -> float:
-        """Apply the fault; returns when (on the run's clock) it is to be healed."""
+    async def _begin(self, fault: Fault) -> None:
+        """Apply the fault; raises when it could not be."""
         if fault.kind == PAUSE_MID_WRITE:
             assert fault.peer is not None
             if not await self.pause_at_write(fault.target, fault.peer, MID_WRITE_WAIT_S):
                 raise NoWriteToPause(f"{fault.target} began no write to {fault.peer} within "
                                      f"{MID_WRITE_WAIT_S:.0f}s of being armed; not paused")
-            return self.now() + fault.duration
-        if fault.kind == "partition":
+        elif fault.kind == "partition":
             self.network.link_down(fault.target)
         elif fault.kind == "oneway":
             assert fault.peer is not None
             self.network.block_oneway(fault.target, fault.peer)
         elif fault.kind in ("kill", "registry"):
-            await self.kill(fault.target)
+            if not await self.kill(fault.target):
+                raise NotRunning(f"{fault.target} was not running; nothing was killed")
         elif fault.kind == "pause":
-            self.send_signal(fault.target, signal.SIGSTOP)
+            if not self.send_signal(fault.target, signal.SIGSTOP):
+                raise NotRunning(f"{fault.target} was not running; nothing was paused")
         elif fault.kind == "slow":
             self.network.slow(fault.target)
-        return fault.end
 
     async def _heal(self, fault: Fault, applied: Applied) -> None:
         try:
@@ -181,9 +216,7 @@ class Nemesis:
             elif fault.kind == "slow":
                 self.network.unslow(fault.target)
         except Exception as exc:
-            applied.error = (applied.error + "; " if applied.error else "") + (
-                f"heal failed: {type(exc).__name__}: {exc}"
-            )
-            log.error("fault_heal_failed", fault=fault.describe(), error=applied.error)
+            applied.heal_error = f"{type(exc).__name__}: {exc}"
+            log.error("fault_heal_failed", fault=fault.describe(), error=applied.heal_error)
         applied.healed = self.now()
         log.info("fault_healed", fault=fault.describe(), t=round(applied.healed, 3))

@@ -2,8 +2,12 @@
 its host's namespace, driven over its stdin and read on its stdout (never over the network).
 
 Each start is a new *life* (a new incarnation for a node); its trace directory, log file and
-pending results belong to that life. When a life ends (kill -9 or a crash) every result still
-awaited from it resolves as ``Killed``, so the router never waits for a dead process.
+pending results belong to that life. When a life ends during the run (kill -9 or a crash) every
+result still awaited from it resolves as ``Killed``, so the router never waits for a dead
+process; when the harness stops it at the end, they resolve as not terminal (no result: the
+room never ended). Each life records who ended it (``ended_by``: ``nemesis`` for a planned
+kill, ``harness`` at the end, None for a life that ended on its own), so the checker excuses
+only the deaths the nemesis caused.
 """
 
 from __future__ import annotations
@@ -80,7 +84,10 @@ class Agent:
         self.lives: list[dict[str, Any]] = []
         self.paused = False
         self.quitting = False
+        self.ended_by: str | None = None
         self.exited = anyio.Event()
+        # Each (room, generation)'s first answer, to tell a conflicting second one.
+        self.answered: dict[tuple[int, int], list[str]] = {}
 
     @property
     def address(self) -> str:
@@ -113,6 +120,7 @@ class Agent:
         env = {**os.environ, "MC_LOG_LEVEL": "ERROR", "PYTHONUNBUFFERED": "1"}
         self.exited = anyio.Event()
         self.paused = self.quitting = False
+        self.ended_by = None
         try:
             self.process = await anyio.open_process(self.argv(), env=env, stderr=stderr)
             STARTED.add(self.process.pid)
@@ -156,14 +164,10 @@ class Agent:
 
     def _dispatch(self, event: dict[str, Any]) -> None:
         kind = event.get("event")
-        if kind == "room":
-            waiter = self.pending.pop((event["room"], event["generation"]), None)
-            if waiter is not None:
-                waiter.set(event)
-        elif kind == "error" and event.get("room") is not None:
-            waiter = self.pending.pop((event["room"], event["generation"]), None)
-            if waiter is not None:
-                waiter.set({**event, "results": ["Refused"], "reasons": [event["error"]]})
+        if kind == "room" or (kind == "error" and event.get("room") is not None):
+            if kind == "error":
+                event = {**event, "results": ["Refused"], "reasons": [event["error"]]}
+            self._answer(event)
         elif kind == "state" and self.state_reply is not None:
             self.state_reply.set(event)
         elif kind in ("paused_mid_write", "write_pause_disarmed"):
@@ -173,10 +177,31 @@ class Agent:
                 self.write_pause[1].set(event)
         self.on_event(self, event)
 
+    def _answer(self, event: dict[str, Any]) -> None:
+        """A room's result: to its waiter; a second, different answer for the same room and
+        generation is reported as a violation (the first one is what the router used)."""
+        key = (event["room"], event["generation"])
+        results = list(event.get("results", []))
+        waiter = self.pending.pop(key, None)
+        first = self.answered.setdefault(key, results)
+        if waiter is not None:
+            waiter.set(event)
+        elif first != results:
+            self.on_event(self, {
+                "event": "violation", "kind": "conflicting_room_result", "room": key[0],
+                "generation": key[1], "first": first, "second": results,
+                "reasons": event.get("reasons", []),
+            })  # fmt: skip
+
     def _life_ended(self, returncode: int | None) -> None:
         for waiter in self.pending.values():
-            waiter.set({"event": "room", "results": ["Killed"], "life_ended": True,
-                        "reasons": [f"{self.name} life {self.life} ended (rc {returncode})"]})
+            if self.quitting:  # stopped at the end of the run: the room never ended there
+                waiter.set({"event": "room", "results": [], "life_ended": True,
+                            "reasons": [f"{self.name} was stopped at the end of the run before "
+                                        f"it answered for the room (life {self.life})"]})
+            else:
+                waiter.set({"event": "room", "results": ["Killed"], "life_ended": True,
+                            "reasons": [f"{self.name} life {self.life} ended (rc {returncode})"]})
         self.pending.clear()
         if self.state_reply is not None:
             self.state_reply.set({"event": "state", "dead": True})
@@ -187,6 +212,7 @@ class Agent:
             self.lives[-1]["returncode"] = returncode
             # Killed or crashed, as opposed to stopped by the harness at the end of the run.
             self.lives[-1]["lost"] = not self.quitting
+            self.lives[-1]["ended_by"] = self.ended_by or ("harness" if self.quitting else None)
         self.exited.set()
 
     async def send(self, command: dict[str, Any]) -> bool:
@@ -235,21 +261,31 @@ class Agent:
                 await outcome.done.wait()
         return outcome.value.get("event") == "paused_mid_write"
 
-    def signal(self, signum: signal.Signals) -> None:
-        if self.running and self.process is not None:
+    def signal(self, signum: signal.Signals) -> bool:
+        """Send ``signum`` to the running life; False (nothing sent) when none is running."""
+        if not self.running or self.process is None:
+            return False
+        try:
             self.process.send_signal(signum)
-            if signum == signal.SIGSTOP:
-                self.paused = True
-            elif signum == signal.SIGCONT:
-                self.paused = False
+        except ProcessLookupError:
+            return False
+        if signum == signal.SIGSTOP:
+            self.paused = True
+        elif signum == signal.SIGCONT:
+            self.paused = False
+        return True
 
-    async def kill(self) -> None:
-        """kill -9 and wait for the life to end."""
-        if self.running:
-            self.signal(signal.SIGCONT)
-            self.signal(signal.SIGKILL)
-            with anyio.move_on_after(10):
-                await self.exited.wait()
+    async def kill(self, by: str = "harness") -> bool:
+        """kill -9 and wait for the life to end; ``by`` is recorded as who ended it. False when
+        no life was running."""
+        if not self.running:
+            return False
+        self.ended_by = by
+        self.signal(signal.SIGCONT)
+        self.signal(signal.SIGKILL)
+        with anyio.move_on_after(10):
+            await self.exited.wait()
+        return True
 
     async def quit(self, timeout_s: float = 20.0) -> None:
         """Ask the process to stop (traces flushed); kill it if it does not."""

@@ -5,6 +5,7 @@ timelines). The page is self-contained (inline SVG, no script)."""
 from __future__ import annotations
 
 import html
+import shlex
 from collections import Counter
 from pathlib import Path
 
@@ -12,11 +13,13 @@ import msgspec
 
 from pdflow.chaos.agent_io import MUTANT_VARIABLE
 from pdflow.chaos.checker import Violation, ended_incarnations
+from pdflow.chaos.nemesis import Applied
 from pdflow.chaos.run import ROTATE_QUARANTINE_PERCENT, RunRecord
 
 _WIDTH, _LEFT, _LANE, _PAD = 1100, 150, 7, 14
 _OUTCOME_COLOUR = {
-    "success": "#2e7d32", "failed": "#c62828", "prefill_killed": "#6a1b9a",
+    "success": "#2e7d32", "served_prefill_killed": "#66bb6a", "served_prefill_failed": "#c62828",
+    "failed": "#c62828", "prefill_killed": "#6a1b9a",
     "aborted_by_decode": "#ef6c00", "aborted_by_prefill": "#f9a825", "not_terminal": "#000000",
 }  # fmt: skip
 _FAULT_COLOUR = {
@@ -26,21 +29,28 @@ _FAULT_COLOUR = {
 
 
 def reproduce_command(run: RunRecord) -> str:
+    """The command line that runs this seed again as it ran: the ``PDFLOW_*`` environment the
+    agents read, and ``--loopback`` whenever it ran on loopback (asked for, or fallen back to)."""
     options = run.options
-    mutant = f"{MUTANT_VARIABLE}={run.mutant} " if run.mutant else ""
-    return (f"{mutant}pdflow chaos --seed {options.seed} --duration {options.duration_s:g} "
+    environment = dict(run.environment)
+    if run.mutant:
+        environment.setdefault(MUTANT_VARIABLE, run.mutant)
+    prefix = "".join(f"{name}={shlex.quote(value)} " for name, value in sorted(environment.items()))
+    return (f"{prefix}pdflow chaos --seed {options.seed} --duration {options.duration_s:g} "
             f"--nemesis {','.join(options.nemesis) or 'none'} --rate {options.rate_per_s:g} "
             f"--aborts {','.join(options.aborts) or 'none'}"
-            + ("" if options.namespaces else " --loopback"))
+            + ("" if run.network == "netns" else " --loopback"))
 
 
 def summary_rows(run: RunRecord, violations: list[Violation]) -> list[tuple[str, str]]:
     work = [a for a in run.attempts if not a.probe]
     outcomes = Counter(a.outcome for a in work)
     requests = {a.request for a in work}
-    served = {a.request for a in work if a.outcome == "success"}
-    faults = Counter(f.fault.kind for f in run.faults if f.started is not None)
+    served = {a.request for a in work if a.served}
+    faults = Counter(f.fault.kind for f in run.faults if f.applied)
     failed_faults = [f for f in run.faults if f.error]
+    skipped = Counter(f.fault.kind for f in run.faults if f.skipped)
+    late = [f.late_s for f in run.faults if f.applied and f.late_s is not None]
     kinds = Counter(v.kind for v in violations)
     probes = [a for a in run.attempts if a.probe]
     return [
@@ -53,14 +63,20 @@ def summary_rows(run: RunRecord, violations: list[Violation]) -> list[tuple[str,
                                                       sorted(outcomes.items()))),
         ("room ids reused", f"{sum(a.generation > 0 for a in work)} attempts at generation > 0 "
                             "(retries and reuse of finished rooms)"),
-        ("bytes verified", f"{sum(a.tokens for a in work if a.outcome == 'success')} tokens "
+        ("bytes verified", f"{sum(a.tokens for a in work if a.served)} tokens "
                            "in successful rooms, checked byte by byte"),
         ("recovery probes", f"{sum(a.outcome == 'success' for a in probes)}/{len(probes)} "
                             "attempts succeeded"),
         ("faults injected", ", ".join(f"{k} {v}" for k, v in sorted(faults.items())) or "none"),
-        ("faults that failed to apply", str(len(failed_faults))),
+        ("faults that failed to apply", str(len(failed_faults)) + "".join(
+            f"; {f.fault.describe()}: {f.error}" for f in failed_faults[:3])),
+        ("faults skipped", ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+                           + " (the network cannot inject them)" if skipped else "none"),
+        ("faults that failed to heal", str(sum(bool(f.heal_error) for f in run.faults))),
+        ("fault start lateness", f"at most {max(late):.2f}s (each ran its planned length from "
+                                 "its actual start)" if late else "none started"),
         ("pages held for ended lives", f"{_held_for_ended(run)} pages quarantined at the end "
-                                      "for writers whose process was killed (under the "
+                                      "for writers whose process life ended (under the "
                                       f"{ROTATE_QUARANTINE_PERCENT:g}% rotation threshold)"),
         ("engine rotations", ", ".join(f"{n} {s.get('rotations', 0)}"
                                        for n, s in sorted(run.final_state.items())
@@ -92,9 +108,10 @@ def write_html(run: RunRecord, violations: list[Violation], out: Path) -> Path:
     rows = "".join(f"<tr><th>{html.escape(k)}</th><td>{html.escape(v)}</td></tr>"
                    for k, v in summary_rows(run, violations))  # fmt: skip
     faults = "".join(
-        f"<tr><td>{f.fault.at:.1f}</td><td>{f.fault.duration:.1f}</td><td>{f.fault.kind}</td>"
+        f"<tr><td>{f.fault.at:.1f}-{f.fault.end:.1f}</td><td>{_span(f.started, f.healed)}</td>"
+        f"<td>{f.fault.duration:.1f}</td><td>{f.fault.kind}</td>"
         f"<td>{html.escape(f.fault.target)}{' &rarr; ' + f.fault.peer if f.fault.peer else ''}"
-        f"</td><td>{html.escape(f.error)}</td></tr>"
+        f"</td><td>{html.escape(_fault_problems(f))}</td></tr>"
         for f in run.faults
     )  # fmt: skip
     found = "".join(
@@ -121,7 +138,8 @@ pre{{font-size:11px;background:#f6f6f6;padding:6px;overflow-x:auto}}
 {_legend()}
 {_timeline_svg(run, violations)}
 <h2>Fault schedule (written before the run)</h2>
-<table><tr><th>at (s)</th><th>for (s)</th><th>kind</th><th>target</th><th>error</th></tr>
+<table><tr><th>planned (s)</th><th>actual (s)</th><th>for (s)</th><th>kind</th><th>target</th>
+<th>error</th></tr>
 {faults}</table>
 <p>How faults were made:</p><ul>{means}</ul>
 {f"<p>Faults that cannot be injected here:</p><ul>{missing}</ul>" if missing else ""}
@@ -129,6 +147,17 @@ pre{{font-size:11px;background:#f6f6f6;padding:6px;overflow-x:auto}}
 </body></html>"""
     path.write_text(page)
     return path
+
+
+def _fault_problems(f: Applied) -> str:
+    return "; ".join(filter(None, (f.error, f.skipped and f"skipped: {f.skipped}",
+                                   f.heal_error and f"heal failed: {f.heal_error}")))  # fmt: skip
+
+
+def _span(start: float | None, end: float | None) -> str:
+    if start is None:
+        return "-"
+    return f"{start:.1f}-" + ("" if end is None else f"{end:.1f}")
 
 
 def _legend() -> str:
@@ -141,7 +170,8 @@ def _legend() -> str:
 
 def _timeline_svg(run: RunRecord, violations: list[Violation]) -> str:
     ends = [a.decode_done or a.prefill_done or a.started for a in run.attempts]
-    horizon = max([run.workload_end, *ends, *(f.fault.end for f in run.faults)], default=1.0)
+    horizon = max([run.workload_end, *ends, *(f.fault.end for f in run.faults),
+                   *(f.healed for f in run.faults if f.healed is not None)], default=1.0)
     scale = (_WIDTH - _LEFT - 10) / max(horizon, 1e-6)
 
     def x(t: float) -> float:
@@ -159,7 +189,7 @@ def _timeline_svg(run: RunRecord, violations: list[Violation]) -> str:
     for host in hosts:
         parts.append(f'<text x="4" y="{y + 9}" font-size="11">fault: {host}</text>')
         for f in run.faults:
-            if host in (f.fault.target, f.fault.peer):
+            if host in (f.fault.target, f.fault.peer) and not f.skipped:  # as it ran
                 start = f.started if f.started is not None else f.fault.at
                 end = f.healed if f.healed is not None else f.fault.end
                 colour = _FAULT_COLOUR.get(f.fault.kind, "#999")

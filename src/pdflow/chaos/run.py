@@ -20,8 +20,15 @@ import msgspec
 import structlog
 
 from pdflow.chaos.agent_io import MUTANT_VARIABLE
-from pdflow.chaos.nemesis import KINDS, Applied, Nemesis, plan_faults
-from pdflow.chaos.netns import FAULT_MEANS, NETWORK_FAULTS, Network, kill_pid, open_network
+from pdflow.chaos.nemesis import KINDS, Applied, Fault, Nemesis, plan_faults
+from pdflow.chaos.netns import (
+    FAULT_MEANS,
+    NETWORK_FAULTS,
+    Network,
+    NetworkError,
+    kill_pid,
+    open_network,
+)
 from pdflow.chaos.procs import Agent, trace_files
 from pdflow.chaos.workload import ABORT_SIDES, Attempt, PlannedRequest, Router, plan_workload
 
@@ -86,6 +93,30 @@ class RunRecord(msgspec.Struct, kw_only=True):
     workload_end: float
     wall_s: float
     mutant: str = ""
+    wall0: float = 0.0
+    """The wall-clock time (``time.time()``) of the run's t=0, to place wall times on it."""
+    environment: dict[str, str] = msgspec.field(default_factory=dict)
+    """The ``PDFLOW_*`` variables the agents inherited (pdflow's settings, the mutant): part of
+    what reproduces the run. Values of names that look secret are not kept."""
+
+
+SECRET_HINTS = ("TOKEN", "SECRET", "PASSWORD", "KEY")
+REDACTED = "<redacted>"
+
+
+def pdflow_environment(environ: dict[str, str] | None = None) -> dict[str, str]:
+    """The ``PDFLOW_*`` variables in ``environ`` (the process's by default), secrets redacted."""
+    env = os.environ if environ is None else environ
+    return {name: REDACTED if any(h in name.upper() for h in SECRET_HINTS) else value
+            for name, value in sorted(env.items()) if name.startswith("PDFLOW_")}  # fmt: skip
+
+
+def plan_schedule(options: ChaosOptions) -> list[Fault]:
+    """The fault schedule of a run: drawn over the kinds asked for, not over what the network
+    can do, so one seed gives one schedule on namespaces and on loopback (a fault the network
+    cannot inject is skipped when it comes up)."""
+    return plan_faults(options.seed, options.duration_s, options.nemesis, PREFILLS, DECODES,
+                       DEAD_AFTER_S)  # fmt: skip
 
 
 class RunClock:
@@ -172,9 +203,10 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
     if network.kind != "netns":
         why = next(iter(network.unavailable.values()), "").split(": ", 1)[-1]
         say(f"running on loopback; faults {', '.join(network.unavailable)} cannot be injected "
-            f"({why}); skipped from this run: {', '.join(skipped) or 'none'}")
+            f"({why}); skipped where the schedule has them: {', '.join(skipped) or 'none'}")
     elif skipped:
-        say("skipped: " + "; ".join(network.unavailable[k] for k in skipped))
+        say("skipped where the schedule has them: "
+            + "; ".join(network.unavailable[k] for k in skipped))
     cluster: Cluster | None = None
     try:
         events: list[dict[str, Any]] = []
@@ -197,6 +229,8 @@ async def run_chaos(options: ChaosOptions, say: Callable[[str], None]) -> RunRec
             kill_pid(pid)
         try:
             network.heal()
+        except NetworkError as exc:  # deleting the namespaces below undoes it anyway
+            log.warning("chaos_heal_failed_at_teardown", error=str(exc))
         finally:
             network.close()
 
@@ -207,9 +241,7 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
     from pdflow.chaos.checker import settled
 
     started = time.monotonic()
-    kinds = tuple(k for k in options.nemesis if network.can(k))
-    schedule = plan_faults(options.seed, options.duration_s, kinds, PREFILLS, DECODES,
-                           DEAD_AFTER_S)  # fmt: skip
+    schedule = plan_schedule(options)
     plan = plan_workload(options.seed, options.duration_s, len(PREFILLS), len(DECODES),
                          options.rate_per_s, abort_sides=options.aborts)  # fmt: skip
     (out / "schedule.json").write_bytes(msgspec.json.encode(
@@ -227,16 +259,16 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
         t0 = clock.start()
         router = Router(plan, cluster.prefills, cluster.decodes, cluster.bootstraps, t0)
 
-        async def kill(name: str) -> None:
-            await cluster.by_name(name).kill()
+        async def kill(name: str) -> bool:
+            return await cluster.by_name(name).kill(by="nemesis")
 
         async def restart(name: str) -> None:
             agent = cluster.by_name(name)
             if not agent.running:
                 await agent.start(tasks)
 
-        def send_signal(name: str, signum: signal.Signals) -> None:
-            cluster.by_name(name).signal(signum)
+        def send_signal(name: str, signum: signal.Signals) -> bool:
+            return cluster.by_name(name).signal(signum)
 
         async def pause_at_write(prefill: str, decode: str, within_s: float) -> bool:
             return await cluster.by_name(prefill).pause_at_write(network.addresses[decode],
@@ -248,7 +280,13 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
             running.start_soon(router.run, tasks)
             running.start_soon(nemesis.run)
         workload_end = router.now()
-        await _heal(cluster, network, tasks)
+        try:
+            await _heal(cluster, network, tasks, say)
+        except NetworkError as exc:
+            say(f"the heal left faults in place: {exc}")
+            events.append({"event": "violation", "kind": "fault_heal_failed",
+                           "process": "network", "t": round(clock.now(), 3),
+                           "error": str(exc)})  # fmt: skip
         say("healed; settling")
         with anyio.move_on_after(SETTLE_S):
             while router.in_flight:
@@ -265,15 +303,32 @@ async def _run(options: ChaosOptions, network: Network, cluster: Cluster, clock:
         faults=nemesis.applied, attempts=router.attempts, shed=router.shed, events=events,
         lives={a.name: a.lives for a in cluster.agents}, final_state=final_state,
         replays=replays, workload_end=workload_end, wall_s=time.monotonic() - started,
-        mutant=os.environ.get(MUTANT_VARIABLE, ""),
+        mutant=os.environ.get(MUTANT_VARIABLE, ""), wall0=clock.wall0,
+        environment=pdflow_environment(),
     )  # fmt: skip
 
 
-async def _heal(cluster: Cluster, network: Network, tasks: anyio.abc.TaskGroup) -> None:
-    network.heal()
+async def _heal(cluster: Cluster, network: Network, tasks: anyio.abc.TaskGroup,
+                say: Callable[[str], None]) -> None:  # fmt: skip
+    try:
+        network.heal()
+    finally:  # the processes are resumed and restarted whatever the network said
+        await _restart_all(cluster, tasks, say)
+
+
+async def _restart_all(cluster: Cluster, tasks: anyio.abc.TaskGroup,
+                       say: Callable[[str], None]) -> None:  # fmt: skip
     for agent in cluster.agents:
         agent.signal(signal.SIGCONT)
         if not agent.running:
+            # The nemesis restarts what it kills: a process down here died on its own (the
+            # checker reports it as process_died) or its restart failed (fault_heal_failed).
+            ended = agent.lives[-1] if agent.lives else {}
+            why = ("its restart after the nemesis's kill failed"
+                   if ended.get("ended_by") == "nemesis" else
+                   f"it ended on its own, rc {ended.get('returncode')}")  # fmt: skip
+            say(f"{agent.name} life {ended.get('life')} was not running at the heal ({why}); "
+                "starting it again for the probes")
             await agent.start(tasks)
 
 

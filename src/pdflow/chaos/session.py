@@ -28,11 +28,12 @@ def run_and_report(options: ChaosOptions) -> int:
     try:
         run = anyio.run(run_chaos, options, say, backend="asyncio")
     except BaseExceptionGroup as group:
-        failed = group.subgroup(StartFailed)
-        if failed is None:
+        failed = start_failures(group)
+        if not failed:
             raise
-        console.print(f"[bold red]pdflow chaos: a process failed to start[/]: "
-                      f"{failed.exceptions[0]}", soft_wrap=True)  # fmt: skip
+        for exc in failed:
+            console.print(f"[bold red]pdflow chaos: a process failed to start[/]: {exc}",
+                          soft_wrap=True)  # fmt: skip
         return 2
     except StartFailed as exc:
         console.print(f"[bold red]pdflow chaos: a process failed to start[/]: {exc}",
@@ -63,6 +64,18 @@ def run_and_report(options: ChaosOptions) -> int:
     return 1 if violations else 0
 
 
+def start_failures(group: BaseExceptionGroup[BaseException]) -> list[StartFailed]:
+    """Every ``StartFailed`` in ``group``, however deep (a start inside a task group inside the
+    run's task group nests one group per level), in order."""
+    found: list[StartFailed] = []
+    for exc in group.exceptions:
+        if isinstance(exc, BaseExceptionGroup):
+            found.extend(start_failures(exc))
+        elif isinstance(exc, StartFailed):
+            found.append(exc)
+    return found
+
+
 def summarize(paths: list[str]) -> int:
     """One row per run's result.json: rooms, faults by kind, violations by kind."""
     import json
@@ -83,7 +96,8 @@ def summarize(paths: list[str]) -> int:
         work = [a for a in run["attempts"] if not a["probe"]]
         ok = sum(bool(a["decode_results"]) and set(a["decode_results"]) == {"Success"}
                  and set(a["prefill_results"]) == {"Success"} for a in work)  # fmt: skip
-        faults = Counter(f["fault"]["kind"] for f in run["faults"] if f["started"] is not None)
+        faults = Counter(f["fault"]["kind"] for f in run["faults"] if f["started"] is not None
+                         and not f.get("error") and not f.get("skipped"))  # fmt: skip
         found = Counter(v["kind"] for v in result["violations"])
         total += len(result["violations"])
         table.add_row(

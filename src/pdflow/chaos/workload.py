@@ -70,11 +70,21 @@ class Attempt(msgspec.Struct, kw_only=True):
         return bool(self.prefill_results) and all(r == "Success" for r in self.prefill_results)
 
     @property
+    def served(self) -> bool:
+        """The decode has the room (every rank Success, its bytes checked): the request goes on
+        to decode whatever became of the prefill side, and is never tried again."""
+        return self.decode_ok
+
+    @property
     def outcome(self) -> str:
         if not self.decode_results:
             return "not_terminal"
-        if self.decode_ok and self.prefill_ok:
-            return "success"
+        if self.decode_ok:
+            if self.prefill_ok:
+                return "success"
+            if any(r in ("Killed", "NotRunning") for r in self.prefill_results):
+                return "served_prefill_killed"  # its life ended after the last write landed
+            return "served_prefill_failed"  # a live prefill failed it: sides_disagree
         if "Killed" in self.prefill_results:
             return "prefill_killed"
         if self.abort_side is not None:
@@ -167,7 +177,7 @@ class Router:
             for attempt in range(MAX_ATTEMPTS):
                 abort = request.abort_side if attempt == 0 else None
                 record = await self.attempt(room, request, prefill, abort)
-                if record.outcome in ("success", "not_terminal"):
+                if record.served or record.outcome == "not_terminal":
                     return
                 prefill = (prefill + 1) % len(self.prefills)
                 await anyio.sleep(RETRY_PAUSE_S * (attempt + 1))

@@ -19,8 +19,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "runs a seeded open-loop workload and a seeded fault schedule (written first), "
             "heals, settles and checks: rooms terminal and agreeing, bytes equal, no page "
             "written after release, no page leaked, recovery without restarting a decode, "
-            "every trace replays. Exits 1 on any violation. Needs root for namespaces; "
-            "otherwise it runs on loopback and says which faults it cannot inject."
+            "every trace replays. Exits 1 on any violation. Needs root and iproute2 for "
+            "namespaces; otherwise it runs on loopback and says which faults it skips."
         ),
     )  # fmt: skip
     chaos.add_argument("--seed", type=int, default=1, help="one seed reproduces the schedule")
