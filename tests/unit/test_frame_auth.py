@@ -120,3 +120,25 @@ def test_the_replay_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     clock.now += 61.0  # every remembered tag expires with the window
     receiver.decode(codec(clock).encode(metadata(9), None))
     assert len(receiver._seen) == 1
+
+
+def test_an_oversized_body_is_refused_before_its_mac_is_computed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Hashing a forged 8 MiB body cost the loop milliseconds per frame; its size is known
+    before any byte is hashed."""
+    clock = Clock()
+    receiver = codec(clock)
+    good = codec(clock).encode(metadata(), None)
+    hashed: list[int] = []
+    real_tag = AuthenticatedCodec._tag
+
+    def counting_tag(self: AuthenticatedCodec, head: bytes, sender: bytes,
+                     frames: list[bytes]) -> bytes:  # fmt: skip
+        hashed.append(sum(map(len, frames)))
+        return real_tag(self, head, sender, frames)
+
+    monkeypatch.setattr(AuthenticatedCodec, "_tag", counting_tag)
+    forged = [b"\x00" * (MsgpackCodec().max_message_bytes + 1), good[1]]
+    assert reason_of(receiver, forged) == "oversized"
+    assert hashed == [], "the MAC of an oversized body was computed"

@@ -114,6 +114,10 @@ class AuthenticatedCodec:
             raise FrameError("unauthenticated", "no MAC frame: the cluster token is set here; "
                                                 "set PDFLOW_BOOTSTRAP_TOKEN on every node")
         *body, auth = frames
+        size = sum(map(len, body))
+        if size > self.inner.max_message_bytes:
+            # Before the MAC: hashing a forged 8 MiB body costs the loop milliseconds.
+            raise FrameError("oversized", f"{size} bytes, limit {self.inner.max_message_bytes}")
         head, tag, sender = auth[: _HEAD.size], auth[_HEAD.size : _AUTH_MIN], auth[_AUTH_MIN:]
         if not hmac.compare_digest(tag, self._tag(head, sender, body)):
             raise FrameError("bad_mac", "the MAC does not verify: another token, or a forgery")
