@@ -5,6 +5,8 @@ from __future__ import annotations
 import argparse
 import sys
 
+from pdflow.demo.limits import UPPER_BOUNDS
+
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     demo = sub.add_parser(
@@ -17,15 +19,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
             "single-process run of the same model."
         ),
     )
-    demo.add_argument("--requests", type=int, default=12, help="number of requests (default 12)")
-    demo.add_argument("--prompt-len", type=int, default=40, help="prompt tokens (default 40)")
-    demo.add_argument("--max-new", type=int, default=12, help="tokens to generate (default 12)")
-    demo.add_argument("--concurrency", type=int, default=4, help="requests in flight (default 4)")
+    top = {name: f"at most {value:,}" for name, value in UPPER_BOUNDS.items()}
+    demo.add_argument("--requests", type=int, default=12,
+                      help=f"number of requests (default 12, {top['requests']})")  # fmt: skip
+    demo.add_argument("--prompt-len", type=int, default=40,
+                      help=f"prompt tokens (default 40, {top['prompt_len']})")  # fmt: skip
+    demo.add_argument("--max-new", type=int, default=12,
+                      help="tokens to generate per request, the prefill's first token included "
+                           f"(default 12, {top['max_new']})")  # fmt: skip
+    demo.add_argument("--concurrency", type=int, default=4,
+                      help=f"requests in flight (default 4, {top['concurrency']})")  # fmt: skip
     demo.add_argument("--transport", choices=("auto", "mooncake", "inprocess"), default="auto",
-                      help="auto: Mooncake TCP when installed, else in-process")
+                      help="auto: Mooncake TCP when installed, else in-process")  # fmt: skip
     demo.add_argument("--faults", action="store_true",
-                      help="inject decode aborts and stop the prefill mid-run, then recover")
-    demo.add_argument("--seed", type=int, default=0, help="seed for weights, prompts and faults")
+                      help="abort rooms on the decode and stop the prefill, each while a write "
+                           "is in flight, then recover")  # fmt: skip
+    demo.add_argument("--seed", type=int, default=0,
+                      help="seed for weights, prompts and faults (0 to 2**63-1)")  # fmt: skip
     demo.add_argument("--out", default="out/demo", help="where traces go (default out/demo)")
     demo.add_argument("--json", action="store_true", help="print the report as JSON only")
     demo.set_defaults(run=run)
@@ -33,15 +43,15 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from pdflow.demo.cli_view import run_and_show
-    from pdflow.demo.run import DemoOptions
+    from pdflow.demo.run import DemoOptions, check_options
 
-    for name in ("requests", "prompt_len", "max_new", "concurrency"):
-        if getattr(args, name) < 1:
-            print(f"--{name.replace('_', '-')} must be at least 1", file=sys.stderr)
-            return 2
     options = DemoOptions(
         requests=args.requests, prompt_len=args.prompt_len, max_new=args.max_new,
         concurrency=args.concurrency, transport=args.transport, faults=args.faults,
         seed=args.seed, out_dir=args.out,
     )  # fmt: skip
+    problem = check_options(options)
+    if problem is not None:
+        print(f"pdflow demo: {problem}", file=sys.stderr)
+        return 2
     return run_and_show(options, as_json=args.json)

@@ -9,14 +9,16 @@ question: they call the node's rank handles and react to its events.
 
 from __future__ import annotations
 
+import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 
 import anyio
 import anyio.to_thread
 import msgspec
 
 from pdflow.core.dataplane.layout import KvDtype, KvLayout
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.kvcache import PagedKVCache
@@ -59,7 +61,10 @@ class RoomOutcome(msgspec.Struct):
     handshake_s: float | None = None
     ttft_s: float | None = None
     transfer_s: float | None = None
-    kv_bytes: int = 0
+    bytes_written: int = 0
+    """Bytes the prefill's ranks wrote for the room: its KV pages and its model state."""
+    stopped: bool = False
+    """The prefill instance stopped: nobody reported the failure, its peers must notice it."""
 
 
 class PrefillEngine:
@@ -78,7 +83,11 @@ class PrefillEngine:
         self.compute_lock = anyio.Lock()  # one forward pass at a time, like one GPU
         self.page_space = anyio.Condition()
 
-    async def serve(self, room: int, generation: int, prompt: Sequence[int]) -> RoomOutcome:
+    async def serve(self, room: int, generation: int, prompt: Sequence[int],
+                    on_transferred: Callable[[RoomOutcome], None] | None = None,
+                    ) -> RoomOutcome:  # fmt: skip
+        """Compute and send one room; ``on_transferred`` hears of a completed transfer before
+        the room is cleared (an instance stopped while clearing still moved the KV)."""
         num_pages = self.caches[0].geometry.pages_for(len(prompt))
         async with self.page_space:
             while any(c.allocator.num_free < num_pages for c in self.caches):
@@ -102,7 +111,7 @@ class PrefillEngine:
             # Both ranks wait for the decode's pages (WaitingForInput), then send in chunks.
             statuses = [await rank.wait(room) for rank in ranks]
             failed = [s for s in statuses if s.poll is KVPoll.Failed]
-            kv_bytes, transfer_s = 0, 0.0
+            bytes_written, transfer_s = 0, 0.0
             if not failed:
                 async with anyio.create_task_group() as tasks:
                     for rank, rank_pages, row, slot in zip(ranks, pages, rows, slots,
@@ -112,15 +121,18 @@ class PrefillEngine:
                 failed = [s for s in final if s.poll is KVPoll.Failed]
                 for rank in ranks:
                     nbytes, seconds = rank.transfer_stats(room)
-                    kv_bytes += nbytes or 0
+                    bytes_written += nbytes or 0
                     # Ranks write concurrently: the room took as long as its slowest rank.
                     transfer_s = max(transfer_s, seconds or 0.0)
+            outcome = (RoomOutcome(KVPoll.Failed, failed[0].reason) if failed else
+                       RoomOutcome(KVPoll.Success, first_token=first,
+                                   transfer_s=transfer_s or None,
+                                   bytes_written=bytes_written))  # fmt: skip
+            if not failed and on_transferred is not None:
+                on_transferred(outcome)
             for rank in ranks:
                 await rank.clear(room)
-            if failed:
-                return RoomOutcome(KVPoll.Failed, failed[0].reason)
-            return RoomOutcome(KVPoll.Success, first_token=first, transfer_s=transfer_s or None,
-                               kv_bytes=kv_bytes)  # fmt: skip
+            return outcome
         finally:
             for cache, rank_pages in zip(self.caches, pages, strict=True):
                 cache.allocator.free(rank_pages)
@@ -160,6 +172,10 @@ class DecodeEngine:
         self.memory = memory
         self._slots_held: dict[tuple[int, int], int] = {}
         """State slots of failed rooms: remote-writable until their pages are released."""
+        self._serving: dict[int, int] = {}
+        """room -> the generation this engine has open for it."""
+        self._failing: dict[tuple[int, int], str] = {}
+        """Room attempts the router failed (their prefill gave up) and why."""
         self.node = node
         self.page_space = anyio.Condition()
 
@@ -178,12 +194,43 @@ class DecodeEngine:
             async with self.page_space:
                 self.page_space.notify_all()
 
+    async def fail(self, room: int, generation: int, reason: str) -> None:
+        """The prefill side failed this attempt: abort the room now rather than let it wait
+        out its timers (a prefill that reports a failure will never send the KV)."""
+        self._failing[(room, generation)] = reason
+        if self._serving.get(room) == generation:
+            await self._abort(room, reason)
+
+    async def _abort(self, room: int, reason: str) -> None:
+        rank = self.node.ranks[0]
+        if rank.poll(room) in (None, KVPoll.Failed, KVPoll.Success):
+            return
+        # It may end (or be cleared) while the call waits for the endpoint: nothing to abort.
+        with contextlib.suppress(InvalidInput, LocalProtocolError):
+            await rank.abort(room, reason)
+
     async def serve(self, room: int, generation: int, bootstrap: str, prompt_len: int,
-                    max_new: int, abort_after_publish: float | None = None,
-                    on_published: Callable[[], None] | None = None) -> RoomOutcome:  # fmt: skip
+                    max_new: int, abort_when: anyio.Event | None = None) -> RoomOutcome:
+        """Receive one room and generate ``max_new`` tokens in all: the prefill's first token
+        and ``max_new - 1`` decode steps. ``abort_when``: a demo fault; abort the room once it
+        is set, if the room has not ended by then."""
         rank = self.node.ranks[0]
         opened = time.perf_counter()
         await rank.open(room, generation, bootstrap)
+        self._serving[room] = generation
+        try:
+            reason = self._failing.get((room, generation))
+            if reason is not None:  # failed by the router while we were opening the room
+                await self._abort(room, reason)
+            return await self._serve_open(room, generation, rank, opened, prompt_len, max_new,
+                                          abort_when)  # fmt: skip
+        finally:
+            self._serving.pop(room, None)
+            self._failing.pop((room, generation), None)
+
+    async def _serve_open(self, room: int, generation: int, rank: DecodeRank, opened: float,
+                          prompt_len: int, max_new: int,
+                          abort_when: anyio.Event | None) -> RoomOutcome:  # fmt: skip
         status = await rank.wait(room)
         if status.poll is KVPoll.Failed:
             await rank.clear(room)
@@ -191,14 +238,17 @@ class DecodeEngine:
         # Admission first: a request in transfer cannot be retracted, so it waits until the
         # pages left cover the largest growth of any admitted request (sglang#30033).
         await rank.admit(room, input_len=prompt_len, max_new=max_new)
-        pages = await self._allocate(self.cache.geometry.pages_for(prompt_len))
+        if rank.poll(room) is KVPoll.Failed:  # failed while it waited: nothing published
+            failed = await rank.wait(room)
+            rank.finish_request(room, generation)
+            await rank.clear(room)
+            return RoomOutcome(KVPoll.Failed, failed.reason)
+        pages, slot = await self._allocate(self.cache.geometry.pages_for(prompt_len))
         aux_row = self.aux.allocate()
-        slot = self.memory.allocate()
         outcome = RoomOutcome(KVPoll.Failed, "the decode engine stopped")
         try:
             outcome = await self._receive(room, generation, rank, pages, aux_row, slot, opened,
-                                          prompt_len, max_new, abort_after_publish,
-                                          on_published)  # fmt: skip
+                                          prompt_len, max_new, abort_when)  # fmt: skip
             return outcome
         finally:
             self.aux.free(aux_row)
@@ -209,15 +259,13 @@ class DecodeEngine:
 
     async def _receive(self, room: int, generation: int, rank: DecodeRank, pages: list[int],
                        aux_row: int, slot: int, opened: float, prompt_len: int, max_new: int,
-                       abort_after_publish: float | None,
-                       on_published: Callable[[], None] | None) -> RoomOutcome:  # fmt: skip
+                       abort_when: anyio.Event | None) -> RoomOutcome:  # fmt: skip
         await rank.publish_pages(room, pages, aux_index=aux_row, state_indices=((slot,),))
         handshake_s = time.perf_counter() - opened
-        if on_published is not None:
-            on_published()
-        if abort_after_publish is not None:
-            await anyio.sleep(abort_after_publish)
-            await rank.abort(room, "demo fault: the client went away mid-transfer")
+        if abort_when is not None and await _first_of(
+            abort_when, lambda: rank.wait(room, terminal=True)
+        ):
+            await self._abort(room, "demo fault: the client went away mid-transfer")
         status = await rank.wait(room, terminal=True)
         if status.poll is KVPoll.Failed:
             await rank.clear(room)  # pages come back through PagesReleased, after the fence
@@ -239,7 +287,7 @@ class DecodeEngine:
         try:
             tokens = await anyio.to_thread.run_sync(
                 lambda: decode(
-                    self.model, token, self.cache, table, prompt_len, max_new,
+                    self.model, token, self.cache, table, prompt_len, max_new - 1,
                     memory=self.memory.vector(slot), allocate_pages=allocate_more,
                 )
             )
@@ -250,8 +298,24 @@ class DecodeEngine:
         return RoomOutcome(KVPoll.Success, first_token=token, tokens=[token, *tokens],
                            handshake_s=handshake_s, ttft_s=ttft_s)  # fmt: skip
 
-    async def _allocate(self, count: int) -> list[int]:
+    async def _allocate(self, count: int) -> tuple[list[int], int]:
+        """``count`` pages and a state slot, once both are free (failed rooms hold theirs
+        until pdflow releases them)."""
         async with self.page_space:
-            while self.cache.allocator.num_free < count:
+            while self.cache.allocator.num_free < count or not self.memory.num_free:
                 await self.page_space.wait()
-            return self.cache.allocator.allocate(count)
+            return self.cache.allocator.allocate(count), self.memory.allocate()
+
+
+async def _first_of(event: anyio.Event, other: Callable[[], Awaitable[object]]) -> bool:
+    """Wait for ``event`` or ``other()``, whichever comes first; True if it was ``event``."""
+    async with anyio.create_task_group() as tasks:
+
+        async def wait_other() -> None:
+            await other()
+            tasks.cancel_scope.cancel()
+
+        tasks.start_soon(wait_other)
+        await event.wait()
+        tasks.cancel_scope.cancel()
+    return event.is_set()

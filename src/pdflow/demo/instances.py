@@ -18,16 +18,22 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.demo.aux_rows import AuxRows
 from pdflow.demo.engines import DecodeEngine, PrefillEngine, RoomOutcome, rank_kv
 from pdflow.demo.kvcache import PagedKVCache
+from pdflow.demo.link import LinkTransport, PrefillLink, RoomTaggingNode
 from pdflow.demo.model import TinyTransformer
 from pdflow.demo.state_slots import MemorySlots
 from pdflow.io.node_decode import DecodeNode
-from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import Settings
 from pdflow.transport import InProcessFabric
 from pdflow.transport.base import Transport
 
-AUX_ROWS = 64
-"""Aux rows per rank: more than the requests one demo instance has in flight."""
+
+def mooncake_problem() -> str | None:
+    """Why the Mooncake Transfer Engine cannot be used here, or None when it can."""
+    try:
+        import mooncake.engine  # noqa: F401
+    except (ImportError, OSError) as exc:  # OSError: a shared library it needs is missing
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 class TransportFactory:
@@ -42,14 +48,11 @@ class TransportFactory:
     def _choose(kind: str) -> str:
         if kind != "auto":
             return kind
-        try:
-            import mooncake.engine  # noqa: F401
-        except ImportError:
-            return "inprocess"
-        return "mooncake"
+        return "inprocess" if mooncake_problem() else "mooncake"
 
     @contextlib.asynccontextmanager
-    async def open(self) -> AsyncIterator[Transport]:
+    async def open(self, link: PrefillLink | None = None) -> AsyncIterator[Transport]:
+        """A new transport engine; a prefill's is seen through its ``link``."""
         transport: Transport
         if self.kind == "mooncake":
             from pdflow.transport.mooncake import MooncakeConfig, MooncakeTransport
@@ -61,7 +64,10 @@ class TransportFactory:
                 self._fabric = InProcessFabric()
             transport = self._fabric.create_transport()
         async with transport:
-            yield transport
+            yield transport if link is None else LinkTransport(transport, link)
+
+
+STOPPED = RoomOutcome(KVPoll.Failed, "the prefill instance stopped", stopped=True)
 
 
 class PendingResult:
@@ -70,6 +76,9 @@ class PendingResult:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.value: RoomOutcome | None = None
+        self.transferred: RoomOutcome | None = None
+        """Set once every rank's transfer completed, before the engine clears the room: the
+        decode's verified Success stands even if the instance stops after this."""
 
     def set(self, value: RoomOutcome) -> None:
         if not self.done.is_set():
@@ -87,11 +96,14 @@ class PrefillInstance:
 
     def __init__(self, model: TinyTransformer, caches: Sequence[PagedKVCache],
                  settings: Settings, transports: TransportFactory, bootstrap: str,
-                 staging_slot_bytes: int) -> None:  # fmt: skip
+                 staging_slot_bytes: int, link: PrefillLink, rows: int) -> None:  # fmt: skip
+        """``rows``: aux rows and state slots per rank, one per request the router may have
+        in flight (a room's are freed before its attempt returns)."""
         self.model = model
         self.caches = list(caches)
-        self.aux = [AuxRows(AUX_ROWS) for _ in self.caches]
-        self.memory = [MemorySlots(model.config.d_model, AUX_ROWS) for _ in self.caches]
+        self.aux = [AuxRows(rows) for _ in self.caches]
+        self.memory = [MemorySlots(model.config.d_model, rows) for _ in self.caches]
+        self.link = link
         self.settings = settings
         self.transports = transports
         self.bootstrap = bootstrap
@@ -114,17 +126,17 @@ class PrefillInstance:
                 await self._serve()
         finally:
             for pending in list(self._pending):
-                pending.set(RoomOutcome(KVPoll.Failed, "the prefill instance stopped"))
+                pending.set(STOPPED)
             self.stopped.set()
 
     async def _serve(self) -> None:
         async with (
-            self.transports.open() as transport,
-            PrefillNode(ranks=[rank_kv(c, a, m) for c, a, m in zip(self.caches, self.aux,
-                                                                   self.memory, strict=True)],
-                        transport=transport,
-                        bootstrap=self.bootstrap, settings=self.settings,
-                        staging_slot_bytes=self.staging_slot_bytes) as node,
+            self.transports.open(self.link) as transport,
+            RoomTaggingNode(ranks=[rank_kv(c, a, m) for c, a, m in zip(self.caches, self.aux,
+                                                                       self.memory, strict=True)],
+                            transport=transport,
+                            bootstrap=self.bootstrap, settings=self.settings,
+                            staging_slot_bytes=self.staging_slot_bytes) as node,
             anyio.create_task_group() as tasks,
         ):  # fmt: skip
             self.bootstrap = node.bootstrap
@@ -146,14 +158,22 @@ class PrefillInstance:
         self._pending.add(pending)
         engine = self._engine
 
+        def transferred(outcome: RoomOutcome) -> None:
+            pending.transferred = outcome
+
         async def job() -> None:
             try:
-                pending.set(await engine.serve(room, generation, prompt))
+                pending.set(await engine.serve(room, generation, prompt, transferred))
             except Exception as exc:  # an engine error fails this request, not the instance
-                pending.set(RoomOutcome(KVPoll.Failed, f"prefill engine error: {exc!r}"))
+                # In a stopped instance this is its sockets closing under it: report the stop.
+                pending.set(
+                    STOPPED
+                    if self._scope.cancel_called
+                    else RoomOutcome(KVPoll.Failed, f"prefill engine error: {exc!r}")
+                )
             finally:
                 # Cancelled with its instance: the waiter must still hear of it (no-op if set).
-                pending.set(RoomOutcome(KVPoll.Failed, "the prefill instance stopped"))
+                pending.set(STOPPED)
                 self._pending.discard(pending)
 
         self._tasks.start_soon(job)
@@ -162,10 +182,13 @@ class PrefillInstance:
 
 @contextlib.asynccontextmanager
 async def decode_instance(model: TinyTransformer, cache: PagedKVCache, settings: Settings,
-                          transports: TransportFactory,
-                          staging_bytes: int) -> AsyncIterator[DecodeEngine]:  # fmt: skip
-    aux = AuxRows(AUX_ROWS)
-    memory = MemorySlots(model.config.d_model, AUX_ROWS)
+                          transports: TransportFactory, staging_bytes: int,
+                          rows: int) -> AsyncIterator[DecodeEngine]:  # fmt: skip
+    """``rows`` aux rows (one per request in flight) and twice as many state slots: a failed
+    room's slot stays remote-writable until its pages come back, and over Mooncake those of
+    rooms in flight with a stopped prefill never do (at most ``rows`` of them)."""
+    aux = AuxRows(rows)
+    memory = MemorySlots(model.config.d_model, 2 * rows)
     async with (
         transports.open() as transport,
         DecodeNode(ranks=[rank_kv(cache, aux, memory)], transport=transport, settings=settings,

@@ -20,13 +20,15 @@ class MemorySlots:
     def __init__(self, d_model: int, num_slots: int) -> None:
         item_bytes = d_model * 4
         self._memory = (ctypes.c_uint8 * (num_slots * item_bytes))()
-        self._vectors = torch.frombuffer(self._memory, dtype=torch.float32).view(
-            num_slots, d_model
-        )
+        self._vectors = torch.frombuffer(self._memory, dtype=torch.float32).view(num_slots, d_model)
         self.component = StateBuffers(
             StateKind.BLOB, (ctypes.addressof(self._memory),), (item_bytes,), num_slots
         )
         self._free = list(range(num_slots))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
 
     def allocate(self) -> int:
         if not self._free:
