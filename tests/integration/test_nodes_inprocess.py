@@ -291,3 +291,26 @@ async def test_a_rotation_that_fails_leaves_the_decode_serving_and_is_counted(
         assert await one_room(p_node, d_node, 2) is KVPoll.Success
         failed = d_node.runtime.metrics.session_rotations.labels("failed")._value.get()
         assert failed == 1 and not d_node.rotations
+
+
+async def test_a_verification_works_on_the_pages_of_the_step_that_asked_for_it(
+    tmp_path: anyio.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The verification task starts a loop turn after its step; an engine that clears and
+    reopens the room id meanwhile gives the id other pages. The task must scatter into and
+    check the pages of the generation it verifies, never the newer one's."""
+    settings = load_settings(env={}, trace_dir=str(tmp_path), trace_enabled=False, checksum=True)
+    verify = DecodeNode.verify
+    swapped: list[tuple[int, ...]] = []
+
+    async def reopened_first(self: DecodeNode, host: Any, request: Any, *rest: Any) -> None:
+        # What a reopen of the room id does to the node's records before the task runs.
+        key = (host.rank, request.room)
+        swapped.append(self.room_pages[key])
+        self.room_pages[key] = (30, 31)
+        await verify(self, host, request, *rest)
+
+    monkeypatch.setattr(DecodeNode, "verify", reopened_first)
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 3) is KVPoll.Success
+    assert swapped == [(3, 4)], "the room was verified (staged TP=2 -> TP=1, digests on)"

@@ -130,6 +130,16 @@ _DRAIN_POLL_S = 0.02
 _ROTATION_RETRY_S = 60.0
 
 
+class RoomRecord(msgspec.Struct, frozen=True):
+    """What a verification works on, taken in the step that asked for it: the room id may be
+    cleared and opened again (another generation, other pages) before the task runs."""
+
+    pages: tuple[int, ...] | None
+    staging_offset: int | None
+    state: StateIndices
+    writers: tuple[PeerId, ...]
+
+
 class RotationReport(msgspec.Struct, frozen=True):
     """One fence by engine rotation: the sessions, and what the retirement gave back."""
 
@@ -331,7 +341,11 @@ class DecodeRankEffects(RankEffects):
 
     def verify_checksums(self, request: VerifyChecksums) -> None:
         node, host = self.node, self.host
-        node.spawn(lambda: node.verify(host, request))
+        key = (host.rank, request.room)
+        record = RoomRecord(node.room_pages.get(key), node.room_staging.get(key),
+                            node.room_state.get(key, ()),
+                            host.endpoint.writers_of(request.room))  # fmt: skip
+        node.spawn(lambda: node.verify(host, request, record))
 
     def store_aux(self, aux: StoreAux) -> None:
         # The core checked the row's size against the rank's aux buffer when it accepted it.
@@ -759,21 +773,20 @@ class DecodeNode(NodeLifecycle):
         log.info("writer_readmitted", endpoint=host.endpoint_id, writer=peer_key(peer),
                  fence_lifted=lifted)  # fmt: skip
 
-    async def verify(self, host: EndpointHost, request: VerifyChecksums) -> None:
+    async def verify(self, host: EndpointHost, request: VerifyChecksums,
+                     record: RoomRecord) -> None:  # fmt: skip
         """Scatter (staged decode) and check the room's pages, then report, on every path: the
         core holds the pages until this answer, since the scatter writes them.
 
         The worker thread is joined even when the task is cancelled (anyio waits for it), so
         the answer always comes after the last byte the scatter wrote."""
-        # Asked here, not in the worker thread: the endpoint is only touched from the loop.
-        writers = host.endpoint.writers_of(request.room)
         reason = "the local verification was cancelled"
         try:
-            if self._finishes_inline(host.rank, request):
-                reason = self._mismatch(host.rank, request, writers, inline=True)
+            if self._finishes_inline(host.rank, request, record):
+                reason = self._mismatch(host.rank, request, record, inline=True)
             else:
                 reason = await anyio.to_thread.run_sync(
-                    self._mismatch, host.rank, request, writers
+                    self._mismatch, host.rank, request, record
                 )
         except Exception as exc:
             reason = f"the local verification failed: {type(exc).__name__}: {exc}"
@@ -785,10 +798,10 @@ class DecodeNode(NodeLifecycle):
                     ChecksumChecked(request.room, request.generation, not reason, reason)
                 )
 
-    def _finishes_inline(self, rank: int, request: VerifyChecksums) -> bool:
+    def _finishes_inline(self, rank: int, request: VerifyChecksums, record: RoomRecord) -> bool:
         """A small staged room in host memory with no digest to recompute is scattered on the
         loop: a few copies cost less than a hop to a worker thread."""
-        pages = self.room_pages.get((rank, request.room))
+        pages = record.pages
         return (
             not request.expected
             and pages is not None
@@ -821,17 +834,16 @@ class DecodeNode(NodeLifecycle):
             self._regions[key] = writer_region(own, False, writer, kv.tp, own)
         return self._regions[key]
 
-    def _mismatch(self, rank: int, request: VerifyChecksums, writers: tuple[PeerId, ...],
+    def _mismatch(self, rank: int, request: VerifyChecksums, record: RoomRecord,
                   inline: bool = False) -> str:  # fmt: skip
         """Empty when every writer's digest matches the bytes in this room's pages, after the
         scatter of a staged room."""
-        pages = self.room_pages.get((rank, request.room))
+        pages = record.pages
         kv = self.rank_kv[[r.tp_rank for r in self.rank_kv].index(rank)]
         if pages is None or self._executor is None:
             return "the node has no record of this room's pages; cannot verify"
-        offset = self.room_staging.get((rank, request.room))
-        if offset is not None:
-            self._scatter(rank, kv, pages, offset, writers, inline)
+        if record.staging_offset is not None:
+            self._scatter(rank, kv, pages, record.staging_offset, record.writers, inline)
         problems = []
         # The writers of one TP rank (one per pipeline stage) fill that rank's slices of every
         # layer between them: their digests add up to the digest of those slices.
@@ -847,7 +859,7 @@ class DecodeNode(NodeLifecycle):
         own = kv.kv_buffers  # built per call: asked only when a digest is to be checked
         for place, sent in by_place.items():
             slices = destination_slices(own, place, kv.tp)
-            state = self.room_state.get((rank, request.room), ())
+            state = record.state
             cuts = state_slices(kv.state, False, place, kv.tp) if state else ()
             actual = (kv_digest(self._executor, slices, pages, pages, own.num_pages)
                       + state_digest(self._executor, cuts, state, state)) % ROOM_FOLD_MODULUS
