@@ -105,21 +105,57 @@ def test_no_token_means_no_wrapper_and_the_key_is_not_the_token() -> None:
         AuthenticatedCodec(plain, KEY, window_s=0)
 
 
-def test_the_replay_memory_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Past its capacity the oldest tags are forgotten early (a replay of one of those within
-    the window is then taken: the documented price of a bounded memory)."""
-    monkeypatch.setattr(frame_auth, "_REPLAY_CAPACITY", 3)
+def test_replays_are_refused_by_sequence_however_many_frames_came_between() -> None:
+    """A bounded set of seen tags forgot a tag after 131,072 frames (13 s at 10,000 frames a
+    second, inside the window) and the replay passed. Sequences per (sender, recipient) pair
+    cannot be outrun."""
     clock = Clock()
     sender, receiver = codec(clock), codec(clock)
-    frames = [sender.encode(metadata(room), None) for room in range(5)]
-    for sent in frames:
-        receiver.decode(sent)
-    assert len(receiver._seen) == 3
-    assert reason_of(receiver, frames[4]) == "replayed"
-    assert receiver.decode(frames[0])[0] == metadata(0)  # forgotten: taken again
-    clock.now += 61.0  # every remembered tag expires with the window
+    first = sender.encode(metadata(1), None)
+    receiver.decode(first)
+    for room in range(2, 200_002):
+        clock.now += 0.0001
+        receiver.decode(sender.encode(metadata(room), None))
+    assert clock.now - 1_000_000.0 < 30.0  # still inside the freshness window
+    assert reason_of(receiver, first) == "replayed"
+    assert len(receiver._last) == 1
+
+
+def test_a_senders_frames_to_two_recipients_may_arrive_interleaved_either_way() -> None:
+    """One node's codec numbers the frames of all its ranks and peers from one counter; only
+    the frames to one recipient share a connection, and so an order."""
+    clock = Clock()
+    sender, receiver = codec(clock), codec(clock)
+    other_prefill = PeerId("127.0.0.1:6002", "p-inc", 2)
+    to_one = sender.encode(metadata(1), None)
+    to_other = sender.encode(RoomMetadata(2, 0, DECODE, other_prefill, "s", (1,), None, 1), None)
+    receiver.decode(to_other)  # the later frame, over the other connection, came first
+    assert receiver.decode(to_one)[0] == metadata(1)
+    assert reason_of(receiver, to_one) == "replayed"
+
+
+def test_a_process_back_under_the_same_identity_numbers_above_its_earlier_life() -> None:
+    clock = Clock()
+    receiver = codec(clock)
+    for _ in range(3):
+        receiver.decode(codec(clock).encode(metadata(), None))  # a fresh codec each time
+        clock.now += 0.001
+
+
+def test_the_pair_memory_is_bounded_and_forgets_silent_pairs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(frame_auth, "_PAIR_CAPACITY", 3)
+    clock = Clock()
+    sender, receiver = codec(clock), codec(clock)
+    for rank in range(5):
+        prefill = PeerId("127.0.0.1:6001", "p-inc", rank)
+        receiver.decode(sender.encode(RoomMetadata(1, 0, DECODE, prefill, "s", (1,), None, 1),
+                                      None))  # fmt: skip
+    assert len(receiver._last) == 3
+    clock.now += 61.0  # silent for twice the window: any frame of theirs is stale now
     receiver.decode(codec(clock).encode(metadata(9), None))
-    assert len(receiver._seen) == 1
+    assert len(receiver._last) == 1
 
 
 def test_an_oversized_body_is_refused_before_its_mac_is_computed(
