@@ -179,7 +179,8 @@ def _show(console: Console, report: DemoReport) -> None:
         # Commands to paste: never wrapped at the console's width, never parsed as markup.
         console.print(f"  replay:   {pdflow} replay {files}", soft_wrap=True, markup=False)
         room = trace_room(report)
-        console.print(f"  timeline: {pdflow} trace show {files} --room {room}",
+        which = "" if room is None else f" --room {room}"  # no room ran: the summary alone
+        console.print(f"  timeline: {pdflow} trace show {files}{which}",
                       soft_wrap=True, markup=False)  # fmt: skip
     if report.timeline:
         console.print(f"[bold]timeline page[/bold] (open in a browser): {report.timeline}",
