@@ -357,6 +357,32 @@ async def test_finding4_late_put_from_a_dead_incarnation_gets_409_over_http() ->
 
 
 @pytest.mark.anyio
+async def test_a_restarted_prefill_is_answered_with_its_new_settings_over_http() -> None:
+    """Before: the topology kept the dead life's HTTP port and load balance method, and an
+    upgraded restart (another protocol_version) got 400 for good."""
+    def body(tp: int, life: str, started_at: float, **changed: Any) -> dict[str, Any]:
+        return sglang_body(tp, 40001 + tp, incarnation=life, started_at=started_at,
+                           **{"protocol_version": 3, **changed})
+
+    async with server_and_http() as (_, http):
+        for tp in (0, 1):
+            expect(await http.put("/route", json=body(tp, "p-a", 100.0)), 200, "OK")
+        for tp in (0, 1):
+            restarted = body(tp, "p-b", 200.0, prefill_http_port=31000,
+                             load_balance_method="round_robin")
+            expect(await http.put("/route", json=restarted), 200, "OK")
+        topology = (await http.get(TOPOLOGY)).json()
+        assert (topology["prefill_http_port"], topology["follow_bootstrap_room"]) == (31000, False)
+        for tp in (0, 1):
+            upgraded = body(tp, "p-c", 300.0, prefill_http_port=31000,
+                            load_balance_method="round_robin", protocol_version=4)
+            expect(await http.put("/route", json=upgraded), 200, "OK")
+        assert (await http.get(rank_path(0, 0, 1, 0))).json()["protocol_version"] == 4
+        late = await http.put("/route", json=body(0, "p-a", 100.0))
+        expect(late, 409)
+
+
+@pytest.mark.anyio
 async def test_client_errors_are_clear_and_not_retried() -> None:
     async with serve(port=0, token=TOKEN) as server:
         sleeps = SleepRecorder()

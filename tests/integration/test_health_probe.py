@@ -4,7 +4,9 @@ A server closes an idle keep-alive connection when its own timer says so; a clie
 the same connection from its pool at that moment sends its request into a socket the server is
 closing and gets no answer (a reset: ``ReadError``; a clean close: ``RemoteProtocolError``). In
 CI this failed one probe of a live prefill. The probe must tell that apart from a dead or
-paused server, and must not take longer to notice one.
+paused server, and must not take longer to notice one. A server that drips its answer a byte
+at a time (each within the read timeout) must not hold a probe, nor the heartbeat's other
+targets, past the probe's budget.
 """
 
 from __future__ import annotations
@@ -18,9 +20,13 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager, suppress
 from dataclasses import dataclass, field
 
+import anyio
 import pytest
 
-from pdflow.io.bootstrap_client import BootstrapClient
+from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.liveness import ProbeTarget
+from pdflow.io.bootstrap_client import BootstrapClient, BootstrapUnavailable, HealthStatus
+from pdflow.io.heartbeat import probe_once
 
 pytestmark = pytest.mark.integration
 
@@ -37,8 +43,9 @@ _OK = (b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\nx-pdflow-incarnation: inc-1\r\n
 class Server:
     """A raw HTTP/1.1 server whose behaviour per request is scripted: ``answer`` (200 OK and
     keep the connection), ``close`` (read the request, close cleanly, no answer), ``reset``
-    (read it, close with a TCP reset), ``late-reset`` (reset it ``late_s`` after reading) or
-    ``hang`` (read it, never answer)."""
+    (read it, close with a TCP reset), ``late-reset`` (reset it ``late_s`` after reading),
+    ``hang`` (read it, never answer) or ``drip`` (answer headers, then one body byte every
+    ``late_s``, never finishing)."""
 
     script: list[str]
     address: str = ""
@@ -62,6 +69,13 @@ class Server:
                 continue
             if action == "hang":
                 return
+            if action == "drip":
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 100000\r\n"
+                             b"x-pdflow-incarnation: inc-1\r\n\r\n")
+                while True:
+                    await writer.drain()
+                    await asyncio.sleep(self.late_s)
+                    writer.write(b"O")
             if action == "late-reset":
                 await asyncio.sleep(self.late_s)
             if action in ("reset", "late-reset"):
@@ -156,3 +170,75 @@ async def test_a_dead_server_fails_the_probe() -> None:
     down = await client.health()
     await client.aclose()
     assert not down.ok and down.incarnation is None and down.detail
+
+
+@pytest.mark.anyio
+async def test_a_dripping_server_fails_the_probe_within_its_budget() -> None:
+    """Before: httpx's timeouts are per read, so a byte every 0.2 s (read timeout 0.3 s) held
+    the probe for as long as the server liked; it now fails at connect + read budget."""
+    async with scripted("drip", late_s=0.2) as server:
+        client = BootstrapClient(server.address, rng=random.Random(0),
+                                 health_connect_s=0.2, health_read_s=0.3)  # fmt: skip
+        started = time.monotonic()
+        with anyio.fail_after(3):
+            down = await client.health()
+        took = time.monotonic() - started
+        await client.aclose()
+    assert not down.ok and "within 0.5s" in down.detail, down
+    assert took < 0.9, took
+
+
+@pytest.mark.anyio
+async def test_a_dripping_target_does_not_hold_back_the_others() -> None:
+    async with scripted("drip", late_s=0.2) as dripping, scripted("answer") as live:
+        clients = {address: BootstrapClient(address, rng=random.Random(0), health_connect_s=0.2,
+                                            health_read_s=0.3)
+                   for address in (dripping.address, live.address)}  # fmt: skip
+        delivered: list[tuple[float, HeartbeatResult]] = []
+
+        async def probe(target: ProbeTarget) -> HealthStatus:
+            return await clients[target.bootstrap].health()
+
+        async def deliver(result: HeartbeatResult) -> None:
+            delivered.append((time.monotonic(), result))
+
+        started = time.monotonic()
+        with anyio.fail_after(5):
+            await probe_once([ProbeTarget(dripping.address, None),
+                              ProbeTarget(live.address, None)], probe, deliver)
+        for client in clients.values():
+            await client.aclose()
+    by_target = {result.bootstrap: (at - started, result) for at, result in delivered}
+    assert by_target[live.address][1].ok and by_target[live.address][0] < 0.3
+    assert not by_target[dripping.address][1].ok and by_target[dripping.address][0] < 0.9
+
+
+@pytest.mark.anyio
+async def test_a_probe_that_never_returns_is_reported_down_at_the_heartbeats_deadline() -> None:
+    delivered: list[HeartbeatResult] = []
+
+    async def stuck(target: ProbeTarget) -> HealthStatus:
+        await anyio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async def deliver(result: HeartbeatResult) -> None:
+        delivered.append(result)
+
+    with anyio.fail_after(2):
+        await probe_once([ProbeTarget("10.0.0.1:8998", "10.0.0.1:9000")], stuck, deliver,
+                         deadline_s=0.2)  # fmt: skip
+    (result,) = delivered
+    assert not result.ok and result.health == "10.0.0.1:9000"
+
+
+@pytest.mark.anyio
+async def test_a_dripping_bootstrap_request_fails_within_the_clients_timeout() -> None:
+    """Registry requests have the same total deadline (``timeout_s``)."""
+    async with scripted("drip", late_s=0.2) as server:
+        client = BootstrapClient(server.address, rng=random.Random(0), timeout_s=0.5)
+        started = time.monotonic()
+        with pytest.raises(BootstrapUnavailable, match="no complete answer"), anyio.fail_after(3):
+            await client.query_dp_ranks([1])
+        took = time.monotonic() - started
+        await client.aclose()
+    assert took < 0.9, took

@@ -8,7 +8,10 @@ import msgspec
 import pytest
 
 from pdflow.core.cluster.registry import (
+    MAX_INCARNATION_CHARS,
     REGISTRY_TABLE,
+    STARTED_AT_TOLERANCE_S,
+    SUPERSEDED_MEMORY,
     CheckHealth,
     PrefillRankInfo,
     PrefillServerInfo,
@@ -170,6 +173,10 @@ CONSISTENT: list[tuple[str, Any, str]] = [
     ("protocol_version", 2, "Inconsistent pdflow protocol versions"),
     ("checksum", True, "Inconsistent prefill KV checksum settings"),
     ("is_mla", True, "Inconsistent prefill attention kinds"),
+    ("prefill_http_port", 31000, "Inconsistent prefill HTTP ports"),
+    ("load_balance_method", "round_robin", "Inconsistent prefill load balance methods"),
+    ("enable_dsa_cache_layer_split", True, "Inconsistent prefill DSA cache layer split"),
+    ("enable_kv_cache_sharding", True, "Inconsistent prefill KV cache sharding"),
 ]
 
 
@@ -183,10 +190,16 @@ def test_inconsistent_registration_is_refused_naming_field_and_values(
     reply = _reply(registry, rank(1, **{field: value}))
     assert reply.status == 400
     assert isinstance(reply.body, str) and reply.body.startswith(headline)
-    assert f"{field}=" in reply.body and "registered first" in reply.body
+    assert f"{field}=" in reply.body and "dp=0 cp=0 tp=0 pp=0" in reply.body
+    assert "start this rank with" in reply.body, "the answer says what to do"
     shown = value.value if isinstance(value, AllocationPolicy) else value
     assert repr(shown) in reply.body
     assert registry.snapshot() == before
+
+
+def test_no_load_balance_method_is_follow_bootstrap_room() -> None:
+    registry = registry_in(_C)  # rank 0 sent follow_bootstrap_room
+    assert _reply(registry, rank(1, load_balance_method=None)).status == 200
 
 
 @pytest.mark.parametrize(
@@ -209,7 +222,20 @@ def test_inconsistent_registration_is_refused_naming_field_and_values(
         ({"started_at": 5.0}, "send an incarnation too"),
         ({"health": "nohost"}, "health='nohost' must be host:port"),
         ({"health": "h:0"}, "health='h:0'"),
+        # str.isdigit() takes these; int() raised on '²' (a 500) and read Arabic-Indic digits.
+        ({"health": "h:\u00b2"}, "the port in ASCII digits"),
+        ({"health": "h:\u0668\u0660"}, "the port in ASCII digits"),
+        ({"health": "h:65536"}, "health='h:65536'"),
+        ({"health": "h:" + "9" * 5000}, "(5002 characters)"),
         ({"staging_slot_bytes": -1}, "staging_slot_bytes=-1 must be >= 0"),
+        ({"prefill_http_port": 0}, "prefill_http_port=0 must be in [1, 65535]"),
+        ({"prefill_http_port": 2**63 - 1}, "prefill_http_port=9223372036854775807"),
+        ({"incarnation": "p" * (MAX_INCARNATION_CHARS + 1)},
+         f"at most {MAX_INCARNATION_CHARS} are allowed"),
+        ({"incarnation": "p", "started_at": 1e300, "received_at": 1000.0},
+         "a process cannot start in the future"),
+        ({"incarnation": "p", "started_at": 1000.0 + STARTED_AT_TOLERANCE_S + 1,
+          "received_at": 1000.0}, "fix the prefill host's clock"),
     ],
 )
 def test_malformed_registration_is_refused_and_changes_nothing(
@@ -221,6 +247,37 @@ def test_malformed_registration_is_refused_and_changes_nothing(
         assert reply.status == 400
         assert isinstance(reply.body, str) and needle in reply.body
         assert registry.snapshot() == before
+
+
+def test_the_largest_incarnation_and_a_skewed_clock_within_the_tolerance_are_taken() -> None:
+    registry = Registry()
+    ahead = 1000.0 + STARTED_AT_TOLERANCE_S
+    reply = _reply(registry, rank(0, incarnation="p" * MAX_INCARNATION_CHARS, started_at=ahead,
+                                  received_at=1000.0, health="h:65535"))
+    assert reply == Reply(200, "OK")
+    held = registry.snapshot().registrations[0][1]
+    assert held.received_at is None and held.token is None, "only the sender's fields are kept"
+
+
+def test_a_start_time_far_in_the_future_cannot_lock_a_rank() -> None:
+    """Before: started_at=1e300 was taken, and every later life of the rank got 409."""
+    registry = Registry()
+    hostile = rank(0, incarnation="p-skewed", started_at=1e300, received_at=1000.0)
+    assert _reply(registry, hostile).status == 400
+    restart = rank(0, incarnation="p-real", started_at=990.0, received_at=1000.0)
+    assert _reply(registry, restart) == Reply(200, "OK")
+
+
+def test_inputs_never_show_the_token() -> None:
+    """A log line or a traceback that prints an input must not leak the shared token."""
+    from rich.pretty import pretty_repr
+
+    for inp in (rank(0, token=TOKEN), QueryTopology(TOKEN), QueryRank(0, 0, 0, 0, TOKEN),
+                RegisterDpRank(1, 0, TOKEN), QueryDpRanks((1,), TOKEN)):
+        for shown in (repr(inp), str(inp), f"{inp!r}", pretty_repr(inp)):
+            assert TOKEN not in shown and "<hidden>" in shown, shown
+    assert "token=None" in repr(QueryTopology())
+    assert msgspec.json.decode(msgspec.json.encode(rank(0, token=TOKEN)))["token"] == TOKEN
 
 
 def test_token_guards_every_request_but_health() -> None:
@@ -357,6 +414,16 @@ def test_dp_rank_registration_is_checked() -> None:
     assert _reply(Registry(), RegisterDpRank(5, 3)).status == 200
 
 
+def test_a_dp_rank_taken_before_the_dp_size_was_known_is_dropped_once_it_is() -> None:
+    """Before: room 5 -> dp rank 7 stayed answered after a dp_size=2 prefill registered."""
+    registry = Registry()
+    assert _reply(registry, RegisterDpRank(5, 7)) == Reply(200, "OK")
+    assert _reply(registry, RegisterDpRank(6, 1)) == Reply(200, "OK")
+    registry.handle(rank(0, tp_size=1, attn_dp_size=2), 1.0)
+    assert _reply(registry, QueryDpRanks((5, 6))) == Reply(200, {"6": 1})
+    assert [room for room, _, _ in registry.snapshot().room_dp_ranks] == [6]
+
+
 def test_route_query_sentinel() -> None:
     assert route_query(-1, -1, -1, -1) == QueryTopology()
     assert route_query(-1, -1, -1, 0) == QueryRank(-1, -1, -1, 0)
@@ -424,6 +491,93 @@ def test_a_superseded_incarnation_is_refused_on_every_rank() -> None:
     # Rank 1 is still p-a's, but p-a is a finished process life: its PUTs are all refused.
     assert _reply(registry, rank(1, incarnation="p-a", started_at=1.0)).status == 409
     assert _reply(registry, rank(1, port=41002, incarnation="p-b", started_at=2.0)).status == 200
+
+
+def test_the_superseded_memory_is_bounded() -> None:
+    """Before: every life that ever held a rank was kept, so 1,000 PUTs of 60 KB incarnations
+    grew the registry by 57 MiB."""
+    registry = Registry()
+    for life in range(10 * SUPERSEDED_MEMORY):
+        reply = _reply(registry, rank(0, tp_size=1, incarnation=f"p-{life}",
+                                      started_at=float(life)))
+        assert reply == Reply(200, "OK")
+    assert len(registry.superseded) == SUPERSEDED_MEMORY
+    # The most recent dead lives are still refused by arrival alone (no start time)...
+    last_dead = f"p-{10 * SUPERSEDED_MEMORY - 2}"
+    assert _reply(registry, rank(0, tp_size=1, incarnation=last_dead)).status == 409
+    # ... and a forgotten one by its start time: it is older than the life holding the rank.
+    late = _reply(registry, rank(0, tp_size=1, incarnation="p-0", started_at=0.0))
+    assert late.status == 409 and "is older than" in str(late.body)
+
+
+def test_a_dead_life_still_holding_a_rank_is_never_forgotten() -> None:
+    registry = Registry()
+    _lives(registry, "p-old", 1.0, 40001)
+    assert _reply(registry, rank(0, incarnation="p-0", started_at=2.0)).status == 200
+    for life in range(1, 3 * SUPERSEDED_MEMORY):  # rank 0 changes hands; rank 1 stays p-old's
+        reply = _reply(registry, rank(0, incarnation=f"p-{life}", started_at=2.0 + life))
+        assert reply.status == 200, reply
+    assert "p-old" in registry.superseded
+    assert len(registry.superseded) <= SUPERSEDED_MEMORY + len(registry.ranks)
+    assert _reply(registry, rank(1, incarnation="p-old")).status == 409
+
+
+def _restart(registry: Registry, incarnation: str, started_at: float, **changed: Any) -> None:
+    for tp in (0, 1):
+        reply = _reply(registry, rank(tp, port=42001 + tp, incarnation=incarnation,
+                                      started_at=started_at, **changed))
+        assert reply == Reply(200, "OK"), reply
+
+
+def test_a_restarted_prefill_is_answered_with_its_new_settings() -> None:
+    """Before: the topology stayed the dead life's first registration (its HTTP port, its load
+    balance method), and a restart with another page size or protocol version got 400 for
+    ever."""
+    registry = Registry()
+    _restart(registry, "p-a", 100.0, protocol_version=3)
+    changed: dict[str, Any] = {
+        "prefill_http_port": 31000, "load_balance_method": "round_robin",
+        "enable_kv_cache_sharding": True, "page_size": 32, "protocol_version": 4,
+        "kv_cache_dtype": "fp8_e4m3", "checksum": True,
+    }
+    _restart(registry, "p-b", 200.0, **changed)
+    body = _reply(registry, QueryTopology()).body
+    assert isinstance(body, dict)
+    assert (body["prefill_http_port"], body["follow_bootstrap_room"], body["page_size"],
+            body["enable_kv_cache_sharding"], body["kv_cache_dtype"]) == (
+        31000, False, 32, True, "fp8_e4m3")
+    first = registry.snapshot().first
+    assert first is not None and first.incarnation == "p-b" and first.protocol_version == 4
+    # The dead life cannot come back, and its settings bind no one any more.
+    assert _reply(registry, rank(0, incarnation="p-a", protocol_version=3)).status == 409
+
+
+def test_a_new_life_must_agree_with_the_live_ranks_it_does_not_replace() -> None:
+    """dp group 1 restarts with another page size while dp group 0 still runs the old one: the
+    instance would mix page sizes, so the registration is refused, saying what to do."""
+    registry = Registry()
+    for dp, life in ((0, "p-dp0"), (1, "p-dp1")):
+        reply = _reply(registry, rank(0, tp_size=1, attn_dp_size=2, attn_dp_rank=dp,
+                                      incarnation=life, started_at=10.0))
+        assert reply.status == 200
+    before = registry.snapshot()
+    mixed = _reply(registry, rank(0, tp_size=1, attn_dp_size=2, attn_dp_rank=1, page_size=32,
+                                  incarnation="p-dp1b", started_at=20.0))
+    assert mixed.status == 400 and "of live prefill rank dp=0 cp=0 tp=0 pp=0" in str(mixed.body)
+    assert "restart the whole instance" in str(mixed.body)
+    assert registry.snapshot() == before
+    # The parallel sizes never change while the registry runs, whoever restarts.
+    sizes = _reply(registry, rank(0, tp_size=1, attn_dp_size=1, incarnation="p-dp0b",
+                                  started_at=20.0))
+    assert sizes.status == 400 and "restart the registry" in str(sizes.body)
+
+
+def test_a_lone_rank_reregistering_with_new_settings_updates_the_topology() -> None:
+    registry = Registry()
+    assert _reply(registry, rank(0, tp_size=1)) == Reply(200, "OK")
+    assert _reply(registry, rank(0, tp_size=1, prefill_http_port=31000)) == Reply(200, "OK")
+    body = _reply(registry, QueryTopology()).body
+    assert isinstance(body, dict) and body["prefill_http_port"] == 31000
 
 
 def test_sglang_registrations_without_order_still_replace_their_rank() -> None:

@@ -1,6 +1,8 @@
 """Property: under any order of registrations (duplicates, restarts, bad tokens, inconsistent or
 malformed ones), the registry is READY exactly when every distinct rank has registered, answers
-each rank with its latest accepted registration, and a refused request changes nothing."""
+each rank with its latest accepted registration, and a refused request changes nothing. A
+registration must agree with the live ranks (those of no superseded life) only, and the topology
+answer always describes a live one (a restarted prefill may change its page size)."""
 
 from __future__ import annotations
 
@@ -42,9 +44,8 @@ def test_readiness_is_distinct_ranks(
     sizes, steps = case
     world = sizes["dp"] * sizes["cp"] * sizes["tp"] * sizes["pp"]
     registry = Registry(token=TOKEN)
-    accepted: dict[Key, tuple[int, str]] = {}
+    accepted: dict[Key, tuple[int, str, int]] = {}  # port, incarnation, page size
     superseded: set[str] = set()  # incarnations a later one replaced on some rank
-    first_page_size: int | None = None  # the first accepted registration sets the layout
     for now, ((dp, cp, tp, pp), port, incarnation, kind) in enumerate(steps):
         fields: dict[str, Any] = dict(
             tp_size=sizes["tp"], port=port, incarnation=incarnation, token=TOKEN,
@@ -60,23 +61,26 @@ def test_readiness_is_distinct_ranks(
         before = registry.snapshot()
         reply = registry.reply_to(rank(tp, **fields), float(now))
         page_size = 32 if kind == "inconsistent" else 1
+        key = (dp, cp, tp, pp)
+        held = accepted.get(key)
+        replaced = held[1] if held is not None and held[1] != incarnation else None
+        live_pages = {page for other, (_, life, page) in accepted.items()
+                      if other != key and life != replaced and life not in superseded}
         if kind == "no_token":
             expected = 401
         elif kind == "malformed":
             expected = 400
         elif incarnation in superseded:
             expected = 409
-        elif first_page_size not in (None, page_size):
+        elif live_pages - {page_size}:
             expected = 400
         else:
             expected = 200
         assert reply.status == expected, reply.body
         if expected == 200:
-            held = accepted.get((dp, cp, tp, pp))
-            if held is not None and held[1] != incarnation:
-                superseded.add(held[1])
-            accepted[(dp, cp, tp, pp)] = (port, incarnation)
-            first_page_size = page_size if first_page_size is None else first_page_size
+            if replaced is not None:
+                superseded.add(replaced)
+            accepted[key] = (port, incarnation, page_size)
         else:
             assert registry.snapshot() == before
         assert (registry.state is RegistryState.READY) == (len(accepted) == world)
@@ -84,8 +88,12 @@ def test_readiness_is_distinct_ranks(
         assert topology.status == (200 if len(accepted) == world else 503)
         if topology.status == 503:
             assert f"({len(accepted)} workers registered)" in str(topology.body)
+        else:
+            assert isinstance(topology.body, dict)
+            assert topology.body["page_size"] in {page for _, life, page in accepted.values()
+                                                  if life not in superseded}
     if len(accepted) == world:
-        for (dp, cp, tp, pp), (port, incarnation) in accepted.items():
+        for (dp, cp, tp, pp), (port, incarnation, _) in accepted.items():
             body = registry.reply_to(QueryRank(dp, cp, tp, pp, TOKEN), 99.0).body
             assert body == {"rank_ip": "127.0.0.1", "rank_port": port,
                             "incarnation": incarnation}

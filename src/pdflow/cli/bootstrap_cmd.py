@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import signal
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TextIO
 
 if TYPE_CHECKING:
     from pdflow.io.settings import Settings
@@ -42,7 +42,8 @@ def run(args: argparse.Namespace) -> int:
     except SettingsError as exc:
         print(f"pdflow bootstrap: {exc}", file=sys.stderr)
         return 2
-    _log_json_to_stderr()
+    _log_json_to(sys.stderr)
+    _raise_open_files_limit()
     incarnation = args.incarnation
     try:
         anyio.run(_serve_until_signalled, settings, incarnation, backend="asyncio")
@@ -74,14 +75,33 @@ async def _serve_until_signalled(settings: Settings, incarnation: str | None) ->
                 break
 
 
-def _log_json_to_stderr() -> None:
+def _raise_open_files_limit(wanted: int = 65536) -> None:
+    """A registry on its own holds a connection per client rank, and caps its connections at an
+    eighth of ``ulimit -n`` (asgi_serving.connection_cap): a soft limit of 1,024 would leave it
+    128. Raised towards the hard limit, as servers of this kind (and SGLang's launcher) do."""
+    import contextlib
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    target = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+    if soft != resource.RLIM_INFINITY and soft < target:
+        # Refused: kept as it is, and the cap follows whatever limit the process has.
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def _log_json_to(stream: TextIO) -> None:
+    """One JSON object a line. An exception logged with ``exc_info`` gets its traceback as text
+    (``exception``): format_exc_info, not dict_tracebacks, whose frames carry their local
+    variables (a request's token among them)."""
     import structlog
 
     structlog.configure(
         processors=[
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso"),
+            structlog.processors.format_exc_info,
             structlog.processors.JSONRenderer(),
         ],
-        logger_factory=structlog.PrintLoggerFactory(sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream),
     )

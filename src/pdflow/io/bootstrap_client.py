@@ -5,6 +5,10 @@ connection failures and 502/503/504 with capped, jittered exponential backoff; t
 from a ``random.Random`` the caller owns and seeds, so runs are reproducible. Topology reads
 retry "not ready yet" (503) and refused connections until a deadline: the prefill may start
 after the decode. Anything else is an error that says what the server answered.
+
+httpx's timeouts bound each connect, write and read, not a request: a server that drips a byte
+just within the read timeout holds a request for ever. So every request here has a total
+deadline too (``timeout_s``; a health probe ``health_connect_s + health_read_s``).
 """
 
 from __future__ import annotations
@@ -117,6 +121,7 @@ class BootstrapClient:
         self._health_timeout = httpx.Timeout(health_read_s, connect=health_connect_s)
         self._health_budget_s = health_connect_s + health_read_s
         headers = {"Authorization": f"Bearer {token}"} if token else {}
+        self._request_budget_s = timeout_s
         self._http = httpx.AsyncClient(base_url=self.url, timeout=timeout_s, headers=headers,
                                        transport=transport, verify=_tls_context())  # fmt: skip
         # For a probe's one retry: a client that keeps no connection, so the retry cannot pick
@@ -206,33 +211,42 @@ class BootstrapClient:
         reported down so in CI). A timeout is not retried: that is a paused or overloaded
         server, and a retry would double the time the heartbeat takes to notice it. The retry
         only gets what is left of one probe's time (connect + read timeouts), so a probe never
-        takes longer than a probe without a retry could."""
-        started = anyio.current_time()  # the loop's clock, which move_on_after uses
-        try:
+        takes longer than a probe without a retry could. That time bounds the whole probe, not
+        each read: a server dripping its answer a byte at a time fails it."""
+        dropped: Exception | None = None
+        with anyio.move_on_after(self._health_budget_s):  # the retry gets what is left of it
             try:
-                response = await self._http.get("/health", timeout=self._health_timeout)
-            except _DROPPED_UNANSWERED as exc:
-                log.info("health_probe_retried", url=self.url, error=type(exc).__name__)
-                left = self._health_budget_s - (anyio.current_time() - started)
-                with anyio.move_on_after(max(left, 0.0)):
+                try:
+                    response = await self._http.get("/health", timeout=self._health_timeout)
+                except _DROPPED_UNANSWERED as exc:
+                    log.info("health_probe_retried", url=self.url, error=type(exc).__name__)
+                    dropped = exc
                     response = await self._unpooled.get("/health", timeout=self._health_timeout)
-                    return _health_status(response)
-                return HealthStatus(False, None, f"{type(exc).__name__}: {exc}; the retry on "
-                                                 f"a new connection got no answer within "
-                                                 f"{self._health_budget_s:g}s of the probe")
-        except httpx.HTTPError as exc:
-            return HealthStatus(False, None, f"{type(exc).__name__}: {exc}")
-        return _health_status(response)
+            except httpx.HTTPError as exc:
+                return HealthStatus(False, None, f"{type(exc).__name__}: {exc}")
+            return _health_status(response)
+        if dropped is not None:
+            return HealthStatus(False, None, f"{type(dropped).__name__}: {dropped}; the retry on "
+                                             f"a new connection got no answer within "
+                                             f"{self._health_budget_s:g}s of the probe")
+        return HealthStatus(False, None, f"no complete answer within {self._health_budget_s:g}s "
+                                         "(the probe's deadline): the server is too slow")
 
     # ---- plumbing --------------------------------------------------------------------------
     async def _once(self, method: str, path: str, body: Any = None,
                     params: dict[str, int] | None = None) -> httpx.Response:
         try:
-            return await self._http.request(method, path, json=body, params=params)
+            with anyio.fail_after(self._request_budget_s):
+                return await self._http.request(method, path, json=body, params=params)
         except httpx.TransportError as exc:
             raise BootstrapUnavailable(
                 f"cannot reach the bootstrap server at {self.url}: {type(exc).__name__}: {exc}"
             ) from exc
+        except TimeoutError:
+            raise BootstrapUnavailable(
+                f"no complete answer from the bootstrap server at {self.url} to {method} {path} "
+                f"within {self._request_budget_s:g}s"
+            ) from None
 
     async def _write(self, method: str, path: str, body: Any, *, what: str) -> None:
         last = ""

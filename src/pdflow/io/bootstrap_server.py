@@ -1,13 +1,19 @@
 """The HTTP bootstrap server: SGLang's routes on Starlette + uvicorn, decisions in core.Registry.
 
 This module only parses requests into registry inputs and serialises the registry's replies; it
-passes ``now`` from a monotonic clock and the token from the request headers. Routes, fields,
-texts and status codes follow SGLang's bootstrap server, so either side's clients work against
-the other's server. Differences: readiness counts distinct ranks, and a malformed request gets
-400 with a message saying what is wrong (SGLang answers 500): a body nested deeper than
-``MAX_JSON_DEPTH`` is refused before decoding, one without ``Content-Type: application/json``
-gets 415 (SGLang's clients always send it), and a handler failure is answered with a 500 that
-keeps the connection open instead of escaping to uvicorn.
+passes ``now`` from a monotonic clock, the token from the request headers and, with each
+registration, the wall clock it arrived at (``received_at``: a ``started_at`` far ahead of it is
+refused). Routes, fields, texts and status codes follow SGLang's bootstrap server, so either
+side's clients work against the other's server. Differences: readiness counts distinct ranks,
+and a malformed request gets 400 with a message saying what is wrong (SGLang answers 500).
+
+The order of the checks: the route and method (404, 405), then, with a token set, the token
+(401) before anything of the request is read, so a request without it learns nothing of the
+schema; then the media type (415), the body's size (413) and the time it takes to arrive (408,
+see :mod:`pdflow.io.asgi_serving`), its nesting (``MAX_JSON_DEPTH``) and fields (400), and
+last the registry's own answers. A handler failure is a bug: it is answered with a 500 that keeps
+the connection open and logged with its traceback, without the frames' local variables and with
+the token blanked out. A client that disconnects mid-request is logged quietly.
 
 uvicorn runs on asyncio, so :func:`serve` needs anyio's asyncio backend.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import socket
 import time
+import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -25,7 +32,7 @@ import anyio
 import msgspec
 import structlog
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -35,14 +42,25 @@ from pdflow.core.cluster.registry import (
     MISSING_INPUTS,
     CheckHealth,
     QueryDpRanks,
+    QueryRank,
+    QueryTopology,
     RegisterDpRank,
     RegisterRank,
     Registry,
     Reply,
     route_query,
+    unauthorized_reply,
 )
 from pdflow.core.protocol.inputs import Input, Tick
-from pdflow.io.asgi_serving import bind, require_asyncio, serving
+from pdflow.io.asgi_serving import (
+    TIMEOUT_HEADERS,
+    TIMEOUT_STATUS,
+    RequestTimeout,
+    ServingLimits,
+    bind,
+    require_asyncio,
+    serving,
+)
 from pdflow.io.json_guard import JSON_MEDIA_TYPE, MAX_JSON_DEPTH, is_json, nesting_depth
 
 DEFAULT_MAX_BODY = 64 * 1024
@@ -122,13 +140,33 @@ def _convert(payload: dict[str, Any], kind: type[Any], what: str) -> Any:
         raise _Refusal(400, f"Malformed {what}: {exc}") from None
 
 
-async def registration_of(request: Request, limit: int) -> RegisterRank:
+async def registration_of(
+    request: Request, limit: int, wall_clock: Callable[[], float] = time.time
+) -> RegisterRank:
     payload = await _json_object(request, limit)
-    # The token is a header; a body must not be able to claim one (nor pick the input type).
-    payload.pop("token", None)
-    payload.pop("type", None)
+    # The token is a header and the arrival time the server's own clock: a body must not be
+    # able to claim either (nor pick the input type).
+    for stamped in ("token", "type"):
+        payload.pop(stamped, None)
     reg: RegisterRank = _convert(payload, RegisterRank, "registration")
-    return msgspec.structs.replace(reg, token=request_token(request))
+    return msgspec.structs.replace(reg, token=request_token(request), received_at=wall_clock())
+
+
+def guarded_kind(request: Request) -> type[Input] | None:
+    """The input a request to a token-guarded route becomes (None: /health, never guarded),
+    known from its method and query alone, before its body is read."""
+    path = request.url.path
+    if path == "/route":
+        if request.method == "PUT":
+            return RegisterRank
+        values = [request.query_params.get(name) for name in ROUTE_QUERY]
+        return QueryTopology if values == ["-1"] * len(ROUTE_QUERY) else QueryRank
+    return _GUARDED_BODY_ROUTES.get(path)
+
+
+_GUARDED_BODY_ROUTES: dict[str, type[Input]] = {
+    "/register_dp_rank": RegisterDpRank, "/query_dp_ranks": QueryDpRanks,
+}
 
 
 def rank_query_of(request: Request) -> Input:
@@ -171,10 +209,15 @@ def build_app(
     registry: Registry,
     *,
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
     max_body: int = DEFAULT_MAX_BODY,
     incarnation: str | None = None,
 ) -> ASGIApp:
-    """The ASGI app serving ``registry``. Every request is answered by the registry."""
+    """The ASGI app serving ``registry``. Every request is answered by the registry.
+
+    ``clock`` is the registry's ``now`` (room expiry: monotonic); ``wall_clock`` stamps each
+    registration's arrival, which its ``started_at`` (the prefill's wall clock) is checked
+    against."""
     if max_body < 1:
         raise ValueError(f"max_body must be at least 1 byte, got {max_body}")
 
@@ -182,13 +225,23 @@ def build_app(
         parse: Callable[[Request], Awaitable[Input]],
     ) -> Callable[[Request], Awaitable[Response]]:
         async def endpoint(request: Request) -> Response:
+            kind = guarded_kind(request)
+            if kind is not None and not registry.accepts_token(request_token(request)):
+                return response_of(unauthorized_reply(kind))  # before anything is read
             try:
                 inp = await parse(request)
                 reply = registry.reply_to(inp, clock())
             except _Refusal as refusal:
                 return PlainTextResponse(refusal.text, status_code=refusal.status)
-            except Exception:  # a bug: answer it here, so uvicorn keeps the connection
-                log.exception("bootstrap_handler_failed", path=request.url.path)
+            except RequestTimeout as timeout:
+                log.info("bootstrap_request_timeout", path=request.url.path)
+                return PlainTextResponse(str(timeout), status_code=TIMEOUT_STATUS,
+                                         headers=TIMEOUT_HEADERS)
+            except ClientDisconnect:  # the client went away mid-request: nothing to answer
+                log.info("bootstrap_client_disconnected", path=request.url.path)
+                return PlainTextResponse("Client closed the request", status_code=499)
+            except Exception as exc:  # a bug: answer it here, so uvicorn keeps the connection
+                _log_failure(registry, request.url.path, exc)
                 return PlainTextResponse("Internal error in the bootstrap server; see its log",
                                          status_code=500)
             if reply.status == 409:
@@ -199,7 +252,7 @@ def build_app(
 
     async def parse_route(request: Request) -> Input:
         if request.method == "PUT":
-            return await registration_of(request, max_body)
+            return await registration_of(request, max_body, wall_clock)
         return rank_query_of(request)
 
     async def parse_dp_registration(request: Request) -> Input:
@@ -227,6 +280,16 @@ def build_app(
         exception_handlers={404: not_found, 405: not_allowed},
     )
     return _RequestLog(app, incarnation)
+
+
+def _log_failure(registry: Registry, path: str, exc: Exception) -> None:
+    """Log a handler failure with its traceback, formatted here: a renderer the embedding
+    process configured (structlog's dev renderer shows rich tracebacks with every frame's
+    local variables) would print requests and tokens held in locals."""
+    text = "".join(traceback.format_exception(exc)).rstrip()
+    log.error("bootstrap_handler_failed", path=path,
+              error=registry.redacted(f"{type(exc).__name__}: {exc}"),
+              traceback=registry.redacted(text))
 
 
 class _RequestLog:
@@ -299,21 +362,25 @@ async def serve(
     max_body: int = DEFAULT_MAX_BODY,
     tick_interval: float = DEFAULT_TICK_INTERVAL_S,
     clock: Callable[[], float] = time.monotonic,
+    wall_clock: Callable[[], float] = time.time,
     sock: socket.socket | None = None,
     registry: Registry | None = None,
+    limits: ServingLimits = ServingLimits(),  # noqa: B008 - immutable
 ) -> AsyncIterator[RunningBootstrap]:
     """Serve the bootstrap registry until the ``async with`` block ends.
 
     ``sock`` is an already bound socket to serve on instead of binding ``host:port`` (it is
     closed on exit). Leaving the block stops accepting, finishes the requests in flight and
-    closes the socket; no task is left behind.
+    closes the socket; no task is left behind. ``limits``: what a client may hold (connections,
+    time to send a request).
     """
     require_asyncio("bootstrap server")
     if tick_interval <= 0:
         raise ValueError(f"tick_interval must be positive seconds, got {tick_interval}")
     registry = registry if registry is not None else Registry(token=token,
                                                               dp_rank_ttl=dp_rank_ttl)
-    app = build_app(registry, clock=clock, max_body=max_body, incarnation=incarnation)
+    app = build_app(registry, clock=clock, wall_clock=wall_clock, max_body=max_body,
+                    incarnation=incarnation)
     listener = sock if sock is not None else bind(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
 
@@ -322,7 +389,10 @@ async def serve(
             await anyio.sleep(tick_interval)
             registry.handle(Tick(), clock())
 
-    async with serving(app, listener, "bootstrap server"), anyio.create_task_group() as ticks:
+    async with (
+        serving(app, listener, "bootstrap server", limits),
+        anyio.create_task_group() as ticks,
+    ):
         ticks.start_soon(tick_forever)
         log.info("bootstrap_listening", host=bound_host, port=bound_port,
                  token_required=registry.requires_token, incarnation=incarnation)

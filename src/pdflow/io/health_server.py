@@ -4,6 +4,8 @@ The decode's heartbeat probes it (the address travels in each rank's registratio
 or paused prefill is noticed even behind an external registry (``pdflow bootstrap``), whose own
 ``/health`` only says the registry is up. A PrefillNode hosting its registry needs none: the
 registry's ``/health`` is served by the same process and carries the same incarnation header.
+Another path gets 404, another method 405 (as the registry answers them); idle and slow
+connections are cut as for the registry (:class:`pdflow.io.asgi_serving.ServingLimits`).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Route
 
-from pdflow.io.asgi_serving import bind, require_asyncio, serving
+from pdflow.io.asgi_serving import ServingLimits, bind, require_asyncio, serving
 from pdflow.io.bootstrap_client import INCARNATION_HEADER
 
 log = structlog.get_logger("pdflow.health")
@@ -30,17 +32,25 @@ def health_app(incarnation: str) -> Starlette:
     async def not_found(request: Request, exc: Exception) -> Response:
         return PlainTextResponse("404: Not Found", status_code=404)
 
+    async def not_allowed(request: Request, exc: Exception) -> Response:
+        return PlainTextResponse("Method not allowed", status_code=405)
+
     return Starlette(routes=[Route("/health", health, methods=["GET"])],
-                     exception_handlers={404: not_found, 405: not_found})  # fmt: skip
+                     exception_handlers={404: not_found, 405: not_allowed})  # fmt: skip
 
 
 @asynccontextmanager
-async def serve_health(host: str, incarnation: str, port: int = 0) -> AsyncIterator[str]:
+async def serve_health(
+    host: str,
+    incarnation: str,
+    port: int = 0,
+    limits: ServingLimits = ServingLimits(),  # noqa: B008 - immutable
+) -> AsyncIterator[str]:
     """Serve the process's health endpoint until the block ends; yields its ``host:port``."""
     require_asyncio("health endpoint")
     listener = bind(host, port, "health endpoint")
     bound_host, bound_port = listener.getsockname()[:2]
     address = f"[{bound_host}]:{bound_port}" if ":" in bound_host else f"{bound_host}:{bound_port}"
-    async with serving(health_app(incarnation), listener, "health endpoint"):
+    async with serving(health_app(incarnation), listener, "health endpoint", limits):
         log.info("health_listening", address=address, incarnation=incarnation)
         yield address

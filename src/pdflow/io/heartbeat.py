@@ -5,6 +5,10 @@ its address), or the registry's ``/health`` for a prefill that registered none (
 instances stay targets, so one that was only paused is seen answering again. The shell only
 reports what it saw (``HeartbeatResult``); counting failures, declaring an instance dead and
 readmitting it are the core's decisions.
+
+Targets are probed concurrently and each result is delivered as it comes, so one slow target
+never holds back another's. Each probe has a deadline (``PROBE_DEADLINE_S``; the client's own
+probe gives up sooner, at its connect + read budget): one that overruns it is a failed probe.
 """
 
 from __future__ import annotations
@@ -23,12 +27,24 @@ log = structlog.get_logger("pdflow.heartbeat")
 Probe = Callable[[ProbeTarget], Awaitable[HealthStatus]]
 Deliver = Callable[[HeartbeatResult], Awaitable[None]]
 
+PROBE_DEADLINE_S = 10.0
+"""The most one probe may take, whatever the probe does (BootstrapClient.health gives up at
+its own budget, 5 s by default): past it the target is reported down."""
 
-async def probe_once(targets: Iterable[ProbeTarget], probe: Probe, deliver: Deliver) -> None:
+
+async def probe_once(
+    targets: Iterable[ProbeTarget],
+    probe: Probe,
+    deliver: Deliver,
+    deadline_s: float = PROBE_DEADLINE_S,
+) -> None:
     """Probe every target concurrently and deliver each result as it comes."""
 
     async def one(target: ProbeTarget) -> None:
-        status = await probe(target)
+        status = HealthStatus(False, None, f"no answer within the probe's deadline of "
+                                           f"{deadline_s:g}s")
+        with anyio.move_on_after(deadline_s):
+            status = await probe(target)
         if not status.ok:
             log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
                         detail=status.detail[:200])  # fmt: skip
@@ -45,10 +61,13 @@ async def run_heartbeat(
     targets: Callable[[], Iterable[ProbeTarget]],
     probe: Probe,
     deliver: Deliver,
+    deadline_s: float = PROBE_DEADLINE_S,
 ) -> None:
     """Forever: wait ``interval_s``, then probe whatever ``targets()`` names now."""
     if interval_s <= 0:
         raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
+    if deadline_s <= 0:
+        raise ValueError(f"probe deadline must be positive seconds, got {deadline_s}")
     while True:
         await anyio.sleep(interval_s)
-        await probe_once(targets(), probe, deliver)
+        await probe_once(targets(), probe, deliver, deadline_s)

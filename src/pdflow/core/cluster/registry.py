@@ -12,8 +12,13 @@ read by the shell) with its incarnation. A registration that started before the 
 holding its rank is refused, and once a rank is taken over by another incarnation, the one it
 replaced is *superseded*: each later registration from it gets 409 and changes nothing, so a
 dead process retrying a late PUT can never take its rank back. SGLang's prefill sends neither
-field; its registrations replace their rank as before. See spec/machines/registry.toml and
-``[registry]`` in spec/protocol.toml.
+field; its registrations replace their rank as before. A registration is checked against the
+registry's wall clock (``received_at``, stamped by the HTTP layer): a ``started_at`` more than
+``STARTED_AT_TOLERANCE_S`` ahead of it is refused, so a skewed or hostile clock cannot lock a
+rank for good. See spec/machines/registry.toml and ``[registry]`` in spec/protocol.toml.
+
+The shared token travels in the request inputs but never shows in their ``repr`` (nor in rich's
+pretty printing): a log line or traceback that prints an input cannot leak it.
 """
 
 from __future__ import annotations
@@ -34,6 +39,19 @@ from pdflow.core.protocol.policy import AllocationPolicy
 DEFAULT_DP_RANK_TTL_S = 120.0
 """How long a room -> dp rank entry lives (SGLang's BOOTSTRAP_ENTRY_CLEANUP_INTERVAL)."""
 
+MAX_INCARNATION_CHARS = 128
+"""Longest incarnation a registration may carry (pdflow draws 32 hex digits): the registry keeps
+incarnations (held ranks, superseded lives), so their size must be bounded."""
+
+STARTED_AT_TOLERANCE_S = 300.0
+"""How far a registration's ``started_at`` may lie ahead of the registry's wall clock (clock
+skew between hosts). Further ahead it is refused: a process cannot start in the future, and a
+start time of, say, 1e300 would make every later life of the rank look older (409) for good."""
+
+SUPERSEDED_MEMORY = 64
+"""How many superseded incarnations that hold no rank any more the registry remembers (the
+most recently superseded ones). See :meth:`Registry._forget_old_lives`."""
+
 OK = "OK"
 MISSING_INPUTS = "Missing inputs for bootstrap server."
 """SGLang's answer to a rank query lacking a parameter; the HTTP layer sends it."""
@@ -45,6 +63,24 @@ class RegistryState(enum.Enum):
 
 
 # ---- inputs -------------------------------------------------------------------------------------
+_MASK = "<hidden>"
+
+
+def _masked_repr(self: msgspec.Struct) -> str:
+    """The Struct's repr with the token hidden: inputs get logged and show in tracebacks."""
+    fields = ", ".join(f"{name}={value!r}" for name, value in _masked_fields(self))
+    return f"{type(self).__name__}({fields})"
+
+
+def _masked_fields(self: msgspec.Struct) -> list[tuple[str, Any]]:
+    """The fields as rich's pretty printer reads them (``__rich_repr__``), token hidden."""
+    return [
+        (name, _MASK if name == "token" and getattr(self, name) is not None
+         else getattr(self, name))
+        for name in self.__struct_fields__
+    ]
+
+
 class RegisterRank(Input, frozen=True, gc=True, tag="RegisterRank"):  # holds a dict: tracked
     """``PUT /route``: one prefill rank announces itself (SGLang's fields, plus pdflow's)."""
 
@@ -86,7 +122,13 @@ class RegisterRank(Input, frozen=True, gc=True, tag="RegisterRank"):  # holds a 
     worker): a decode stages a small room for this prefill only when a slot holds it.
     None: not declared (SGLang sends none), so no small room is staged for it."""
     token: str | None = None
-    """From the HTTP header, never from the body."""
+    """From the HTTP header, never from the body; hidden from ``repr``."""
+    received_at: float | None = None
+    """The registry's wall clock (seconds since the Unix epoch) when the registration arrived:
+    stamped by the HTTP layer, never from the body. None (in-process use): not checked."""
+
+    __repr__ = _masked_repr
+    __rich_repr__ = _masked_fields
 
     @property
     def dp_size(self) -> int:
@@ -111,6 +153,9 @@ class QueryTopology(Input, frozen=True, tag="QueryTopology"):
 
     token: str | None = None
 
+    __repr__ = _masked_repr
+    __rich_repr__ = _masked_fields
+
 
 class QueryRank(Input, frozen=True, tag="QueryRank"):
     """``GET /route`` for one prefill rank: its control address, so it needs the token."""
@@ -121,6 +166,9 @@ class QueryRank(Input, frozen=True, tag="QueryRank"):
     pp: int
     token: str | None = None
 
+    __repr__ = _masked_repr
+    __rich_repr__ = _masked_fields
+
 
 class RegisterDpRank(Input, frozen=True, tag="RegisterDpRank"):
     """``POST /register_dp_rank``: the prefill dp rank that serves a room."""
@@ -129,12 +177,18 @@ class RegisterDpRank(Input, frozen=True, tag="RegisterDpRank"):
     dp_rank: int
     token: str | None = None
 
+    __repr__ = _masked_repr
+    __rich_repr__ = _masked_fields
+
 
 class QueryDpRanks(Input, frozen=True, tag="QueryDpRanks"):
     """``POST /query_dp_ranks``: the dp rank of each room, for the rooms still known."""
 
     rooms: tuple[int, ...]
     token: str | None = None
+
+    __repr__ = _masked_repr
+    __rich_repr__ = _masked_fields
 
 
 class CheckHealth(Input, frozen=True, tag="CheckHealth"):
@@ -247,6 +301,7 @@ class RegistrySnapshot(msgspec.Struct, frozen=True):
     ranks: tuple[tuple[tuple[int, int, int, int], PrefillRankInfo], ...]
     room_dp_ranks: tuple[tuple[int, int, float], ...]
     superseded: tuple[str, ...] = ()
+    registrations: tuple[tuple[tuple[int, int, int, int], RegisterRank], ...] = ()
 
 
 # ---- the table ------------------------------------------------------------------------------
@@ -324,14 +379,21 @@ def _room_rows(state: RegistryState) -> list[Any]:
     ]
 
 
-# Fields that must agree with the first registration: (field, headline of the 400 answer).
-# The two headlines that SGLang also checks are its own texts, so logs read the same.
-_CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
+# The parallel sizes: every registration must agree with the first one, for the registry's life
+# (readiness counts ranks of this world, and held ranks are keyed in it).
+_SIZE_FIELDS: tuple[tuple[str, str], ...] = (
     ("attn_tp_size", "Inconsistent prefill topology"),
     ("attn_cp_size", "Inconsistent prefill topology"),
     ("attn_dp_size", "Inconsistent prefill topology"),
     ("system_dp_size", "Inconsistent prefill topology"),
     ("pp_size", "Inconsistent prefill topology"),
+)
+# Settings every rank of one prefill instance shares: (field, headline of the 400 answer). SGLang
+# takes each from its server arguments (load_balance_method, enable_* and prefill_http_port are
+# global there), so the ranks of one instance always agree; a registration is checked against
+# the live ranks (those of no superseded life), so a restarted instance may change them. The two
+# headlines that SGLang also checks are its own texts, so logs read the same.
+_CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
     ("page_size", "Inconsistent prefill page size"),
     ("kv_cache_dtype", "Inconsistent prefill KV cache dtype"),
     ("decode_allocation_policy", "Inconsistent prefill allocation policies"),
@@ -339,8 +401,14 @@ _CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
     ("protocol_version", "Inconsistent pdflow protocol versions"),
     ("checksum", "Inconsistent prefill KV checksum settings (PDFLOW_CHECKSUM)"),
     ("is_mla", "Inconsistent prefill attention kinds (MLA on some ranks only)"),
+    ("prefill_http_port", "Inconsistent prefill HTTP ports (prefill_http_port)"),
+    ("load_balance_method", "Inconsistent prefill load balance methods"),
+    ("enable_dsa_cache_layer_split", "Inconsistent prefill DSA cache layer split settings"),
+    ("enable_kv_cache_sharding", "Inconsistent prefill KV cache sharding settings"),
 )
+_FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
 _MAX_PORT = 65535
+_SHOWN_CHARS = 100
 
 
 class Registry(TableMachine[RegistryState]):
@@ -359,10 +427,16 @@ class Registry(TableMachine[RegistryState]):
         self.state = REGISTRY_TABLE.initial
         self._token = token
         self.dp_rank_ttl = dp_rank_ttl
+        # The reference registration: the topology answer and the parallel sizes come from it.
+        # Always one of a live process life (see _act_register).
         self.first: RegisterRank | None = None
         self.ranks: dict[tuple[int, int, int, int], PrefillRankInfo] = {}
-        # Incarnations a newer one replaced: each of their registrations is refused (409).
-        self.superseded: set[str] = set()
+        # The accepted registration of each held rank (token and arrival time left out): newer
+        # registrations are checked against these.
+        self.registrations: dict[tuple[int, int, int, int], RegisterRank] = {}
+        # Incarnations a newer one replaced, oldest first: each of their registrations is refused
+        # (409). Bounded: see _forget_old_lives.
+        self.superseded: dict[str, None] = {}
         # Insertion order is registration order (a re-registration moves to the end), so with
         # a non-decreasing ``now`` the oldest entry is first: expiry pops from the front.
         self.room_dp_ranks: dict[int, tuple[int, float]] = {}
@@ -371,6 +445,19 @@ class Registry(TableMachine[RegistryState]):
     @property
     def requires_token(self) -> bool:
         return self._token is not None
+
+    def accepts_token(self, given: str | None) -> bool:
+        """Whether ``given`` is the shared token (always, when the registry has none). The HTTP
+        layer asks before it reads a body, so a request without the token learns nothing."""
+        if self._token is None:
+            return True
+        if given is None:
+            return False
+        return hmac.compare_digest(_utf8(given), _utf8(self._token))
+
+    def redacted(self, text: str) -> str:
+        """``text`` with the shared token blanked out (for logs)."""
+        return text if self._token is None else text.replace(self._token, _MASK)
 
     def reply_to(self, inp: Input, now: float) -> Reply:
         """Handle a request and return its one answer (every input but ``Tick`` has one)."""
@@ -395,14 +482,12 @@ class Registry(TableMachine[RegistryState]):
                 sorted((room, dp, at) for room, (dp, at) in self.room_dp_ranks.items())
             ),
             superseded=tuple(sorted(self.superseded)),
+            registrations=tuple(sorted(self.registrations.items())),
         )
 
     # ---- guards --------------------------------------------------------------------------------
     def _guard_unauthorized(self, inp: _Authorized, now: float) -> bool:
-        if self._token is None:
-            return False
-        given = inp.token
-        return given is None or not hmac.compare_digest(given.encode(), self._token.encode())
+        return not self.accepts_token(inp.token)
 
     def _guard_malformed(self, inp: RegisterRank, now: float) -> bool:
         return _malformation(inp) is not None
@@ -426,14 +511,7 @@ class Registry(TableMachine[RegistryState]):
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_refuse_unauthorized(self, inp: Input, now: float) -> list[Output]:
-        what = _GUARDED_REQUESTS[type(inp)]
-        return [
-            Reply(
-                401,
-                f"Unauthorized: this bootstrap server requires the shared token "
-                f"(PDFLOW_BOOTSTRAP_TOKEN) for a {what}",
-            )
-        ]
+        return [unauthorized_reply(type(inp))]
 
     def _act_refuse_malformed(self, inp: RegisterRank, now: float) -> list[Output]:
         return [Reply(400, cast(str, _malformation(inp)))]
@@ -445,17 +523,26 @@ class Registry(TableMachine[RegistryState]):
         return [Reply(409, cast(str, self._supersession(inp)))]
 
     def _act_register(self, inp: RegisterRank, now: float) -> list[Output]:
-        reg = inp
+        reg = msgspec.structs.replace(inp, token=None, received_at=None)
         if self.first is None:
-            self.first = msgspec.structs.replace(reg, token=None)
-        held = self.ranks.get(reg.rank_key)
-        if (held is not None and reg.incarnation is not None
-                and held.incarnation not in (None, reg.incarnation)):
-            self.superseded.add(held.incarnation)
+            self._forget_rooms_beyond(reg.dp_size)
+        replaced = self._replaced_life(reg)
+        if replaced is not None:
+            self.superseded.pop(replaced, None)  # now the most recently superseded
+            self.superseded[replaced] = None
         self.ranks[reg.rank_key] = PrefillRankInfo(
             reg.rank_ip, reg.rank_port, reg.incarnation, reg.protocol_version, reg.started_at,
             reg.checksum, reg.is_mla, reg.health, reg.staging_slot_bytes,
         )
+        self.registrations[reg.rank_key] = reg
+        # The reference follows the live instance: once its own registration is replaced, or its
+        # process life superseded (a restarted prefill), the topology answer must describe the
+        # new life (its HTTP port, page size, protocol version...). ``reg`` agrees with every
+        # other live rank on every topology field (_inconsistency), so it can stand for them.
+        first = self.first
+        if first is None or first.rank_key == reg.rank_key or first.incarnation in self.superseded:
+            self.first = reg
+        self._forget_old_lives()
         return [Reply(200, OK)]
 
     def _act_answer_not_ready(self, inp: Input, now: float) -> list[Output]:
@@ -505,6 +592,12 @@ class Registry(TableMachine[RegistryState]):
         self.room_dp_ranks[reg.room] = (reg.dp_rank, now)
         return [Reply(200, OK)]
 
+    def _forget_rooms_beyond(self, dp_size: int) -> None:
+        """The dp size just became known: drop the rooms recorded for a dp rank it lacks (they
+        were taken unchecked while no rank had registered)."""
+        for room in [r for r, (dp, _) in self.room_dp_ranks.items() if dp >= dp_size]:
+            del self.room_dp_ranks[room]
+
     def _act_answer_dp_ranks(self, inp: QueryDpRanks, now: float) -> list[Output]:
         known: dict[str, Any] = {}
         for room in inp.rooms:
@@ -528,21 +621,74 @@ class Registry(TableMachine[RegistryState]):
         return [Reply(200, OK)]
 
     # ---- helpers -------------------------------------------------------------------------------
-    def _inconsistency(self, reg: RegisterRank) -> str | None:
-        if self.first is None:
+    def _replaced_life(self, reg: RegisterRank) -> str | None:
+        """The incarnation ``reg`` takes its rank from (which it thereby supersedes), or None."""
+        held = self.ranks.get(reg.rank_key)
+        if held is None or reg.incarnation is None or held.incarnation in (None, reg.incarnation):
             return None
-        for field, headline in _CONSISTENT_FIELDS:
-            mine, theirs = getattr(reg, field), getattr(self.first, field)
+        return held.incarnation
+
+    def _forget_old_lives(self) -> None:
+        """Bound the superseded set. It must refuse a dead life's *late* registration, a retry
+        that arrives soon after the restart; an incarnation that still holds a rank is always
+        kept (it is a dead life whose ranks are not all replaced yet), and of the others only the
+        SUPERSEDED_MEMORY most recently superseded. A forgotten one is still refused when it
+        sends its start time (pdflow's prefill always does): it is older than the life holding
+        its rank. Only one sending no start time, after that many newer lives, gets its rank
+        back, and so its memory is bounded: (SUPERSEDED_MEMORY + held ranks) incarnations of at
+        most MAX_INCARNATION_CHARS each."""
+        if len(self.superseded) <= SUPERSEDED_MEMORY:
+            return
+        holding = {info.incarnation for info in self.ranks.values()}
+        idle = [life for life in self.superseded if life not in holding]
+        for life in idle[: max(len(idle) - SUPERSEDED_MEMORY, 0)]:
+            del self.superseded[life]
+
+    def _live_peer(self, reg: RegisterRank) -> RegisterRank | None:
+        """A held registration ``reg`` must agree with: of another rank, from a life that is
+        neither superseded nor about to be superseded by ``reg`` (a restarted prefill may change
+        its settings). Live registrations agree with one another, so any one will do."""
+        replaced = self._replaced_life(reg)
+        for key, other in self.registrations.items():
+            dead = other.incarnation is not None and (
+                other.incarnation == replaced or other.incarnation in self.superseded)
+            if key != reg.rank_key and not dead:
+                return other
+        return None
+
+    def _inconsistency(self, reg: RegisterRank) -> str | None:
+        first = self.first
+        if first is None:
+            return None
+        for field, headline in _SIZE_FIELDS:
+            mine, theirs = getattr(reg, field), getattr(first, field)
             if mine != theirs:
                 return (
-                    f"{headline}: {field}={_shown(mine)} differs from {field}="
-                    f"{_shown(theirs)} registered first"
+                    f"{headline}: {field}={_shown(mine)} differs from {field}={_shown(theirs)} "
+                    f"of prefill rank {_where(first)}, registered first; the parallel sizes of a "
+                    "prefill instance cannot change while its registry runs: start this rank "
+                    f"with {field}={_shown(theirs)}, or restart the registry (pdflow bootstrap, "
+                    "or the prefill hosting it) together with every rank"
+                )
+        peer = self._live_peer(reg)
+        if peer is None:
+            return None
+        for field, headline in _CONSISTENT_FIELDS:
+            mine, theirs = _compared(reg, field), _compared(peer, field)
+            if mine != theirs:
+                return (
+                    f"{headline}: {field}={_shown(mine)} differs from {field}={_shown(theirs)} "
+                    f"of live prefill rank {_where(peer)}{_life(peer)}; "
+                    f"every rank of one prefill instance must send the same {field}: start "
+                    f"this rank with {field}={_shown(theirs)}, or restart the whole instance "
+                    "with the new value (pdflow's prefill: a new incarnation replaces the old "
+                    "ranks; a prefill sending no incarnation: restart the registry too)"
                 )
         return None
 
     def _supersession(self, reg: RegisterRank) -> str | None:
         """Why this registration comes from a process life older than one already known."""
-        where = "dp={} cp={} tp={} pp={}".format(*reg.rank_key)
+        where = _where(reg)
         if reg.incarnation is not None and reg.incarnation in self.superseded:
             return (
                 f"Superseded registration: incarnation {reg.incarnation} of prefill rank "
@@ -608,6 +754,16 @@ REGISTRY_TABLE: Table[RegistryState] = Table(
 Registry.table = REGISTRY_TABLE
 
 
+def unauthorized_reply(kind: type[Input]) -> Reply:
+    """The 401 answer to a request of ``kind`` without the shared token."""
+    return Reply(
+        401,
+        f"Unauthorized: this bootstrap server requires the shared token "
+        f"(PDFLOW_BOOTSTRAP_TOKEN) for a {_GUARDED_REQUESTS[kind]}: send it as "
+        "'Authorization: Bearer <token>' or 'X-Pdflow-Token: <token>'",
+    )
+
+
 def _malformation(reg: RegisterRank) -> str | None:
     """Why a registration cannot describe a real rank, or None."""
     sizes = (
@@ -636,10 +792,21 @@ def _malformation(reg: RegisterRank) -> str | None:
         return "Malformed registration: rank_ip must be a non-empty address"
     if not 1 <= reg.rank_port <= _MAX_PORT:
         return f"Malformed registration: rank_port={reg.rank_port} must be in [1, {_MAX_PORT}]"
+    if reg.prefill_http_port is not None and not 1 <= reg.prefill_http_port <= _MAX_PORT:
+        return (
+            f"Malformed registration: prefill_http_port={reg.prefill_http_port} must be in "
+            f"[1, {_MAX_PORT}] (or absent)"
+        )
     if not reg.kv_cache_dtype:
         return "Malformed registration: kv_cache_dtype must be non-empty"
     if reg.incarnation == "":
         return "Malformed registration: incarnation, when given, must be non-empty"
+    if reg.incarnation is not None and len(reg.incarnation) > MAX_INCARNATION_CHARS:
+        return (
+            f"Malformed registration: incarnation is {len(reg.incarnation)} characters long, "
+            f"at most {MAX_INCARNATION_CHARS} are allowed (an id of the process life, e.g. "
+            "32 hex digits)"
+        )
     if reg.started_at is not None and not (math.isfinite(reg.started_at) and reg.started_at >= 0):
         return (
             f"Malformed registration: started_at={reg.started_at!r} must be seconds since the "
@@ -651,16 +818,60 @@ def _malformation(reg: RegisterRank) -> str | None:
             "(0 or absent: this rank holds no staging slots)"
         )
     if reg.health is not None and not _is_host_port(reg.health):
-        return f"Malformed registration: health={reg.health!r} must be host:port"
+        return (
+            f"Malformed registration: health={_clipped(reg.health)} must be host:port, the port "
+            f"in ASCII digits within [1, {_MAX_PORT}]"
+        )
     if reg.started_at is not None and reg.incarnation is None:
         return "Malformed registration: started_at orders process lives; send an incarnation too"
+    if (reg.started_at is not None and reg.received_at is not None
+            and reg.started_at > reg.received_at + STARTED_AT_TOLERANCE_S):
+        return (
+            f"Malformed registration: started_at={reg.started_at!r} is "
+            f"{reg.started_at - reg.received_at:.0f} s ahead of the registry's clock "
+            f"({reg.received_at:.0f}); a process cannot start in the future: fix the prefill "
+            f"host's clock (NTP), more than {STARTED_AT_TOLERANCE_S:g} s of skew is refused"
+        )
     return None
 
 
 def _is_host_port(address: str) -> bool:
+    """``host:port`` with a port of ASCII decimal digits in [1, 65535] (``str.isdigit`` also
+    takes '²' and other scripts' digits, which ``int`` then refuses or reads)."""
     host, _, port = address.rpartition(":")
-    return bool(host) and port.isdigit() and 1 <= int(port) <= _MAX_PORT
+    return (bool(host) and 0 < len(port) <= 5 and port.isascii() and port.isdigit()
+            and 1 <= int(port) <= _MAX_PORT)
+
+
+def _compared(reg: RegisterRank, field: str) -> object:
+    """A field as the consistency check compares it: no load balance method is SGLang's
+    default, follow_bootstrap_room."""
+    value = getattr(reg, field)
+    if field == "load_balance_method" and value is None:
+        return _FOLLOW_BOOTSTRAP_ROOM
+    return value
+
+
+def _where(reg: RegisterRank) -> str:
+    return "dp={} cp={} tp={} pp={}".format(*reg.rank_key)
+
+
+def _life(reg: RegisterRank) -> str:
+    return "" if reg.incarnation is None else f" (incarnation {reg.incarnation})"
+
+
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
+def _clipped(text: str) -> str:
+    shown = repr(text[:_SHOWN_CHARS])
+    return shown if len(text) <= _SHOWN_CHARS else f"{shown}... ({len(text)} characters)"
 
 
 def _shown(value: object) -> str:
-    return repr(value.value) if isinstance(value, enum.Enum) else repr(value)
+    if isinstance(value, enum.Enum):
+        return repr(value.value)
+    if isinstance(value, str):
+        return _clipped(value)
+    return repr(value)
