@@ -408,6 +408,10 @@ _CONSISTENT_FIELDS: tuple[tuple[str, str], ...] = (
 )
 _FOLLOW_BOOTSTRAP_ROOM = "follow_bootstrap_room"
 _MAX_PORT = 65535
+# Sizes past this describe no deployment (a page of a million tokens, a million TP ranks): a
+# bound keeps arithmetic on them (pages x page size, ranks x ranks) small.
+_MAX_SIZE = 1 << 20
+_MAX_HOST_CHARS = 255
 _SHOWN_CHARS = 100
 
 
@@ -764,6 +768,12 @@ def unauthorized_reply(kind: type[Input]) -> Reply:
     )
 
 
+def _is_host(host: str) -> bool:
+    """A host name or address peers can connect to: printable, without spaces, not too long."""
+    return (0 < len(host) <= _MAX_HOST_CHARS and host.isprintable()
+            and not any(c.isspace() for c in host))  # fmt: skip
+
+
 def _malformation(reg: RegisterRank) -> str | None:
     """Why a registration cannot describe a real rank, or None."""
     sizes = (
@@ -775,8 +785,9 @@ def _malformation(reg: RegisterRank) -> str | None:
         "page_size",
     )
     for name in sizes:
-        if getattr(reg, name) < 1:
-            return f"Malformed registration: {name}={getattr(reg, name)} must be >= 1"
+        if not 1 <= getattr(reg, name) <= _MAX_SIZE:
+            return (f"Malformed registration: {name}={getattr(reg, name)} must be in "
+                    f"[1, {_MAX_SIZE}]")  # fmt: skip
     ranks = (
         ("attn_tp_rank", "attn_tp_size"),
         ("attn_cp_rank", "attn_cp_size"),
@@ -788,8 +799,11 @@ def _malformation(reg: RegisterRank) -> str | None:
         value, bound = getattr(reg, rank), getattr(reg, size)
         if not 0 <= value < bound:
             return f"Malformed registration: {rank}={value} must be in [0, {size}={bound})"
-    if not reg.rank_ip:
-        return "Malformed registration: rank_ip must be a non-empty address"
+    if not _is_host(reg.rank_ip):
+        return (f"Malformed registration: rank_ip={_clipped(reg.rank_ip)} must be a host name "
+                f"or address (printable, no spaces, at most {_MAX_HOST_CHARS} characters)")  # fmt: skip
+    if reg.protocol_version is not None and reg.protocol_version < 0:
+        return f"Malformed registration: protocol_version={reg.protocol_version} must be >= 0"
     if not 1 <= reg.rank_port <= _MAX_PORT:
         return f"Malformed registration: rank_port={reg.rank_port} must be in [1, {_MAX_PORT}]"
     if reg.prefill_http_port is not None and not 1 <= reg.prefill_http_port <= _MAX_PORT:
@@ -839,7 +853,7 @@ def _is_host_port(address: str) -> bool:
     """``host:port`` with a port of ASCII decimal digits in [1, 65535] (``str.isdigit`` also
     takes '²' and other scripts' digits, which ``int`` then refuses or reads)."""
     host, _, port = address.rpartition(":")
-    return (bool(host) and 0 < len(port) <= 5 and port.isascii() and port.isdigit()
+    return (_is_host(host) and 0 < len(port) <= 5 and port.isascii() and port.isdigit()
             and 1 <= int(port) <= _MAX_PORT)
 
 
