@@ -800,8 +800,10 @@ def _malformation(reg: RegisterRank) -> str | None:
         if not 0 <= value < bound:
             return f"Malformed registration: {rank}={value} must be in [0, {size}={bound})"
     if not _is_host(reg.rank_ip):
-        return (f"Malformed registration: rank_ip={_clipped(reg.rank_ip)} must be a host name "
-                f"or address (printable, no spaces, at most {_MAX_HOST_CHARS} characters)")  # fmt: skip
+        return (
+            f"Malformed registration: rank_ip={_clipped(reg.rank_ip)} must be a host name or "
+            f"address (printable, no spaces, at most {_MAX_HOST_CHARS} characters)"
+        )
     if reg.protocol_version is not None and reg.protocol_version < 0:
         return f"Malformed registration: protocol_version={reg.protocol_version} must be >= 0"
     if not 1 <= reg.rank_port <= _MAX_PORT:
