@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
 
 import anyio
 import pytest
@@ -15,7 +18,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
-from pdflow.io.settings import load_settings
+from pdflow.io.settings import Settings, load_settings
 from pdflow.transport import InProcessFabric
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
@@ -36,12 +39,13 @@ class Gate:
         assert self.opened.wait(20), "the gate was never opened"
 
 
-async def transfer() -> dict[str, object]:
-    settings = load_settings(trace_enabled=False, checksum=True)
+@asynccontextmanager
+async def one_pair(settings: Settings) -> AsyncIterator[tuple[PrefillNode, DecodeNode, Any]]:
+    """A prefill and a decode (TP=1 each) on the in-process fabric, and the prefill's cache."""
     fabric = InProcessFabric()
     p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
-    d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
-    gate = Gate()
+    # The decode's memory: held by this frame while its node runs, never read here.
+    _d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     async with (
         fabric.create_transport() as p_transport,
         fabric.create_transport() as d_transport,
@@ -49,7 +53,16 @@ async def transfer() -> dict[str, object]:
                     settings=settings) as p_node,
         DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
     ):  # fmt: skip
+        yield p_node, d_node, p_cache
+
+
+async def transfer() -> dict[str, object]:
+    gate = Gate()
+    async with one_pair(load_settings(trace_enabled=False, checksum=True)) as (
+        p_node, d_node, p_cache,
+    ):  # fmt: skip
         p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
+        d_kv = d_node.rank_kv[0]
         await p_rank.open_room(1, 0)
         await d_rank.open(1, 0, p_node.bootstrap)
         await d_rank.wait(1)
@@ -68,7 +81,6 @@ async def transfer() -> dict[str, object]:
                   for b in range(len(layout.buffer_addrs)) for page in (4, 5)}  # fmt: skip
         await d_rank.clear(1)
         await p_rank.clear(1)
-        del d_cache
     return {"early": not early.cancel_called, "poll": status.poll, "reason": status.reason,
             "landed": landed, "waits": gate.waits, "item_len": layout.item_len}  # fmt: skip
 
@@ -89,18 +101,8 @@ class BrokenReadiness:
 
 
 async def a_failed_readiness_then_a_healthy_room() -> dict[str, object]:
-    settings = load_settings(trace_enabled=False)
-    fabric = InProcessFabric()
-    p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
-    d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     outcomes: dict[str, object] = {}
-    async with (
-        fabric.create_transport() as p_transport,
-        fabric.create_transport() as d_transport,
-        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
-        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
-    ):  # fmt: skip
+    async with one_pair(load_settings(trace_enabled=False)) as (p_node, d_node, _):
         p_rank, d_rank = p_node.ranks[0], d_node.ranks[0]
         for room, ready in ((1, BrokenReadiness()), (2, None)):
             await p_rank.open_room(room, 0)
@@ -114,7 +116,6 @@ async def a_failed_readiness_then_a_healthy_room() -> dict[str, object]:
                 status = await p_rank.wait(room, terminal=True)
                 outcomes[f"prefill {room}"] = (status.poll, status.reason)
                 outcomes[f"decode {room}"] = (await d_rank.wait(room, terminal=True)).poll
-        del p_cache, d_cache
     return outcomes
 
 

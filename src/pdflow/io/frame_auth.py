@@ -71,22 +71,13 @@ def control_key(token: str) -> bytes:
     return hmac.new(token.encode(), _KEY_DOMAIN, hashlib.sha256).digest()
 
 
-def sender_of(message: ControlMessage) -> PeerId:
-    """The peer a message says sent it."""
+def ends_of(message: ControlMessage) -> tuple[PeerId, PeerId]:
+    """The peer a message says sent it, and the peer it is addressed to."""
     if isinstance(message, RoomMetadata | BootstrapRequest | Abort | KvArgs):
-        return message.decode
+        return message.decode, message.prefill
     if isinstance(message, StatusReport | AbortAck | KvArgsAccepted):
-        return message.prefill
+        return message.prefill, message.decode
     raise TypeError(f"no sender field known for {type(message).__name__}")
-
-
-def recipient_of(message: ControlMessage) -> PeerId:
-    """The peer a message is addressed to."""
-    if isinstance(message, RoomMetadata | BootstrapRequest | Abort | KvArgs):
-        return message.prefill
-    if isinstance(message, StatusReport | AbortAck | KvArgsAccepted):
-        return message.decode
-    raise TypeError(f"no recipient field known for {type(message).__name__}")
 
 
 def identity(peer: PeerId) -> bytes:
@@ -126,7 +117,7 @@ class AuthenticatedCodec:
 
     def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]:
         frames = self.inner.encode(message, msg_id)
-        sender = identity(sender_of(message))
+        sender = identity(ends_of(message)[0])
         head = _HEAD.pack(int(self._clock() * 1000), next(self._sequence))
         return [*frames, head + self._tag(head, sender, frames) + sender]
 
@@ -148,9 +139,10 @@ class AuthenticatedCodec:
             raise FrameError("stale", f"sent {now - sent_at_ms / 1000:.1f}s from this node's "
                                       f"clock, window {self.window_s:g}s: check NTP")
         message, msg_id = self.inner.decode(body)
-        if identity(sender_of(message)) != sender:
+        named_sender, recipient = ends_of(message)
+        if identity(named_sender) != sender:
             raise FrameError("sender_mismatch", "the message names another sender than its MAC")
-        self._in_order(sender, identity(recipient_of(message)), sequence, now)
+        self._in_order(sender, identity(recipient), sequence, now)
         return message, msg_id
 
     def _in_order(self, sender: bytes, recipient: bytes, sequence: int, now: float) -> None:
