@@ -12,7 +12,11 @@ checksums are on. It is additive over transfers (the sender room sums a rank's t
 the same modulus, ``ROOM_FOLD_MODULUS``), so it is built from one term per (buffer, destination
 page): the page's bytes as written, checksummed in token order, keyed by where they land.
 Reordered bytes change the weighted part; bytes landing in the wrong page or buffer change the
-key.
+key. Each term is scaled by an odd multiplier drawn from its key (:func:`_key_multiplier`):
+with the key only added, byte ``i`` of page ``k`` weighed what byte ``i - 1`` of page ``k + 1``
+did, and swapping those two bytes, or pages whose bytes are permutations of each other, left
+the digest unchanged. A swap of two equal-sum blocks within one page still does (the checksum's
+weights are linear in the position: :mod:`pdflow.core.dataplane.checksum`).
 """
 
 from __future__ import annotations
@@ -385,8 +389,23 @@ def kv_digest(executor: ChecksumExecutor, slices: Sequence[BufferSlice], pages: 
         for page, dst_page in zip(pages, dst_pages, strict=True):
             part = executor.checksum(found.ranges(page))
             key = key_base + found.index * dst_pool + dst_page + 1
-            total = (total + part.weighted + part.plain * key) % ROOM_FOLD_MODULUS
+            term = (part.weighted + part.plain * key) * _key_multiplier(key)
+            total = (total + term) % ROOM_FOLD_MODULUS
     return total
+
+
+_MASK64 = (1 << 64) - 1
+
+
+@functools.lru_cache(maxsize=1 << 16)
+def _key_multiplier(key: int) -> int:
+    """An odd 64-bit number drawn from ``key`` (splitmix64's finaliser): terms of different
+    destination pages or buffers weigh their bytes unrelatedly, and an odd factor loses none
+    of a term's bits modulo 2**64."""
+    z = (key + 0x9E3779B97F4A7C15) & _MASK64
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return (z ^ (z >> 31)) | 1
 
 
 def default_executor() -> Executor:
