@@ -129,3 +129,36 @@ async def test_both_nodes_serve_prometheus_metrics_over_http(tmp_path: anyio.Pat
             assert missing.status_code == 404
             assert "/metrics" in missing.text
             assert (await client.post(f"{base}/metrics", headers=auth)).status_code == 405
+
+
+async def test_idle_connections_and_bad_heads_never_turn_the_scraper_away() -> None:
+    """Eight idle connections, no token needed, held every scrape slot (503 for everyone); a
+    head over the size bound read in one piece was served; an empty X-Pdflow-Token hid a
+    valid bearer token."""
+    from pdflow.io.metrics_http import (
+        MAX_READING,
+        MAX_REQUEST_HEAD,
+        MetricsServer,
+        open_metrics_listener,
+    )
+
+    server = MetricsServer(lambda: "pdflow_up 1\n", TOKEN)
+    listener, address = await open_metrics_listener("127.0.0.1", 0)
+    host, port = address.rsplit(":", 1)
+    auth = {"Authorization": f"Bearer {TOKEN}"}
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(listener.serve, server.handle)
+        idle = [await anyio.connect_tcp(host, int(port)) for _ in range(MAX_READING + 16)]
+        async with httpx.AsyncClient() as client:
+            with anyio.fail_after(2):  # well before the idle ones' head deadline
+                scraped = await client.get(f"http://{address}/metrics", headers=auth)
+            assert (scraped.status_code, scraped.text) == (200, "pdflow_up 1\n")
+            empty_token = await client.get(f"http://{address}/metrics",
+                                           headers={**auth, "X-Pdflow-Token": ""})  # fmt: skip
+            assert empty_token.status_code == 200
+            big = await client.get(f"http://{address}/metrics",
+                                   headers={**auth, "X-Pad": "p" * (MAX_REQUEST_HEAD + 800)})
+            assert big.status_code == 431
+        for stream in idle:
+            await stream.aclose()
+        tasks.cancel_scope.cancel()

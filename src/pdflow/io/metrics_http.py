@@ -1,16 +1,23 @@
 """``GET /metrics``: a node's Prometheus text over HTTP, served from the node's own event loop.
 
 Deliberately small: one request per connection (``Connection: close``), the request head read
-within a deadline and a size bound, at most a few connections at once; anything but
-``GET /metrics`` (or ``HEAD``) gets a plain-text error naming what to ask for. With the cluster
-token set, a scrape must carry it (``Authorization: Bearer <token>`` or ``X-Pdflow-Token``),
-as the registry's reads do: the labels name peers.
+within a deadline and a size bound; anything but ``GET /metrics`` (or ``HEAD``) gets a
+plain-text error naming what to ask for. With the cluster token set, a scrape must carry it
+(``Authorization: Bearer <token>`` or ``X-Pdflow-Token``), as the registry's reads do: the
+labels name peers.
+
+Connections that have not sent their request head yet are at most ``MAX_READING``: one more
+closes the longest waiting (a scraper sends its request as it connects, so only silent ones
+wait), and each has ``HEAD_DEADLINE_S``. Only a request that passed the token check takes one
+of the ``MAX_CONNECTIONS`` slots that build the text (on the node's loop): idle or tokenless
+connections can no longer hold every slot and turn the scraper away.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hmac
+from collections import OrderedDict
 from collections.abc import Callable
 
 import anyio
@@ -21,7 +28,8 @@ from anyio.streams.buffered import BufferedByteReceiveStream
 log = structlog.get_logger("pdflow.metrics")
 
 MAX_REQUEST_HEAD = 8192
-REQUEST_DEADLINE_S = 5.0
+HEAD_DEADLINE_S = 2.0
+MAX_READING = 64
 MAX_CONNECTIONS = 8
 # What generate_latest() writes: the classic Prometheus text format.
 TEXT_FORMAT = "text/plain; version=0.0.4; charset=utf-8"
@@ -34,25 +42,41 @@ class MetricsServer:
         self._text = text
         self._token = token
         self._limiter = anyio.CapacityLimiter(MAX_CONNECTIONS)
+        # Connections still reading their request head, the longest waiting first.
+        self._reading: OrderedDict[int, anyio.CancelScope] = OrderedDict()
 
     async def handle(self, stream: SocketStream) -> None:
         async with stream:
-            if self._limiter.available_tokens == 0:
-                await _answer(stream, 503, "too many scrapes at once; retry")
-                return
-            async with self._limiter:
-                with anyio.move_on_after(REQUEST_DEADLINE_S):
-                    await self._serve_one(stream)
+            head = await self._read_head(stream)
+            if head is not None:
+                await self._serve_one(stream, head)
 
-    async def _serve_one(self, stream: SocketStream) -> None:
+    async def _read_head(self, stream: SocketStream) -> bytes | None:
+        """The request head, or None (answered already, or the client went or was cut)."""
+        if len(self._reading) >= MAX_READING:
+            _, longest = self._reading.popitem(last=False)
+            longest.cancel()
+        scope = anyio.CancelScope(deadline=anyio.current_time() + HEAD_DEADLINE_S)
+        self._reading[id(scope)] = scope
         reader = BufferedByteReceiveStream(stream)
         try:
-            head = await reader.receive_until(b"\r\n\r\n", MAX_REQUEST_HEAD)
+            with scope:
+                head = await reader.receive_until(b"\r\n\r\n", MAX_REQUEST_HEAD)
+                if len(head) <= MAX_REQUEST_HEAD:
+                    return head
+                # receive_until bounds what it buffers without the delimiter, not the head.
+            if scope.cancel_called:
+                return None
         except anyio.DelimiterNotFound:
-            await _answer(stream, 431, f"request head larger than {MAX_REQUEST_HEAD} bytes")
-            return
+            pass
         except (anyio.EndOfStream, anyio.IncompleteRead, anyio.BrokenResourceError):
-            return
+            return None
+        finally:
+            self._reading.pop(id(scope), None)
+        await _answer(stream, 431, f"request head larger than {MAX_REQUEST_HEAD} bytes")
+        return None
+
+    async def _serve_one(self, stream: SocketStream, head: bytes) -> None:
         lines = head.decode("latin-1").split("\r\n")
         parts = lines[0].split(" ")
         if len(parts) != 3:
@@ -70,13 +94,16 @@ class MetricsServer:
             await _answer(stream, 405, "only GET /metrics is served")
         elif not self._authorized(headers):
             await _answer(stream, 401, "this cluster needs its token: Authorization: Bearer ...")
+        elif self._limiter.available_tokens == 0:
+            await _answer(stream, 503, "too many scrapes at once; retry")
         else:
-            await _answer(stream, 200, self._text(), TEXT_FORMAT, body=method == "GET")
+            async with self._limiter:
+                await _answer(stream, 200, self._text(), TEXT_FORMAT, body=method == "GET")
 
     def _authorized(self, headers: dict[str, str]) -> bool:
         if self._token is None:
             return True
-        given = headers.get("x-pdflow-token")
+        given = headers.get("x-pdflow-token") or None  # an empty header is no token
         bearer = headers.get("authorization", "")
         if given is None and bearer.lower().startswith("bearer "):
             given = bearer[7:].strip()
