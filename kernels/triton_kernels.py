@@ -184,10 +184,17 @@ def _copy_kernel(table, lengths, num_ranges, WORD: tl.constexpr, BLOCK: tl.const
 
 
 def copy_ranges(ranges: Sequence[tuple[int, int, int]], *, device: torch.device | str) -> None:
-    """Copy every ``(src_addr, dst_addr, length)`` in one launch; ranges must not overlap."""
+    """Copy every ``(src_addr, dst_addr, length)`` in one launch. Each copy's source and
+    destination must not overlap (the blocks run in any order: not a memmove), or ValueError."""
     ranges = [item for item in ranges if item[2] > 0]
     if not ranges:
         return
+    for src, dst, length in ranges:
+        if src < dst + length and dst < src + length:
+            raise ValueError(
+                f"source [{src:#x}, +{length}) overlaps destination [{dst:#x}, +{length}): "
+                "one launch copies blocks in any order; copy such a range with memmove"
+            )
     size, word = _word([value for item in ranges for value in item])
     step = _MAX_COPY_WORDS * size
     pieces = [
@@ -267,6 +274,10 @@ def _geometry(buffers: Sequence[torch.Tensor], col_start: int, col_count: int) -
 def _staging_addr(
     staging: torch.Tensor, buffers: Sequence[torch.Tensor], pages: torch.Tensor, col_count: int
 ) -> int:
+    pool = buffers[0].shape[0]
+    if len(pages) and not (int(pages.min()) >= 0 and int(pages.max()) < pool):
+        # The kernels index raw addresses: a page outside the pool reads or writes other memory.
+        raise IndexError(f"page indices must be in [0, {pool}), got {pages.tolist()}")
     needed = len(buffers) * len(pages) * buffers[0].shape[1] * col_count
     if staging.dim() != 1 or staging.numel() < needed or staging.dtype != buffers[0].dtype:
         raise ValueError(f"staging must be a flat {buffers[0].dtype} tensor of >= {needed} items")

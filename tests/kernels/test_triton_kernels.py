@@ -105,3 +105,21 @@ def test_checksum_of_typed_buffers(dtype: torch.dtype, device: str) -> None:
     buffers = random_case(99, dtype, device)["buffers"]
     raw = b"".join(b.cpu().contiguous().view(torch.uint8).numpy().tobytes() for b in buffers)
     assert triton_kernels.checksum(buffers) == reference.checksum(buffers) == checksum_bytes(raw)
+
+
+def test_overlapping_copies_and_pages_outside_the_pool_are_refused(device: str) -> None:
+    """One launch copies blocks in any order, so an overlapping copy corrupted bytes where
+    memmove would not; and the kernels index raw addresses, so a page past the pool (or -1)
+    read or wrote other memory where the reference refuses or wraps."""
+    memory = torch.arange(4096, dtype=torch.uint8, device=device)
+    base = memory.data_ptr()
+    with pytest.raises(ValueError, match="overlaps"):
+        triton_kernels.copy_ranges([(base, base + 8, 1024)], device=device)
+    case = random_case(7, torch.float32, device)
+    buffers, head_dim = case["buffers"], case["head_dim"]
+    pool = buffers[0].shape[0]
+    staging = torch.empty(len(buffers) * buffers[0].shape[1] * head_dim, device=device)
+    for page in (pool, -1):
+        with pytest.raises(IndexError, match=f"in \\[0, {pool}\\)"):
+            triton_kernels.gather_to_staging(buffers, torch.tensor([page], device=device), 0,
+                                             head_dim, staging)  # fmt: skip
