@@ -198,6 +198,12 @@ def _mid_write(world: World) -> bool:
     return _mid_transfer(world) or any(_verifying(d) for d in world.decode)
 
 
+def _writes_in_flight(world: World) -> bool:
+    """A write the live prefill life started has not landed yet."""
+    live = {p.me for p in world.prefill}
+    return any(not w.landed and w.writer in live for w in world.transport.writes.values())
+
+
 def _mid_transfer(world: World) -> bool:
     """Some prefill room is transferring with chunks still to send."""
     return any(
@@ -260,6 +266,7 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "window_race": race_windows,
     "abort_verifying": lambda w: [(d.rank, room) for d in w.decode for room in _verifying(d)],
     "stall_mid_write": lambda w: [()] if not w.prefill_paused and _mid_write(w) else [],
+    "crash_mid_write": lambda w: [()] if _writes_in_flight(w) else [],
 }
 
 
@@ -525,6 +532,7 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "window_race": _window_race,
     "abort_verifying": _abort("decode"),
     "stall_mid_write": lambda w, choice, hint: _stall(w),
+    "crash_mid_write": lambda w, choice, hint: w.crash_prefill(),
 }
 
 

@@ -103,6 +103,7 @@ ACTION_KINDS = (
     "window_race",
     "abort_verifying",
     "stall_mid_write",
+    "crash_mid_write",
 )
 
 FAULT_KINDS = frozenset(
@@ -124,6 +125,7 @@ FAULT_KINDS = frozenset(
         "window_race",
         "abort_verifying",
         "stall_mid_write",
+        "crash_mid_write",
     }
 )
 
@@ -136,14 +138,17 @@ LAST_KINDS = ("redeliver",)
 NEWEST_KINDS = ("pause_prefill", "resume_prefill", "late_registration")
 """A paused, live prefill and a dead life's late registration: drawn after everything else
 (the faults zeroed outside their profile), so every earlier draw of a seed keeps its value."""
-WINDOW_KINDS = ("window_race", "abort_verifying", "stall_mid_write")
+WINDOW_KINDS = ("window_race", "abort_verifying", "stall_mid_write", "crash_mid_write")
 """Faults timed into a narrow window that a uniform pick of the next action seldom lands in
 (see :mod:`pdflow.sim.actions`): the prefill engine's abort or next call, or a late copy of a
 message, while a room is between chunks, drains or verifies (``window_race``); the decode
 engine's abort while the node verifies a room's checksums (``abort_verifying``); the prefill
 stopped until declared dead and fenced, then answering again, while a room has chunks left to
-send or verifies (``stall_mid_write``). Enabled only while their window is open; drawn after
-everything else, so every earlier draw of a seed keeps its value."""
+send or verifies (``stall_mid_write``); the prefill crashing (and coming back as a new life)
+while writes it started have not landed (``crash_mid_write``: before it, 35 seeds in 2,000 had
+a crash with writes in flight, and a decode that took a restart for a fence escaped 1,644
+seeds). Enabled only while their window is open; drawn after everything else, so every
+earlier draw of a seed keeps its value."""
 
 FAULT_PROFILES: dict[str, frozenset[str]] = {
     # Every fault but the newest (a pause, a late registration): they run in the liveness
@@ -154,7 +159,7 @@ FAULT_PROFILES: dict[str, frozenset[str]] = {
     "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt", "window_race"}),
     "liveness": frozenset(
         {"crash_prefill", "crash_decode", "heartbeat_fail", "partition", "pause_prefill",
-         "late_registration", "stall_mid_write"}
+         "late_registration", "stall_mid_write", "crash_mid_write"}
     ),
     "room_races": frozenset(
         {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver",

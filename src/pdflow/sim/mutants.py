@@ -19,6 +19,7 @@ from typing import Any
 from pdflow.core.cluster.registry import REGISTRY_TABLE
 from pdflow.core.endpoints.decode_endpoint import DecodeEndpoint
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+from pdflow.core.endpoints.liveness import ProbeTarget, instances_of
 from pdflow.core.endpoints.opened_marks import NONE
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.endpoints.prefill_slots import (
@@ -35,6 +36,7 @@ from pdflow.core.resources.page_ledger import (
     PageLedger,
     RoomPages,
     RoomPagesState,
+    SessionClosed,
     WriterHealth,
 )
 from pdflow.core.rooms.prefill_complete import BootstrapRoom, PrefillCompleteTable
@@ -328,6 +330,20 @@ def _noop_fence(original: Any) -> Any:
     return fence
 
 
+def _restart_closes_sessions(original: Any) -> Any:
+    def heartbeat(self: DecodeEndpoint, inp: HeartbeatResult, now: float, out: list[Output],
+                  fired: list[Fired]) -> None:  # fmt: skip
+        info = self.topologies.get(inp.bootstrap)
+        peers = instances_of(info).get(ProbeTarget(inp.bootstrap, inp.health), ()) if info else ()
+        restarted = inp.ok and inp.incarnation not in (None, *(p.incarnation for p in peers))
+        original(self, inp, now, out, fired)
+        if restarted:  # "a restarted instance cannot write any more": no fence waited for
+            for peer in peers:
+                self._ledger(SessionClosed(peer), now, out, fired)
+
+    return heartbeat
+
+
 def _dead_means_cannot_write(original: Any) -> Any:
     def cannot_write(self: WriterHealth, writer: Any) -> bool:
         return writer in self.dead  # the heartbeat's verdict alone, before any fence
@@ -421,6 +437,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("cancel_ends_when_a_later_generation_opens", "model checker seed 284 (forgotten mark)",
            "a cancel is dropped once a later generation opens, so an older one opens after it",
            ((PrefillRoomSlot, "step", _cancel_ends_when_a_later_opens),), first_seed=284),
+    Mutant("restart_closes_sessions", "review of 2026-12-06 (a restart taken as a fence)",
+           "a prefill seen restarted has its old lives' sessions taken as closed at once, though "
+           "writes they handed the network before the crash may still land",
+           ((DecodeEndpoint, "_heartbeat", _restart_closes_sessions),)),
     Mutant("abort_below_mark_kept_nowhere", "the stop-20 hole (model checker seed 2367)",
            "an ABORT below the opened mark is ACKed and kept nowhere: once the mark is "
            "forgotten, the engine's late open of that generation succeeds",
