@@ -183,7 +183,8 @@ class FaultPlan(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """Deliver any pending message of a link, not only its oldest (a link that reorders)."""
     max_open_requests: int
     room_reuse: bool
-    """New requests may reuse a room id once every side has cleared it (next generation)."""
+    """New requests may reuse a room id at any moment, as the next generation: while an earlier
+    one still drains, is open, or was never opened somewhere (``World.new_request``)."""
     profile: str = "all"
     """The fault profile (:data:`FAULT_PROFILES`): faults outside it have weight 0."""
 
