@@ -35,3 +35,29 @@ def test_an_unknown_mutant_or_one_without_mutants_is_refused(
     assert main(["check", "--mutants", "--mutant", "no_such_bug"]) == 2
     assert "noop_fence" in capsys.readouterr().out  # the names to choose from
     assert main(["check", "--mutant", "noop_fence"]) == 2
+
+
+def test_a_failed_world_is_shown_before_the_coverage_with_what_to_run_next(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The failure came after some 25 lines of coverage, its reproduce command dropped the
+    trace folder given, and nothing pointed at the trace tools."""
+    from pdflow.sim.mutants import applied, by_name
+
+    monkeypatch.chdir(tmp_path)  # --mutant writes its trace to the default folder
+
+    traces = tmp_path / "traces"
+    mutant = by_name("noop_fence")
+    with applied(mutant):
+        assert main(["check", "--mutants", "--mutant", "noop_fence", "--steps", "150"]) == 0
+        seed = int(re.search(r"caught  noop_fence +seed +(\d+)",  # type: ignore[union-attr]
+                             capsys.readouterr().out).group(1))  # fmt: skip
+        assert main(["check", "--seed", str(seed), "--examples", "1", "--steps", "150",
+                     "--trace-dir", str(traces)]) == 1  # fmt: skip
+    out = capsys.readouterr().out
+    assert out.index(f"FAILED seed {seed}") < out.index("spec coverage")
+    assert f"--trace-dir {traces}`" in out
+    trace = re.search(r"  trace: (\S+)", out).group(1)  # type: ignore[union-attr]
+    assert Path(trace).is_file()
+    assert f"pdflow replay {trace}" in out and f"pdflow trace show {trace}" in out
+    assert out.rstrip().splitlines()[-1].startswith("FAILED: 1 of 1 worlds")

@@ -12,6 +12,7 @@ import argparse
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 DEFAULT_TRACE_DIR = Path("pdflow-check-traces")
 
@@ -99,6 +100,8 @@ def _run_examples(args: argparse.Namespace) -> int:
     )
     print(f"actions: {actions}, core steps: {steps}, invariant checks: {checks}")
     print(f"speed: {steps / elapsed:,.0f} simulated core steps/s ({elapsed:.1f} s)")
+    for failure in failures:  # first: what to look at, before the coverage figures
+        _show_failure(failure, args)
     protocol = ", ".join(PROTOCOL_MACHINES)
     combined = coverage + cell_coverage()
     print(f"spec coverage of the protocol machines ({protocol}):")
@@ -115,16 +118,26 @@ def _run_examples(args: argparse.Namespace) -> int:
         print(f"not reached in this run ({len(unreached)}; run more --examples):")
         for line in unreached:
             print(f"  {line}")
-    for failure in failures:
-        print(
-            f"\nFAILED seed {failure.seed}: reproduce with `pdflow check --seed {failure.seed} "
-            f"--examples 1 --steps {args.steps}`; trace: {failure.trace_path}"
-        )
-        for violation in failure.violations[:10]:
-            print(f"  - {violation}")
-    if not failures:
-        print("all invariants held")
-    return 1 if failures else 0
+    if failures:
+        seeds = ", ".join(str(failure.seed) for failure in failures[:10])
+        print(f"\nFAILED: {len(failures)} of {args.examples} worlds broke an invariant (seeds "
+              f"{seeds}{', ...' if len(failures) > 10 else ''}); each is shown above the coverage")
+        return 1
+    print("all invariants held")
+    return 0
+
+
+def _show_failure(failure: Any, args: argparse.Namespace) -> None:
+    """One failed world: its violations, the command that runs it again, and the trace tools."""
+    trace_dir = "" if args.trace_dir == DEFAULT_TRACE_DIR else f" --trace-dir {args.trace_dir}"
+    print(f"\nFAILED seed {failure.seed}: reproduce with `pdflow check --seed {failure.seed} "
+          f"--examples 1 --steps {args.steps}{trace_dir}`")  # fmt: skip
+    for violation in failure.violations[:10]:
+        print(f"  - {violation}")
+    if failure.trace_path:
+        print(f"  trace: {failure.trace_path}")
+        print(f"  replay it step by step: pdflow replay {failure.trace_path}")
+        print(f"  its rooms' timelines: pdflow trace show {failure.trace_path}")
 
 
 def _run_mutants(args: argparse.Namespace) -> int:
