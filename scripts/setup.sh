@@ -7,7 +7,7 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
-APT_PACKAGES=(libibverbs1 librdmacm1 chromium)
+APT_PACKAGES=(libibverbs1 librdmacm1 chromium iproute2)
 TORCH_SPEC="torch==2.13.0"
 EXTRAS="kernels,mooncake,bench,dev"
 VENV=.venv
@@ -22,7 +22,8 @@ as_root() {
 }
 
 # -- Debian packages: the Mooncake engine links libibverbs/librdmacm even for TCP; chromium
-#    renders traces in the trace-view tests.
+#    renders traces in the trace-view tests; iproute2 (ip, tc) builds the chaos harness's
+#    network namespaces and its partition, one-way and slow-link faults.
 missing=()
 for package in "${APT_PACKAGES[@]}"; do
   if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q "install ok installed"; then
