@@ -26,7 +26,7 @@ from __future__ import annotations
 import enum
 import hmac
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any, cast
 
 import msgspec
@@ -664,31 +664,29 @@ class Registry(TableMachine[RegistryState]):
         first = self.first
         if first is None:
             return None
-        for field, headline in _SIZE_FIELDS:
-            mine, theirs = getattr(reg, field), getattr(first, field)
-            if mine != theirs:
-                return (
-                    f"{headline}: {field}={_shown(mine)} differs from {field}={_shown(theirs)} "
-                    f"of prefill rank {_where(first)}, registered first; the parallel sizes of a "
-                    "prefill instance cannot change while its registry runs: start this rank "
-                    f"with {field}={_shown(theirs)}, or restart the registry (pdflow bootstrap, "
-                    "or the prefill hosting it) together with every rank"
-                )
+        differs = _first_difference(reg, first, _SIZE_FIELDS)
+        if differs is not None:
+            headline, field, mine, theirs = differs
+            return (
+                f"{headline}: {field}={mine} differs from {field}={theirs} "
+                f"of prefill rank {_where(first)}, registered first; the parallel sizes of a "
+                "prefill instance cannot change while its registry runs: start this rank "
+                f"with {field}={theirs}, or restart the registry (pdflow bootstrap, "
+                "or the prefill hosting it) together with every rank"
+            )
         peer = self._live_peer(reg)
-        if peer is None:
+        differs = None if peer is None else _first_difference(reg, peer, _CONSISTENT_FIELDS)
+        if peer is None or differs is None:
             return None
-        for field, headline in _CONSISTENT_FIELDS:
-            mine, theirs = _compared(reg, field), _compared(peer, field)
-            if mine != theirs:
-                return (
-                    f"{headline}: {field}={_shown(mine)} differs from {field}={_shown(theirs)} "
-                    f"of live prefill rank {_where(peer)}{_life(peer)}; "
-                    f"every rank of one prefill instance must send the same {field}: start "
-                    f"this rank with {field}={_shown(theirs)}, or restart the whole instance "
-                    "with the new value (pdflow's prefill: a new incarnation replaces the old "
-                    "ranks; a prefill sending no incarnation: restart the registry too)"
-                )
-        return None
+        headline, field, mine, theirs = differs
+        return (
+            f"{headline}: {field}={mine} differs from {field}={theirs} "
+            f"of live prefill rank {_where(peer)}{_life(peer)}; "
+            f"every rank of one prefill instance must send the same {field}: start "
+            f"this rank with {field}={theirs}, or restart the whole instance "
+            "with the new value (pdflow's prefill: a new incarnation replaces the old "
+            "ranks; a prefill sending no incarnation: restart the registry too)"
+        )
 
     def _supersession(self, reg: RegisterRank) -> str | None:
         """Why this registration comes from a process life older than one already known."""
@@ -857,6 +855,18 @@ def _is_host_port(address: str) -> bool:
     host, _, port = address.rpartition(":")
     return (_is_host(host) and 0 < len(port) <= 5 and port.isascii() and port.isdigit()
             and 1 <= int(port) <= _MAX_PORT)
+
+
+def _first_difference(
+    reg: RegisterRank, other: RegisterRank, fields: Sequence[tuple[str, str]]
+) -> tuple[str, str, str, str] | None:
+    """(headline, field, this value, the other's value), both shown, of the first field where
+    the two registrations differ; None when they agree on all."""
+    for field, headline in fields:
+        mine, theirs = _compared(reg, field), _compared(other, field)
+        if mine != theirs:
+            return headline, field, _shown(mine), _shown(theirs)
+    return None
 
 
 def _compared(reg: RegisterRank, field: str) -> object:
