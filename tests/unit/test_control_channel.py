@@ -338,16 +338,25 @@ async def test_a_cancelled_receive_loop_leaves_no_reader_behind() -> None:
         context.term()
 
 
-async def test_send_soon_answers_at_once_and_hands_back_only_a_wait_for_room() -> None:
-    """A node's step sends through ``send_soon``: a message queued (or refused) at once is
-    answered with a bool and no coroutine; only a full queue hands back what to await, and
-    while that send waits, a later one waits behind it (never queued ahead of it)."""
-    context = zmq.asyncio.Context()
+def counting_sender(
+    context: zmq.asyncio.Context,
+) -> tuple[ControlChannel, list[str], list[str]]:
+    """A channel with a one-message queue per peer and a 0.2 s send timeout, and the lists its
+    refusals and timed-out sends are counted in."""
     refused: list[str] = []
     failed: list[str] = []
     sender = ControlChannel.open(context, MsgpackCodec(), send_timeout_s=0.2, send_hwm=1,
                                  on_refused=refused.append,
                                  on_send_failed=failed.append)  # fmt: skip
+    return sender, refused, failed
+
+
+async def test_send_soon_answers_at_once_and_hands_back_only_a_wait_for_room() -> None:
+    """A node's step sends through ``send_soon``: a message queued (or refused) at once is
+    answered with a bool and no coroutine; only a full queue hands back what to await, and
+    while that send waits, a later one waits behind it (never queued ahead of it)."""
+    context = zmq.asyncio.Context()
+    sender, refused, failed = counting_sender(context)
     nobody = f"127.0.0.1:{free_port()}"
     try:
         assert sender.send_soon(nobody, Abort(1, 0, DECODE, PREFILL), None) is True
@@ -372,11 +381,7 @@ async def test_a_peer_that_reads_nothing_holds_the_sender_for_one_timeout_not_on
     """Each wait for room holds the sending rank's step (and every engine call of the rank):
     after one timeout, sends to a peer still not reading are refused at once until it reads."""
     context = zmq.asyncio.Context()
-    failed: list[str] = []
-    refused: list[str] = []
-    sender = ControlChannel.open(context, MsgpackCodec(), send_timeout_s=0.2, send_hwm=1,
-                                 on_send_failed=failed.append,
-                                 on_refused=refused.append)  # fmt: skip
+    sender, refused, failed = counting_sender(context)
     port = free_port()
     peer = f"127.0.0.1:{port}"
     pull = None
