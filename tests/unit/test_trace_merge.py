@@ -81,3 +81,67 @@ def test_the_same_file_twice_is_harmless_but_conflicts_are_not(tmp_path: Path) -
     ]
     with pytest.raises(TraceMergeError, match="two different endpoints"):
         load_traces([path, rewrite(tmp_path / "other2.jsonl", other_config)])
+
+
+def test_an_empty_file_among_good_ones_is_refused(tmp_path: Path) -> None:
+    """A node whose file is empty must not vanish from the incident behind a clean replay."""
+    prefill_file, decode_file = _two_process_run(tmp_path)
+    decode_file.write_bytes(b"")
+    with pytest.raises(TraceMergeError, match=f"{decode_file}: no pdflow trace header"):
+        load_traces([prefill_file, decode_file])
+
+
+def _received_from(lines: list[TraceHeader | StepRecord], sender: str) -> int:
+    return next(
+        i for i, line in enumerate(lines)
+        if isinstance(line, StepRecord) and isinstance(line.input, Received)
+        and line.input.msg_id is not None and line.input.msg_id.startswith(f"{sender}:")
+    )  # fmt: skip
+
+
+def test_a_received_message_must_be_what_its_sender_recorded(tmp_path: Path) -> None:
+    prefill_file, decode_file = _two_process_run(tmp_path)
+    lines = lines_of(decode_file)
+    index = _received_from(lines, PREFILL_ID)
+    record = lines[index]
+    assert isinstance(record, StepRecord) and isinstance(record.input, Received)
+    edited = msgspec.structs.replace(
+        record.input, message=msgspec.structs.replace(record.input.message, generation=99)
+    )
+    lines[index] = msgspec.structs.replace(record, input=edited)
+    with pytest.raises(
+        TraceMergeError,
+        match=f"endpoint decode-0 seq {record.seq} received message {record.input.msg_id} but "
+        f"prefill-0 seq .* sent another message",
+    ):
+        load_traces([prefill_file, rewrite(tmp_path / "edited.jsonl", lines)])
+    # The ids point into the sender's records by seq: renumbered records no longer match.
+    sender, seq, _ = parse_message_id(record.input.msg_id or "")
+    renumbered = [
+        msgspec.structs.replace(line, seq=line.seq + 1 if line.seq == seq - 1 else seq - 1)
+        if isinstance(line, StepRecord) and line.seq in (seq - 1, seq) else line
+        for line in lines_of(prefill_file)
+    ]  # fmt: skip
+    with pytest.raises(TraceMergeError, match=f"but {sender} seq {seq} "):
+        load_traces([rewrite(tmp_path / "renumbered.jsonl", renumbered), decode_file])
+
+
+def test_messages_whose_sender_is_not_here_are_counted_by_sender(tmp_path: Path) -> None:
+    prefill_file, decode_file = _two_process_run(tmp_path)
+    both = load_traces([prefill_file, decode_file])
+    assert not both.absent_senders and not both.cut_short
+    alone = load_traces([decode_file])
+    receipts = sum(
+        1 for r in alone.records if isinstance(r.input, Received) and r.input.msg_id is not None
+    )
+    assert alone.absent_senders == {PREFILL_ID: receipts} and receipts > 0
+    lines = lines_of(prefill_file)
+    last_sender = max(
+        parse_message_id(line.input.msg_id or "")[1]
+        for line in lines_of(decode_file)
+        if isinstance(line, StepRecord) and isinstance(line.input, Received)
+    )
+    cut = [line for line in lines if not isinstance(line, StepRecord) or line.seq < 10]
+    short = load_traces([rewrite(tmp_path / "cut.jsonl", cut), decode_file])
+    assert short.cut_short == {PREFILL_ID: (9, last_sender)}
+    assert not short.absent_senders

@@ -159,3 +159,67 @@ def test_folders_and_bad_numbers_get_a_clear_refusal(
     assert "must be at least 1" in capsys.readouterr().err
     assert main(["check", "--examples", "1", "--trace-dir", trace]) == 2
     assert "is a file; give a folder" in capsys.readouterr().out
+
+
+def test_a_trace_of_headers_alone_is_refused_not_passed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Headers without a single step are nothing to replay: "replay OK: 0 records" would lie."""
+    from pdflow.trace.format import TraceHeader
+    from tests.unit.trace_fixtures import lines_of, rewrite
+
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    only = [line for line in lines if isinstance(line, TraceHeader)]
+    headers = rewrite(tmp_path / "headers.jsonl", only)
+    for command in (["replay"], ["trace", "check"], ["trace", "show"]):
+        assert main([*command, str(headers)]) == 2, command
+        captured = capsys.readouterr()
+        assert "endpoint headers but no step record (prefill-0, decode-0)" in captured.err
+        assert "OK" not in captured.out
+
+
+def test_every_trace_command_says_which_senders_files_are_missing_or_cut(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdflow.trace.format import StepRecord
+    from pdflow.trace.recorder import TraceRecorder
+    from pdflow.trace.synthetic import DECODE_ID, PREFILL_ID, SyntheticWorld
+    from tests.unit.trace_fixtures import lines_of, rewrite
+
+    prefill_file, decode_file = tmp_path / "prefill.jsonl", tmp_path / "decode.jsonl"
+    with (
+        TraceRecorder(prefill_file, clock="virtual") as prefill,
+        TraceRecorder(decode_file, clock="virtual") as decode,
+    ):
+        SyntheticWorld({PREFILL_ID: prefill, DECODE_ID: decode}, SCRIPTS, seed=7).run()
+    kept = [line for line in lines_of(prefill_file)
+            if not isinstance(line, StepRecord) or line.seq < 10]  # fmt: skip
+    cut = rewrite(tmp_path / "cut.jsonl", kept)
+    for command in (["replay"], ["trace", "check"], ["trace", "show"]):
+        assert main([*command, str(decode_file)]) == 0, command
+        err = capsys.readouterr().err
+        assert "received from prefill-0, whose trace is not among these files" in err, command
+        assert main([*command, str(cut), str(decode_file)]) == 0, command
+        err = capsys.readouterr().err
+        assert "endpoint prefill-0: its records end at seq 9, but a message it sent" in err
+        assert main([*command, str(prefill_file), str(decode_file)]) == 0, command
+        assert "warning" not in capsys.readouterr().err
+
+
+def test_show_says_when_records_are_missing_or_the_clock_goes_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import msgspec
+
+    from pdflow.trace.format import StepRecord
+    from tests.unit.trace_fixtures import lines_of, rewrite
+
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    gap = [line for line in lines if not (isinstance(line, StepRecord) and line.seq in (3, 4))]
+    assert main(["trace", "show", str(rewrite(tmp_path / "gap.jsonl", gap))]) == 0
+    assert "records from seq 3 to 4 are missing" in capsys.readouterr().err
+    spliced = [msgspec.structs.replace(line, t=line.t - 1000.0)
+               if isinstance(line, StepRecord) and line.seq == 5 else line
+               for line in lines]  # fmt: skip
+    assert main(["trace", "show", str(rewrite(tmp_path / "spliced.jsonl", spliced))]) == 0
+    assert "the clock goes back at seq 5" in capsys.readouterr().err

@@ -59,7 +59,28 @@ def load_or_explain(paths: list[Path]) -> Trace | None:
         return None
     for torn in trace.torn:
         print(f"warning: {torn}", file=sys.stderr)
+    if not trace.records:
+        print(f"{', '.join(map(str, paths))}: endpoint headers but no step record "
+              f"({', '.join(trace.headers)}): the node stopped before its first step, or was "
+              "killed with its first records still buffered; there is nothing to look at",
+              file=sys.stderr)  # fmt: skip
+        return None
+    _warn_missing_senders(trace)
     return trace
+
+
+def _warn_missing_senders(trace: Trace) -> None:
+    """Messages received from records that are not here: the files of one run are incomplete,
+    or (when no message ties a file to the others) they are not all from one run."""
+    for sender, count in sorted(trace.absent_senders.items()):
+        print(f"warning: {count} message(s) received from {sender}, whose trace is not among "
+              "these files; give its file too (or check that all files are from one run)",
+              file=sys.stderr)  # fmt: skip
+    for sender, (last, named) in sorted(trace.cut_short.items()):
+        held = f"its records end at seq {last}" if last >= 0 else "it has no step record"
+        print(f"warning: endpoint {sender}: {held}, but a message it sent at seq {named} was "
+              "received; its trace was cut, or its process was killed before its last records "
+              "were written", file=sys.stderr)  # fmt: skip
 
 
 def run_show(args: argparse.Namespace) -> int:
@@ -72,6 +93,7 @@ def run_show(args: argparse.Namespace) -> int:
     trace = load_or_explain(args.traces)
     if trace is None:
         return 2
+    _warn_partial(trace, bundled_spec=False)
     timelines = build_timelines(trace)
     endpoints = list(trace.headers)
     unknown = [r for r in args.room if r not in timelines]

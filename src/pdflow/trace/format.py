@@ -73,6 +73,7 @@ class StepRecord(msgspec.Struct, frozen=True, tag="step", tag_field="kind"):
 TraceLine = TraceHeader | StepRecord
 
 _ENCODER = msgspec.json.Encoder(order="deterministic")
+_SORTED = msgspec.json.Encoder(order="sorted")
 _DECODER = msgspec.json.Decoder(TraceLine)
 
 
@@ -99,6 +100,12 @@ def role_of(config: EndpointConfig) -> str:
 def encode_line(line: TraceLine | msgspec.Struct) -> bytes:
     """One trace line without its newline, deterministic (equal values give equal bytes)."""
     return _ENCODER.encode(line)
+
+
+def encode_sorted(value: object) -> bytes:
+    """JSON with every key sorted, struct fields included: a struct and its decoded builtins
+    (a recorded output) give equal bytes when their values are equal."""
+    return _SORTED.encode(value)
 
 
 def decode_line(data: bytes | str) -> TraceLine:

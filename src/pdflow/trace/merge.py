@@ -18,7 +18,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from pdflow.core.endpoints.endpoint_io import Received
-from pdflow.trace.format import StepRecord, TraceHeader, parse_message_id, read_trace
+from pdflow.trace.format import (
+    StepRecord,
+    TraceHeader,
+    encode_sorted,
+    parse_message_id,
+    read_trace,
+)
 
 
 class TraceMergeError(ValueError):
@@ -38,6 +44,11 @@ class Trace:
     backwards: dict[str, tuple[int, float, float]] = field(default_factory=dict)
     """Endpoints whose clock went back between consecutive records: (the later record's seq,
     its t, the t before it). Neither clock ever goes back, so the file was spliced or edited."""
+    absent_senders: dict[str, int] = field(default_factory=dict)
+    """Endpoints with no header in the files that sent messages received here: how many."""
+    cut_short: dict[str, tuple[int, int]] = field(default_factory=dict)
+    """Endpoints whose records end before a record that sent a message received here: (the
+    last seq present, the latest seq a received message names)."""
 
     def of(self, endpoint: str) -> list[StepRecord]:
         return [r for r in self.records if r.endpoint == endpoint]
@@ -72,7 +83,9 @@ def _load(paths: Sequence[Path]) -> Trace:
     records: dict[_Key, tuple[_Order, StepRecord]] = {}
     torn: list[str] = []
     for file_index, path in enumerate(paths):
+        lines_read = 0
         for line_index, line in enumerate(read_trace(path, torn)):
+            lines_read += 1
             if isinstance(line, TraceHeader):
                 _add_header(headers, line, path)
                 continue
@@ -91,14 +104,15 @@ def _load(paths: Sequence[Path]) -> Trace:
                     )
                 continue  # the same file (or a copy of it) given twice
             records[key] = ((line.t, file_index, line_index), line)
-    if not headers:
-        # An empty or wrong file must not pass as a clean incident ("0 records, identical").
-        raise TraceMergeError(
-            f"{', '.join(map(str, paths))}: no pdflow trace header; the file is empty or not a "
-            "trace (a node with PDFLOW_TRACE=0 writes none)"
-        )
+        if not lines_read:
+            # One empty file among good ones must not pass as a clean incident either.
+            raise TraceMergeError(
+                f"{path}: no pdflow trace header; the file is empty or not a trace (a node "
+                "with PDFLOW_TRACE=0 writes none); leave it out or give the right file"
+            )
+    absent, cut_short = _check_messages(headers, records)
     return Trace(headers, merge_records(records), _gaps(headers, records), torn,
-                 _clock_going_back(records))  # fmt: skip
+                 _clock_going_back(records), absent, cut_short)  # fmt: skip
 
 
 def merge_records(records: dict[_Key, tuple[_Order, StepRecord]]) -> list[StepRecord]:
@@ -149,6 +163,56 @@ def _sender_of(record: StepRecord) -> tuple[str, int] | None:
     except ValueError:
         return None  # a foreign id: it orders nothing
     return endpoint, seq
+
+
+def _check_messages(
+    headers: dict[str, TraceHeader], records: dict[_Key, tuple[_Order, StepRecord]]
+) -> tuple[dict[str, int], dict[str, tuple[int, int]]]:
+    """Every received message whose sending record is here must be what that record sent:
+    otherwise the files come from different runs or were edited (refused, naming the earliest
+    such receipt). Messages whose sender is absent are counted for a warning: per endpoint
+    without a file, and per endpoint whose records end before the one that sent them."""
+    last_seq: dict[str, int] = {}
+    for endpoint, seq in records:
+        last_seq[endpoint] = max(seq, last_seq.get(endpoint, -1))
+    absent: dict[str, int] = {}
+    latest_named: dict[str, int] = {}
+    receipts = sorted((order, record) for order, record in records.values()
+                      if isinstance(record.input, Received) and record.input.msg_id)  # fmt: skip
+    for _, record in receipts:
+        received = record.input
+        assert isinstance(received, Received) and received.msg_id is not None
+        try:
+            sender, seq, index = parse_message_id(received.msg_id)
+        except ValueError:
+            continue  # a foreign id (not pdflow's shell): nothing to match it with
+        if sender not in headers:
+            absent[sender] = absent.get(sender, 0) + 1
+            continue
+        sent = records.get((sender, seq))
+        if sent is None:
+            if seq > last_seq.get(sender, -1):
+                latest_named[sender] = max(seq, latest_named.get(sender, -1))
+            continue  # inside a gap: the gap is reported on its own
+        problem = _sent_message_problem(sent[1], index, received)
+        if problem:
+            raise TraceMergeError(
+                f"endpoint {record.endpoint} seq {record.seq} received message {received.msg_id}"
+                f" but {sender} seq {seq} {problem}; the files come from different runs under "
+                "the same endpoint ids, or one was edited: give the files of one run as its "
+                "nodes wrote them"
+            )
+    cut_short = {sender: (last_seq.get(sender, -1), named)
+                 for sender, named in latest_named.items()}  # fmt: skip
+    return absent, cut_short
+
+
+def _sent_message_problem(sender: StepRecord, index: int, received: Received) -> str | None:
+    if index >= len(sender.outputs) or sender.outputs[index].get("type") != "send":
+        return f"has no message as its output {index}"
+    if encode_sorted(sender.outputs[index].get("message")) != encode_sorted(received.message):
+        return f"sent another message as its output {index}"
+    return None
 
 
 def _add_header(headers: dict[str, TraceHeader], header: TraceHeader, path: Path) -> None:
