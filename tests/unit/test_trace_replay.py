@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import itertools
 from pathlib import Path
 
 import msgspec
 import pytest
 
 from pdflow.cli import main
-from pdflow.core.endpoints.endpoint_io import OpenReceiver, Received
+from pdflow.core.endpoints.endpoint_io import ClearRoom, OpenReceiver, Received
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.trace.format import StepRecord, TraceHeader
 from pdflow.trace.merge import load_traces
+from pdflow.trace.observe import input_rooms
 from pdflow.trace.replay import ReplayRefused, replay
 from tests.unit.trace_fixtures import SCRIPTS, lines_of, record_world, rewrite
 
@@ -152,3 +154,55 @@ def _record_with_outputs(
         if isinstance(line, StepRecord) and line.endpoint == endpoint and line.seq >= after_seq
         and line.outputs
     )  # fmt: skip
+
+
+def _clear_then_open(lines: list[TraceHeader | StepRecord], endpoint: str) -> tuple[int, int]:
+    """An engine clearing one room, then opening another: in the other order (seqs swapped
+    with them) every step gives the same outputs, so only the clock can tell."""
+    steps = [i for i, line in enumerate(lines)
+             if isinstance(line, StepRecord) and line.endpoint == endpoint]  # fmt: skip
+    for first, second in itertools.pairwise(steps):
+        a, b = lines[first], lines[second]
+        assert isinstance(a, StepRecord) and isinstance(b, StepRecord)
+        if isinstance(a.input, ClearRoom) and isinstance(b.input, OpenReceiver) and b.t > a.t:
+            return first, second
+    raise AssertionError(f"{endpoint} never clears a room and then opens one")
+
+
+def test_records_put_in_another_order_diverge_where_the_clock_goes_back(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    first, second = _clear_then_open(lines, "decode-0")
+    a, b = lines[first], lines[second]
+    assert isinstance(a, StepRecord) and isinstance(b, StepRecord)
+    lines[first], lines[second] = (msgspec.structs.replace(b, seq=a.seq),
+                                   msgspec.structs.replace(a, seq=b.seq))  # fmt: skip
+    result = replay(load_traces([rewrite(tmp_path / "reordered.jsonl", lines)]))
+    assert result.divergence is not None
+    assert (result.divergence.endpoint, result.divergence.seq) == ("decode-0", b.seq)
+    assert [(d.field, d.expected, d.got) for d in result.divergence.diffs] == [("t", b.t, a.t)]
+    assert main(["replay", str(tmp_path / "reordered.jsonl")]) == 1
+    out = capsys.readouterr().out
+    assert f"t: recorded at {a.t}, before seq {a.seq} of the same endpoint (t={b.t})" in out
+    assert "what to do: records of decode-0 were reordered or spliced" in out
+
+
+def test_a_divergence_says_what_to_do_and_where_to_look(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    target = _record_with_outputs(lines, "decode-0", after_seq=10)
+    record = lines[target]
+    assert isinstance(record, StepRecord)
+    lines[target] = msgspec.structs.replace(record, timer_at=12345.0)
+    edited = rewrite(tmp_path / "edited.jsonl", lines)
+    assert main(["replay", str(edited)]) == 1
+    out = capsys.readouterr().out
+    assert "what to do: this pdflow recorded it under the same spec, so the record" in out
+    rooms = "".join(f" --room {room}" for room in sorted(input_rooms(record.input)))
+    assert f"the timeline of what was recorded: pdflow trace show {edited}{rooms}\n" in out
+    forced = [msgspec.structs.replace(line, spec_sha256="0" * 64)
+              if isinstance(line, TraceHeader) else line for line in lines]  # fmt: skip
+    assert main(["replay", "--force", str(rewrite(tmp_path / "forced.jsonl", forced))]) == 1
+    assert "replayed with --force: where the spec changed" in capsys.readouterr().out

@@ -22,7 +22,13 @@ from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.spec import spec_sha256
 from pdflow.trace.format import StepError, StepRecord, TraceHeader
 from pdflow.trace.merge import Trace, paused_gc
-from pdflow.trace.observe import TracedEndpoint, outputs_as_builtins, room_summaries, touched_rooms
+from pdflow.trace.observe import (
+    TracedEndpoint,
+    input_rooms,
+    outputs_as_builtins,
+    room_summaries,
+    touched_rooms,
+)
 
 COMPARED_FIELDS = ("error", "outputs", "fired", "rooms", "timer_at")
 
@@ -43,6 +49,13 @@ class Divergence(msgspec.Struct, frozen=True):
     t: float
     input: Any
     diffs: tuple[FieldDiff, ...]
+    rooms: tuple[int, ...] = ()
+    """The rooms the diverging input addresses, for a pointer to their timelines."""
+
+
+CLOCK_WENT_BACK = "t"
+"""The diff field of a record whose t is below the previous record's of its endpoint: its
+``expected`` is that earlier t, its ``got`` the record's own."""
 
 
 @dataclass
@@ -114,13 +127,22 @@ def _run(
     counts = dict.fromkeys(endpoints, 0)
     checked = 0
     divergence: Divergence | None = None
+    last_t: dict[str, float] = {}
     for record in records:
         endpoint = endpoints[record.endpoint]
-        diffs = _diffs(record, _observe(endpoint, record.input, record.t))
+        before = last_t.get(record.endpoint, record.t)
+        last_t[record.endpoint] = record.t
+        if record.t < before:
+            # No pdflow clock goes back: the records were reordered, spliced or edited, even
+            # where the steps happen to give the same outputs in the other order.
+            diffs: tuple[FieldDiff, ...] = (FieldDiff(CLOCK_WENT_BACK, before, record.t),)
+        else:
+            diffs = _diffs(record, _observe(endpoint, record.input, record.t))
         if diffs:
             divergence = Divergence(
-                record.endpoint, record.seq, record.t, msgspec.to_builtins(record.input), diffs
-            )
+                record.endpoint, record.seq, record.t, msgspec.to_builtins(record.input), diffs,
+                tuple(sorted(input_rooms(record.input))),
+            )  # fmt: skip
             break
         checked += 1
         counts[record.endpoint] += 1
