@@ -80,3 +80,77 @@ def test_spec_defaults_match_the_code_defaults() -> None:
     assert spec.timers["waiting_timeout"].default_s == Timeouts().waiting_timeout == 300.0
     assert spec.kvpoll == {"Failed": 0, "Bootstrapping": 1, "WaitingForInput": 2,
                            "Transferring": 3, "Success": 4}
+
+
+def _spec_copy(tmp_path: Path) -> Path:
+    shutil.copytree(spec_path().parent, tmp_path / "spec")
+    return tmp_path / "spec" / "protocol.toml"
+
+
+RING_FILE = Path("machines") / "staging_ring.toml"
+RING_ROW = '  { from = "EMPTY", on = "FreeRoom", to = "EMPTY", emits = [] },\n'
+
+
+def test_a_row_added_to_either_side_alone_is_caught_and_its_file_named(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdflow.core.framework.table import row
+    from pdflow.core.resources.staging_ring import CheckReady, RingState
+
+    table = MACHINES["StagingRing"]
+    extra = row(RingState.EMPTY, CheckReady, RingState.EMPTY)
+    widened = table.with_rows([*table.rows, extra])
+    in_code = check_spec(load_spec(), {**MACHINES, "StagingRing": widened})
+    cell = "cell EMPTY x CheckReady"
+    assert [(d.where, d.in_spec) for d in in_code] == [(cell, "(no transition)")]
+    edited = _spec_copy(tmp_path)
+    ring = edited.parent / RING_FILE
+    text = ring.read_text()
+    assert RING_ROW in text
+    ring.write_text(text.replace(RING_ROW, RING_ROW + RING_ROW.replace("FreeRoom", "CheckReady")))
+    in_spec = check_spec(load_spec(edited))
+    assert [(d.where, d.in_code) for d in in_spec] == [(cell, "(no transition)")]
+    assert main(["spec", "check", "--spec", str(edited)]) == 1
+    out = capsys.readouterr().out
+    assert f"StagingRing ({ring}): {cell}: in the spec: [-] -> EMPTY" in out
+    assert "change the code's table to match it" in out
+
+
+def test_rows_in_another_order_are_named_as_such(tmp_path: Path) -> None:
+    edited = _spec_copy(tmp_path)
+    ring = edited.parent / RING_FILE
+    tail = 'emits = ["watermark_advanced"] },\n'
+    first = f'  {{ from = "OCCUPIED", on = "Free", guard = "frees_last", to = "EMPTY", {tail}'
+    second = f'  {{ from = "OCCUPIED", on = "Free", guard = "frees_oldest", to = "OCCUPIED", {tail}'
+    text = ring.read_text()
+    assert first + second in text
+    ring.write_text(text.replace(first + second, second + first))
+    assert [d.where for d in check_spec(load_spec(edited))] == [
+        "cell OCCUPIED x Free (the same rows in another order; guards are tried in order)"
+    ]
+
+
+def test_a_misspelt_key_is_refused_not_read_as_absent(tmp_path: Path) -> None:
+    """`gaurd` would otherwise leave the row unguarded, which here agrees with the code."""
+    edited = _spec_copy(tmp_path)
+    ring = edited.parent / RING_FILE
+    unguarded = '  { from = "EMPTY", on = "Free", to = "EMPTY", emits = [] },\n'
+    text = ring.read_text()
+    assert unguarded in text
+    ring.write_text(text.replace(unguarded, unguarded.replace("[] }", '[], gaurd = "is_live" }')))
+    with pytest.raises(ValueError, match=f"{ring}: machine StagingRing: malformed: .*`gaurd`"):
+        load_spec(edited)
+
+
+def test_a_spec_that_cannot_be_loaded_gets_a_clear_refusal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    edited = _spec_copy(tmp_path)
+    ring = edited.parent / RING_FILE
+    ring.write_text(ring.read_text() + "garbage [\n")
+    for spec, names in ((edited, f"{ring}: malformed TOML"),
+                        (tmp_path / "missing.toml", "no protocol spec at"),
+                        (tmp_path, "is a folder")):  # fmt: skip
+        assert main(["spec", "check", "--spec", str(spec)]) == 2
+        err = capsys.readouterr().err
+        assert "cannot load the spec: " in err and names in err, err

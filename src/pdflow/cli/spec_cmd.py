@@ -5,6 +5,10 @@ from __future__ import annotations
 import argparse
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from pdflow.spec import Spec
 
 DEFAULT_DOC = Path("docs/protocol.md")
 
@@ -24,15 +28,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def run_check(args: argparse.Namespace) -> int:
-    from pdflow.spec import check_spec, load_spec, spec_path
+    from pdflow.spec import check_spec, spec_path
+    from pdflow.spec.load import machine_files
 
     path = args.spec or spec_path()
-    spec = load_spec(path)
+    spec = _load_or_explain(path)
+    if spec is None:
+        return 2
     diffs = check_spec(spec)
     if diffs:
+        files = machine_files(path)
         print(f"spec check FAILED: {len(diffs)} difference(s) between {path} and the code:")
         for diff in diffs:
-            print(f"  - {diff}")
+            where = f" ({files[diff.machine]})" if diff.machine in files else ""
+            print(f"  - {diff.machine}{where}: {diff.where}: in the spec: {diff.in_spec}; "
+                  f"in the code: {diff.in_code}")  # fmt: skip
+        print("the spec is the protocol's source of truth: change the code's table to match it, "
+              "or, for a protocol change, edit the spec first (then `pdflow spec render`)")
         return 1
     transitions = sum(len(m.table.transitions) for m in spec.machines.values())
     states = sum(len(m.states) for m in spec.machines.values())
@@ -49,11 +61,24 @@ def run_check(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_render(args: argparse.Namespace) -> int:
+def _load_or_explain(path: Path | None) -> Spec | None:
     from pdflow.spec import load_spec
+
+    try:
+        return load_spec(path)
+    except (OSError, ValueError) as exc:  # missing, a folder, malformed TOML or schema
+        print(f"cannot load the spec: {exc}; fix that file, or give spec/protocol.toml (next to "
+              "its machines/ folder) with --spec", file=sys.stderr)  # fmt: skip
+        return None
+
+
+def run_render(args: argparse.Namespace) -> int:
     from pdflow.spec.render import render_markdown
 
-    text = render_markdown(load_spec())
+    spec = _load_or_explain(None)
+    if spec is None:
+        return 2
+    text = render_markdown(spec)
     if args.check:
         current = args.out.read_text(encoding="utf-8") if args.out.exists() else ""
         if current != text:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -69,9 +70,10 @@ def _compare_machine(name: str, table: Table[Any], spec: SpecMachine) -> list[Sp
     for cell in sorted(set(code_cells) | set(spec_cells)):
         in_spec, in_code = spec_cells.get(cell), code_cells.get(cell)
         if in_spec != in_code:
-            diffs.append(
-                SpecDifference(name, f"cell {cell[0]} x {cell[1]}", _fmt(in_spec), _fmt(in_code))
-            )
+            where = f"cell {cell[0]} x {cell[1]}"
+            if in_spec and in_code and Counter(in_spec) == Counter(in_code):
+                where += " (the same rows in another order; guards are tried in order)"
+            diffs.append(SpecDifference(name, where, _fmt(in_spec), _fmt(in_code)))
     return diffs
 
 

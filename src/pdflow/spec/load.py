@@ -6,11 +6,14 @@ import hashlib
 import tomllib
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import msgspec
 
 
-class SpecTransition(msgspec.Struct, frozen=True, rename={"source": "from"}):
+class SpecTransition(
+    msgspec.Struct, frozen=True, forbid_unknown_fields=True, rename={"source": "from"}
+):
     source: str
     on: str
     to: str
@@ -18,11 +21,11 @@ class SpecTransition(msgspec.Struct, frozen=True, rename={"source": "from"}):
     guard: str | None = None
 
 
-class SpecTable(msgspec.Struct, frozen=True):
+class SpecTable(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     transitions: tuple[SpecTransition, ...]
 
 
-class SpecMachine(msgspec.Struct, frozen=True):
+class SpecMachine(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     role: str
     description: str
     initial: str
@@ -34,7 +37,7 @@ class SpecMachine(msgspec.Struct, frozen=True):
     table: SpecTable
 
 
-class SpecTimer(msgspec.Struct, frozen=True):
+class SpecTimer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     machine: str
     default_s: float
     env: tuple[str, ...]
@@ -44,22 +47,22 @@ class SpecTimer(msgspec.Struct, frozen=True):
     same_budget_as: str | None = None
 
 
-class SpecInvariant(msgspec.Struct, frozen=True):
+class SpecInvariant(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     id: str
     text: str
 
 
-class RegistryAnswer(msgspec.Struct, frozen=True):
+class RegistryAnswer(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     status: int
     when: str
 
 
-class SpecRegistry(msgspec.Struct, frozen=True):
+class SpecRegistry(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     ready_when: str
     answers: tuple[RegistryAnswer, ...]
 
 
-class Spec(msgspec.Struct, frozen=True):
+class Spec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     spec_version: str
     kvpoll: dict[str, int]
     policies: dict[str, str]
@@ -93,21 +96,46 @@ def spec_sha256(path: Path | None = None) -> str:
     return digest.hexdigest()
 
 
+def machine_files(path: Path | None = None) -> dict[str, Path]:
+    """Which spec file defines each machine, for messages that send the reader to it."""
+    files: dict[str, Path] = {}
+    for file in spec_files(path):
+        for name in _read_toml(file).get("machines", {}):
+            files.setdefault(name, file)
+    return files
+
+
 def load_spec(path: Path | None = None) -> Spec:
+    """The spec, refusing (ValueError, naming the file and the machine) a malformed one: an
+    unknown key too, since a misspelt ``guard`` or ``emits`` would otherwise be read as absent
+    and could agree with the code by accident."""
     files = spec_files(path)
-    try:
-        raw = tomllib.loads(files[0].read_text(encoding="utf-8"))
-        for extra in files[1:]:
-            part = tomllib.loads(extra.read_text(encoding="utf-8"))
-            for name, machine in part.get("machines", {}).items():
-                if name in raw.setdefault("machines", {}):
-                    raise ValueError(f"{extra}: machine {name} is defined twice")
-                raw["machines"][name] = machine
-    except FileNotFoundError as exc:
-        raise FileNotFoundError(f"no protocol spec at {files[0]}") from exc
-    except tomllib.TOMLDecodeError as exc:
-        raise ValueError(f"malformed TOML in the spec: {exc}") from exc
+    raw = _read_toml(files[0])
+    machines = raw.setdefault("machines", {})
+    defined_in = dict.fromkeys(machines, files[0])
+    for extra in files[1:]:
+        for name, machine in _read_toml(extra).get("machines", {}).items():
+            if name in machines:
+                raise ValueError(f"{extra}: machine {name} is defined twice (also in "
+                                 f"{defined_in[name]})")  # fmt: skip
+            machines[name], defined_in[name] = machine, extra
+    for name, machine in machines.items():
+        try:
+            msgspec.convert(machine, type=SpecMachine)
+        except msgspec.ValidationError as exc:
+            raise ValueError(f"{defined_in[name]}: machine {name}: malformed: {exc}") from exc
     try:
         return msgspec.convert(raw, type=Spec)
     except msgspec.ValidationError as exc:
         raise ValueError(f"{files[0]}: malformed spec: {exc}") from exc
+
+
+def _read_toml(file: Path) -> dict[str, Any]:
+    try:
+        return tomllib.loads(file.read_text(encoding="utf-8"))
+    except FileNotFoundError as exc:
+        raise FileNotFoundError(f"no protocol spec at {file}") from exc
+    except IsADirectoryError as exc:
+        raise IsADirectoryError(f"{file} is a folder, not a spec file") from exc
+    except tomllib.TOMLDecodeError as exc:
+        raise ValueError(f"{file}: malformed TOML: {exc}") from exc
