@@ -27,12 +27,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def run_replay(args: argparse.Namespace) -> int:
     import sys
 
-    from pdflow.cli.trace_cmd import load_or_explain
+    from pdflow.cli.trace_cmd import load_or_explain, nothing_recorded
     from pdflow.trace.replay import CLOCK_WENT_BACK, ReplayRefused, replay
 
     trace = load_or_explain(args.traces)
     if trace is None:
         return 2
+    if nothing_recorded(trace, "replay"):
+        return 0
     try:
         result = replay(trace, force=args.force)
     except ReplayRefused as exc:

@@ -59,14 +59,19 @@ def load_or_explain(paths: list[Path]) -> Trace | None:
         return None
     for torn in trace.torn:
         print(f"warning: {torn}", file=sys.stderr)
-    if not trace.records:
-        print(f"{', '.join(map(str, paths))}: endpoint headers but no step record "
-              f"({', '.join(trace.headers)}): the node stopped before its first step, or was "
-              "killed with its first records still buffered; there is nothing to look at",
-              file=sys.stderr)  # fmt: skip
-        return None
     _warn_missing_senders(trace)
     return trace
+
+
+def nothing_recorded(trace: Trace, verb: str) -> bool:
+    """Say so, rather than "OK: 0 records", when the files hold headers alone: nothing failed
+    (a process killed before its first step leaves such a file), but nothing was checked."""
+    if trace.records:
+        return False
+    print(f"nothing to {verb}: endpoint headers but no step record ({', '.join(trace.headers)});"
+          " the node stopped before its first step, or was killed with its first records still "
+          "buffered")  # fmt: skip
+    return True
 
 
 def _warn_missing_senders(trace: Trace) -> None:
@@ -93,6 +98,8 @@ def run_show(args: argparse.Namespace) -> int:
     trace = load_or_explain(args.traces)
     if trace is None:
         return 2
+    if nothing_recorded(trace, "show"):
+        return 0
     _warn_partial(trace, bundled_spec=False)
     timelines = build_timelines(trace)
     endpoints = list(trace.headers)
@@ -127,6 +134,8 @@ def run_check(args: argparse.Namespace) -> int:
     trace = load_or_explain(args.traces)
     if trace is None:
         return 2
+    if nothing_recorded(trace, "check"):
+        return 0
     try:
         spec = load_spec(args.spec)
     except (OSError, ValueError) as exc:  # missing, a folder, or not a protocol spec
