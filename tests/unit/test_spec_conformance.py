@@ -154,3 +154,18 @@ def test_a_spec_that_cannot_be_loaded_gets_a_clear_refusal(
         assert main(["spec", "check", "--spec", str(spec)]) == 2
         err = capsys.readouterr().err
         assert "cannot load the spec: " in err and names in err, err
+
+
+def test_a_reader_that_stops_early_ends_the_output_quietly() -> None:
+    """`pdflow spec check | head -1` must not end in a BrokenPipeError traceback."""
+    import subprocess
+    import sys
+
+    checked = subprocess.Popen(
+        [sys.executable, "-m", "pdflow.cli", "spec", "check"],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    assert checked.stdout is not None and checked.stderr is not None
+    checked.stdout.close()  # the reader is gone before the first line
+    err = checked.stderr.read().decode()
+    assert checked.wait(timeout=60) == 141 and "Traceback" not in err, err

@@ -4,10 +4,14 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Sequence
 
 # Sub-command modules, imported lazily so `pdflow spec check` does not pay for torch or zmq.
+SIGPIPE_EXIT = 141
+"""What a shell reports for a tool stopped by SIGPIPE (128 + 13)."""
+
 COMMANDS = ("demo", "spec", "replay", "trace", "bench", "bootstrap", "check", "chaos")
 
 
@@ -26,7 +30,14 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    code: int = args.run(args)
+    try:
+        code: int = args.run(args)
+        sys.stdout.flush()  # a pipe buffers: its write fails here, not at interpreter exit
+    except BrokenPipeError:
+        # The reader went away (`pdflow trace show big.jsonl | head`): stop quietly, as a
+        # shell tool does, instead of a traceback; stdout goes nowhere so exit does not retry.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return SIGPIPE_EXIT
     return code
 
 
