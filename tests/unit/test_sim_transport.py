@@ -1,6 +1,9 @@
-"""The fake transport moves real bytes and catches every write into a page not owned."""
+"""The fake transport moves real bytes and catches every write into a page not owned, and every
+write out of a source page its room no longer holds."""
 
 from __future__ import annotations
+
+import pytest
 
 from pdflow.core.protocol.messages import PeerId
 from pdflow.sim.transport import SEGMENT_BYTES, FakeTransport, Write, source_content
@@ -9,15 +12,21 @@ WRITER = PeerId("p:1", "inc", 0)
 TARGET = PeerId("d:1", "inc", 0)
 
 
+SOURCES = (10, 11, 12, 13)
+"""The source pages the writer's engine gave room 5/1."""
+
+
 def make(owner: dict[int, tuple[int, int]]) -> FakeTransport:
     transport = FakeTransport(2, 4, lambda rank, page: owner.get(page))
     transport.decode_started(0, TARGET)
+    transport.prefill_started(WRITER, 16)
+    transport.fill_sources(WRITER, SOURCES, 5, 1, 0)
     return transport
 
 
 def write(transport: FakeTransport, pages: tuple[int, ...], segment: int = 1) -> Write:
-    data = tuple(source_content(5, 1, 0, i) for i in range(len(pages)))
-    w = Write(transport.next_write_id(), 0, WRITER, 0, TARGET, 5, 1, 0, pages, segment, data)
+    src = SOURCES[: len(pages)]
+    w = Write(transport.next_write_id(), 0, WRITER, 0, TARGET, 5, 1, 0, pages, segment, src)
     transport.add(w)
     return w
 
@@ -63,3 +72,30 @@ def test_partial_and_corrupted_landings() -> None:
     corrupt = write(transport, (0, 1))
     transport.land(corrupt, corrupt=True)
     assert transport.checksum_of(0, (0, 1), 1) != corrupt.checksum
+
+
+@pytest.mark.invariant("no_source_use_after_free")
+def test_a_write_reads_its_sources_when_it_lands_and_a_freed_source_is_recorded() -> None:
+    """The bytes move at landing time: a source page the engine freed and handed to another
+    room before the write landed is read as it is then, and recorded."""
+    transport = make({0: (5, 1), 1: (5, 1)})
+    w = write(transport, (0, 1))
+    transport.release_sources(WRITER, SOURCES[:2])
+    transport.fill_sources(WRITER, (SOURCES[1],), 7, 2, 0)  # reused for room 7/2's first page
+    assert transport.land(w)
+    assert transport.read_segment(0, 1, 1) == source_content(7, 2, 0, 0)
+    assert w.checksum == transport.checksum_of(0, (0, 1), 1), "it covers what was moved"
+    freed, reused = transport.source_violations
+    assert (freed.page, freed.holder) == (SOURCES[0], None)
+    assert (reused.page, reused.holder) == (SOURCES[1], (7, 2))
+    assert "held by room 7/2" in reused.describe() and "nobody (free)" in freed.describe()
+    assert not transport.violations, "the decode pages were the room's own"
+
+
+def test_a_write_that_never_moves_reads_nothing() -> None:
+    transport = make({0: (5, 1)})
+    w = write(transport, (0,))
+    transport.fence(0, WRITER)
+    transport.release_sources(WRITER, SOURCES[:1])
+    assert not transport.land(w)
+    assert not transport.source_violations and w.moved == []

@@ -3,7 +3,8 @@
 Safety (every step): KVPoll monotone per room instance, Failed absorbing, terminal sticky; no
 message creates or revives a room; no status after a room was cleared; at most one terminal
 outcome per room instance and side; a decode Success agrees with its writers' outcomes and the
-pages hold exactly the bytes they sent; no write lands in a page its room instance does not own;
+pages hold exactly the bytes they sent; no write lands in a page its room instance does not own,
+nor reads a prefill source page its room instance no longer holds;
 admission never promises pages the ledger holds and never deadlocks; a decode that requires
 checksums never succeeds unverified; the registry never names a superseded incarnation.
 
@@ -64,6 +65,7 @@ INVARIANTS = (
     "abort_is_final",
     "fence_before_abort",
     "no_use_after_free",
+    "no_source_use_after_free",
     "single_room_status_clock",
     "lost_instance_fails_rooms",
     "admission_consistent",
@@ -114,6 +116,7 @@ class Monitor:
         """Room instances a prefill ACKed an ABORT for while it hosted no room of them."""
         self.checks = 0
         self._reported_uaf = 0
+        self._reported_source_reads = 0
 
     # ---- recording -------------------------------------------------------------------------------
     def fail(self, invariant: str, message: str) -> None:
@@ -408,11 +411,15 @@ class Monitor:
         self.removed.add((process.name, room, gen))
 
     def check_writes(self) -> None:
-        """Report each use-after-free the transport saw since the last check."""
-        found = self.world.transport.violations
-        for uaf in found[self._reported_uaf :]:
+        """Report each use-after-free the transport saw since the last check: a write into a
+        decode page, or out of a prefill source page, its room instance did not hold."""
+        transport = self.world.transport
+        for uaf in transport.violations[self._reported_uaf :]:
             self.fail("no_use_after_free", f"use-after-free: {uaf.describe()}")
-        self._reported_uaf = len(found)
+        self._reported_uaf = len(transport.violations)
+        for read in transport.source_violations[self._reported_source_reads :]:
+            self.fail("no_source_use_after_free", f"source read after free: {read.describe()}")
+        self._reported_source_reads = len(transport.source_violations)
 
     def _check_admission(self, process: DecodeProcess) -> None:
         admission = process.admission

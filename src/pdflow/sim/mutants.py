@@ -1,5 +1,5 @@
-"""Deliberately broken variants of the core (and of the shell's fence, as the simulator models
-it), one per real bug class, to show the checker bites.
+"""Deliberately broken variants of the core (and of the shell's fence and the prefill engine's
+source pages, as the simulator models them), one per real bug class, to show the checker bites.
 
 Each mutant patches one method for the duration of a ``with`` block, or swaps one guard or
 action in a table's rows (rows hold their functions by reference: the table is patched, not the
@@ -42,7 +42,9 @@ from pdflow.core.resources.page_ledger import (
 from pdflow.core.rooms.prefill_complete import BootstrapRoom, PrefillCompleteTable
 from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverRoom, ReceiverState
 from pdflow.core.rooms.sender_room import SENDER_TABLE, SenderRoom
+from pdflow.sim.engine import DecodeProcess, PrefillProcess
 from pdflow.sim.transport import FakeTransport
+from pdflow.sim.world import World
 
 Patch = tuple[Any, str, Callable[[Any], Any]]
 """(owner, attribute, make_replacement(original))."""
@@ -330,6 +332,17 @@ def _noop_fence(original: Any) -> Any:
     return fence
 
 
+def _free_sources_on_clear(original: Any) -> Any:
+    def clear(self: World, process: PrefillProcess | DecodeProcess, room: int) -> None:
+        original(self, process, room)
+        if isinstance(process, PrefillProcess):
+            # The engine frees a cleared request's KV at once, though its writes still drain.
+            for key in [k for k in process.draining_jobs if k[0] == room]:
+                self.give_back_sources(process, process.draining_jobs.pop(key).src_pages)
+
+    return clear
+
+
 def _restart_closes_sessions(original: Any) -> Any:
     def heartbeat(self: DecodeEndpoint, inp: HeartbeatResult, now: float, out: list[Output],
                   fired: list[Fired]) -> None:  # fmt: skip
@@ -410,6 +423,10 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("noop_fence", "pdflow#12 (close_session on the decode's own transport)",
            "the shell reports a dead writer fenced while its in-flight writes can still land",
            ((FakeTransport, "fence", _noop_fence),)),
+    Mutant("sources_freed_while_draining", "prefill KV freed on abort while its transfer reads it",
+           "the prefill engine frees a cleared room's source pages at once, while writes that "
+           "read them still drain",
+           ((World, "clear", _free_sources_on_clear),)),
     Mutant("release_before_fence", "pdflow#12 (a false heartbeat verdict frees pages)",
            "a writer declared dead counts as unable to write before it is fenced",
            ((WriterHealth, "cannot_write", _dead_means_cannot_write),)),

@@ -1,15 +1,18 @@
 """A fake data plane that moves real bytes between per-rank page buffers.
 
-Each prefill rank owns source pages, filled with content derived from (room, generation, rank,
-page index); each decode rank owns destination pages. A decode page is split in segments, one
-per prefill rank writing into it (heads or layers of the KV). A write copies the source bytes
-it was given at StartTransfer and lands them later, when the driver says so: whole, partially
-(a failed write), corrupted, or never (its target process died, or the decode fenced its
-writer). The fence has the semantics of a real receiver-side fence (pdflow.transport's
-``fence``): once applied, no write of that writer lands in that decode rank, even one already
-in flight; ``lift_fence`` admits again only the writes started after it. Every landing is
-checked against the decode ledger *at landing time*: a byte written into a page its room
-instance does not own is a use-after-free, recorded.
+Each prefill process life owns source pages: real buffers, each held by the room instance its
+engine gave it to (filled with content derived from (room, generation, rank, page index)) and
+given back when the endpoint says the room is removed; each decode rank owns destination pages.
+A decode page is split in segments, one per prefill rank writing into it (heads or layers of the
+KV). A write names its source pages at StartTransfer and reads them only when the driver lands
+it, as a NIC reads registered memory while it moves the bytes: whole, partially (a failed
+write), corrupted, or never (its target process died, or the decode fenced its writer). A write
+that reads a source page its room instance no longer holds (freed, or handed to another room)
+is recorded: the prefill side let go of memory a write still reads. The fence has the semantics
+of a real receiver-side fence (pdflow.transport's ``fence``): once applied, no write of that
+writer lands in that decode rank, even one already in flight; ``lift_fence`` admits again only
+the writes started after it. Every landing is checked against the decode ledger *at landing
+time*: a byte written into a page its room instance does not own is a use-after-free, recorded.
 """
 
 from __future__ import annotations
@@ -47,6 +50,19 @@ def fold_checksums(values: list[int]) -> int:
 
 
 @dataclass
+class SourcePages:
+    """One prefill process life's source pages: what each holds, and the room instance holding
+    it (None: free). A dead life's pages stay as they were: nobody hands them out again."""
+
+    content: list[bytes]
+    holder: list[tuple[int, int] | None]
+
+    @classmethod
+    def empty(cls, pages: int) -> SourcePages:
+        return cls([b""] * pages, [None] * pages)
+
+
+@dataclass
 class Write:
     wid: int
     writer_rank: int
@@ -58,14 +74,17 @@ class Write:
     seq: int
     dst_pages: tuple[int, ...]
     segment: int
-    data: tuple[bytes, ...]
+    src_pages: tuple[int, ...]
     aux: bytes | None = None
     """A last chunk's aux row, read from the engine's row when the write was issued."""
+    moved: list[bytes] = field(default_factory=list)
+    """The source bytes read so far, page by page, as the write landed."""
     landed: bool = False
 
     @property
     def checksum(self) -> int:
-        return fold_checksums([segment_checksum(d) for d in self.data])
+        """What the writer's checksum covers: the bytes it moved."""
+        return fold_checksums([segment_checksum(d) for d in self.moved])
 
 
 LOCAL_WRITE = -1
@@ -98,6 +117,26 @@ class UseAfterFree:
         )
 
 
+@dataclass(frozen=True)
+class SourceReadAfterFree:
+    write: int
+    writer: PeerId
+    page: int
+    room: int
+    generation: int
+    holder: tuple[int, int] | None
+
+    def describe(self) -> str:
+        holder = "nobody (free)" if self.holder is None else (
+            f"room {self.holder[0]}/{self.holder[1]}"
+        )
+        return (
+            f"write {self.write} of room {self.room}/{self.generation} read source page "
+            f"{self.page} of prefill {self.writer.address} (incarnation {self.writer.incarnation}) "
+            f"while it was held by {holder}"
+        )
+
+
 OwnerLookup = Callable[[int, int], tuple[int, int] | None]
 """(decode rank, page) -> the (room, generation) owning it in the ledger, or None."""
 
@@ -108,12 +147,14 @@ class FakeTransport:
     decode_pages: int
     owner_of: OwnerLookup
     memory: dict[int, list[bytearray]] = field(default_factory=dict)
-    sources: dict[int, list[bytes]] = field(default_factory=dict)
+    sources: dict[PeerId, SourcePages] = field(default_factory=dict)
+    """Each prefill process life's source pages, by the writer's identity."""
     live_targets: dict[int, PeerId] = field(default_factory=dict)
     fenced: dict[tuple[int, PeerId], int | None] = field(default_factory=dict)
     """(decode rank, writer) -> None while fenced, else the first write id allowed again."""
     writes: dict[int, Write] = field(default_factory=dict)
     violations: list[UseAfterFree] = field(default_factory=list)
+    source_violations: list[SourceReadAfterFree] = field(default_factory=list)
     landed_bytes: int = 0
     _next_wid: int = 0
 
@@ -124,6 +165,24 @@ class FakeTransport:
             bytearray(self.segments * SEGMENT_BYTES) for _ in range(self.decode_pages)
         ]
         self.live_targets[rank] = me
+
+    def prefill_started(self, me: PeerId, pages: int) -> None:
+        """A prefill process (re)started with ``pages`` free source pages of its own."""
+        self.sources[me] = SourcePages.empty(pages)
+
+    def fill_sources(self, writer: PeerId, pages: tuple[int, ...], room: int, generation: int,
+                     rank: int) -> None:  # fmt: skip
+        """The prefill engine computed a room instance's KV into these pages: they hold it."""
+        source = self.sources[writer]
+        for index, page in enumerate(pages):
+            source.content[page] = source_content(room, generation, rank, index)
+            source.holder[page] = (room, generation)
+
+    def release_sources(self, writer: PeerId, pages: tuple[int, ...]) -> None:
+        """The engine took these pages back (their bytes stay until another room fills them)."""
+        source = self.sources[writer]
+        for page in pages:
+            source.holder[page] = None
 
     def fence(self, decode_rank: int, writer: PeerId) -> int:
         """The decode fenced ``writer`` on its receiving side: none of its writes, in flight
@@ -165,9 +224,12 @@ class FakeTransport:
         memory = self.memory[write.target_rank]
         count = len(write.dst_pages) if pages is None else pages
         start = write.segment * SEGMENT_BYTES
-        for index, (page, data) in enumerate(zip(write.dst_pages, write.data, strict=True)):
+        pairs = zip(write.dst_pages, write.src_pages, strict=True)
+        for index, (page, src_page) in enumerate(pairs):
             if index >= count:
                 break
+            data = self._read_source(write, src_page)
+            write.moved.append(data)
             owner = self.owner_of(write.target_rank, page)
             if owner != (write.room, write.generation):
                 self.violations.append(
@@ -180,6 +242,17 @@ class FakeTransport:
             self.landed_bytes += len(payload)
         write.landed = pages is None
         return True
+
+    def _read_source(self, write: Write, page: int) -> bytes:
+        """The bytes a landing write reads from its writer's source page, now."""
+        source = self.sources[write.writer]
+        holder = source.holder[page]
+        if holder != (write.room, write.generation):
+            read = SourceReadAfterFree(
+                write.wid, write.writer, page, write.room, write.generation, holder
+            )
+            self.source_violations.append(read)
+        return source.content[page]
 
     def local_write(self, decode_rank: int, room: int, generation: int,
                     pages: tuple[int, ...]) -> None:  # fmt: skip

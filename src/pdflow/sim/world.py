@@ -90,7 +90,7 @@ from pdflow.sim.faults import FaultPlan
 from pdflow.sim.invariants import Monitor
 from pdflow.sim.network import Envelope, Network
 from pdflow.sim.tracing import TraceWriter
-from pdflow.sim.transport import FakeTransport, LocalCheck, Write, aux_content, source_content
+from pdflow.sim.transport import FakeTransport, LocalCheck, Write, aux_content
 from pdflow.trace.observe import room_summaries, touched_rooms
 
 BOOTSTRAP = "10.0.9.1:8998"
@@ -202,7 +202,7 @@ class World:
                 free_sources=list(range(self.shape.source_pages)),
             )
             self.prefill.append(process)
-            self.transport.sources[rank] = [b""] * self.shape.source_pages
+            self.transport.prefill_started(process.me, self.shape.source_pages)
             if self.trace is not None:
                 self.trace.header(name, "prefill", config)
             self._register(rank)
@@ -537,7 +537,7 @@ class World:
             drained = process.draining_jobs.pop((removed.room, removed.generation), None)
             for done in (job, drained):
                 if done is not None:
-                    process.free_sources.extend(done.src_pages)
+                    self.give_back_sources(process, done.src_pages)
             return
         assert job is None or isinstance(job, ReceiverJob)
         if job is not None and job.stage == "queued":
@@ -545,6 +545,17 @@ class World:
             process.requests.pop(job.request.rid, None)
             step = process.admission.handle(CancelRequest(job.request.rid), self.clock.now)
             self.monitor.record_fired(step.fired)
+
+    def give_back_sources(
+        self, process: PrefillProcess, pages: tuple[int, ...], *, first: bool = False
+    ) -> None:
+        """The prefill engine frees a room's source pages: free to hand out again (``first``:
+        the next ones handed out, as if never taken)."""
+        self.transport.release_sources(process.me, pages)
+        if first:
+            process.free_sources[:0] = pages
+        else:
+            process.free_sources.extend(pages)
 
     def clear(self, process: PrefillProcess | DecodeProcess, room: int) -> None:
         """The engine clears a terminal room; a prefill room still draining leaves the engine's
@@ -577,7 +588,6 @@ class World:
     def start_write(self, process: PrefillProcess, start: StartTransfer) -> None:
         target_rank = start.peer.rank
         writers = self.writers_of(target_rank, start.room)
-        data = tuple(self.transport.sources[process.rank][p] for p in start.src_pages)
         self.transport.add(
             Write(
                 wid=self.transport.next_write_id(),
@@ -590,7 +600,7 @@ class World:
                 seq=start.seq,
                 dst_pages=start.dst_pages,
                 segment=writers.index(process.rank),
-                data=data,
+                src_pages=start.src_pages,
                 aux=None
                 if start.src_aux_index is None
                 else aux_content(start.room, start.generation),
@@ -672,10 +682,7 @@ class World:
         take = request.num_pages
         sources = tuple(process.free_sources[:take])
         del process.free_sources[:take]
-        for index, page in enumerate(sources):
-            self.transport.sources[rank][page] = source_content(
-                request.room, request.generation, rank, index
-            )
+        self.transport.fill_sources(process.me, sources, request.room, request.generation, rank)
         process.jobs[request.room] = SenderJob(request, sources)
         try:
             self.feed(process, OpenRoom(request.room, request.generation))
@@ -683,7 +690,7 @@ class World:
             # The endpoint refused the claim (a later generation of the room id was opened
             # here already) and changed nothing: the engine fails this request on this rank.
             del process.jobs[request.room]
-            process.free_sources[:0] = sources
+            self.give_back_sources(process, sources, first=True)
 
     def open_decode(self, request: Request, rank: int) -> None:
         from pdflow.core.endpoints.endpoint_io import OpenReceiver
