@@ -2,14 +2,25 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.outputs import StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy
+from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverRoom
 from pdflow.sim.actions import apply, choices, settle
 from pdflow.sim.clock import VirtualClock
 from pdflow.sim.faults import ACTION_KINDS, FAULT_KINDS, FAULT_PROFILES, draw_plan
-from pdflow.sim.invariants import InvariantViolation, check_quiescent
+from pdflow.sim.invariants import (
+    MISMATCH_DECLARED,
+    MISMATCH_UNDECLARED,
+    InvariantViolation,
+    check_quiescent,
+)
+from pdflow.sim.mutants import Mutant, _rows_swapped, applied
+from pdflow.sim.runner import run_seed
 from pdflow.sim.world import World
 
 
@@ -107,3 +118,79 @@ def test_each_seed_runs_one_fault_profile_and_every_profile_is_drawn() -> None:
     assert FAULT_PROFILES["all"] == FAULT_KINDS - {"pause_prefill", "late_registration"}
     focused = [kinds for name, kinds in FAULT_PROFILES.items() if name != "all"]
     assert set().union(*focused) == FAULT_KINDS, "every fault is focused on by some profile"
+
+
+MISMATCH_SEEDS = [s for s in range(200) if draw_plan(s).shape.checksum_mismatch]
+"""The deliberate checksum-mismatch worlds among the first 200 seeds (CI's range)."""
+
+
+def test_a_checksum_mismatch_is_a_rare_labelled_case_not_one_world_in_seven() -> None:
+    """A decode requiring checksums a prefill never sends can never succeed: 13.9% of worlds
+    drew it by chance, their success path dead. Now it is drawn on purpose, about 3%."""
+    plans = [draw_plan(seed) for seed in range(1000)]
+    unable = [p.seed for p in plans if p.shape.verify_checksums and not p.shape.prefill_checksums]
+    assert unable == [p.seed for p in plans if p.shape.checksum_mismatch]
+    assert 10 <= len(unable) <= 50, len(unable)
+    assert MISMATCH_SEEDS, "CI's seeds run the case"
+
+
+def _decode_outcomes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[KVPoll, str]]:
+    """Every terminal status a decode engine sees, with its reason, from now on."""
+    seen: list[tuple[KVPoll, str]] = []
+    original = World.status_changed
+
+    def status_changed(world: World, process: Any, change: StatusChanged) -> None:
+        if process.name.startswith("decode") and change.poll.is_terminal:
+            seen.append((change.poll, change.reason))
+        original(world, process, change)
+
+    monkeypatch.setattr(World, "status_changed", status_changed)
+    return seen
+
+
+@pytest.mark.invariant("checksums_fail_closed")
+def test_checksum_mismatch_worlds_fail_their_rooms_saying_why(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No room of such a world succeeds, and the mismatch shows as itself: at topology time
+    when the prefill declared its setting, on the writers' Successes when it did not."""
+    seen = _decode_outcomes(monkeypatch)
+    for seed in MISMATCH_SEEDS:
+        result, _ = run_seed(seed, 300, record=False)
+        assert result.ok, (seed, result.violations)
+    assert seen and all(poll is KVPoll.Failed for poll, _ in seen)
+    reasons = {reason.split(":")[0] for _, reason in seen}
+    assert {MISMATCH_DECLARED, MISMATCH_UNDECLARED} <= reasons, reasons
+
+
+@pytest.mark.invariant("checksums_fail_closed")
+def test_a_mismatch_failure_that_hides_its_reason_is_caught() -> None:
+    """A decode that fails the room but says only "failed" leaves the operator guessing."""
+
+    def vague(original: Any) -> Any:
+        def fail(self: ReceiverRoom, inp: Any, now: float) -> list[Any]:
+            original(self, inp, now)
+            self.reason = "transfer failed"
+            return []
+
+        return fail
+
+    mutant = Mutant("vague", "", "", (_rows_swapped(RECEIVER_TABLE, "action", "fail_unverified",
+                                                    vague),))  # fmt: skip
+    undeclared = [s for s in MISMATCH_SEEDS if not draw_plan(s).shape.prefill_declares_checksums]
+    with applied(mutant):
+        violations = [v for s in undeclared for v in run_seed(s, 300, record=False)[0].violations]
+    assert any("[checksums_fail_closed]" in v and "transfer failed" in v for v in violations)
+
+
+def test_worlds_requiring_checksums_succeed_again() -> None:
+    """These seeds drew a decode requiring checksums and a prefill sending none: not one of
+    their rooms could succeed. Now most get some decode Success."""
+    succeeding = []
+    for seed in (9, 11, 18, 20, 25, 34, 45, 49, 54):
+        assert draw_plan(seed).shape.verify_checksums
+        _, world = run_seed(seed, 300, record=False)
+        if any(key[0].startswith("decode") and poll is KVPoll.Success
+               for key, poll in world.monitor.outcomes.items()):  # fmt: skip
+            succeeding.append(seed)
+    assert len(succeeding) >= 4, succeeding

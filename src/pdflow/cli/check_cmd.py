@@ -79,7 +79,7 @@ def _run_examples(args: argparse.Namespace) -> int:
     from pdflow.sim.runner import run_seed
 
     coverage: Counter[tuple[str, str, str, str | None, str]] = Counter()
-    steps = checks = actions = 0
+    steps = checks = actions = mismatched = 0
     failures = []
     started = time.perf_counter()
     with _progress() as progress:  # type: ignore[attr-defined]
@@ -90,6 +90,7 @@ def _run_examples(args: argparse.Namespace) -> int:
             steps += result.core_steps
             checks += result.invariant_checks
             actions += result.actions
+            mismatched += world.shape.checksum_mismatch
             if not result.ok:
                 failures.append(result)
             progress.advance(task)
@@ -99,6 +100,8 @@ def _run_examples(args: argparse.Namespace) -> int:
         f"{args.steps} actions each"
     )
     print(f"actions: {actions}, core steps: {steps}, invariant checks: {checks}")
+    print(f"checksum-mismatch worlds (every room that gets that far must fail saying so): "
+          f"{mismatched}")
     print(f"speed: {steps / elapsed:,.0f} simulated core steps/s ({elapsed:.1f} s)")
     for failure in failures:  # first: what to look at, before the coverage figures
         _show_failure(failure, args)

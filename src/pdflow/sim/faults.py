@@ -36,7 +36,8 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     bootstrap_timeout: float
     waiting_timeout: float
     prefill_checksums: bool = True
-    """The prefill sends a KV checksum with each Success (its PDFLOW_CHECKSUM)."""
+    """The prefill sends a KV checksum with each Success (its PDFLOW_CHECKSUM). Always, when the
+    decode requires them, except in a deliberate :attr:`checksum_mismatch` world."""
     prefill_declares_checksums: bool = True
     """Its registration says whether it does (False: it does not say, as SGLang's)."""
     receiver_fence: bool = True
@@ -61,6 +62,13 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     @property
     def decode_ranks(self) -> int:
         return self.decode_tp * self.decode_pp * self.decode_dp
+
+    @property
+    def checksum_mismatch(self) -> bool:
+        """The decode requires checksums the prefill never sends: a misconfiguration no room
+        survives, drawn on purpose in a few worlds (:data:`CHECKSUM_MISMATCH_SHARE`); each of
+        their rooms that gets that far must fail saying so."""
+        return self.verify_checksums and not self.prefill_checksums
 
     @property
     def num_kv_heads(self) -> int:
@@ -171,6 +179,10 @@ fault outside it. A fault that only shows once a room survives to its end (a cor
 reaching verification) is reached far more often without the faults that kill rooms, and each
 fault added later dilutes only the profiles it joins."""
 LIVENESS_FAULTS = FAULT_PROFILES["liveness"]
+CHECKSUM_MISMATCH_SHARE = 0.06
+"""Of the worlds whose decode requires checksums (half of them), those whose prefill sends none
+(about 3% of all worlds): enough to keep the refusal checked, few enough that the success path
+is alive in the rest."""
 PROFILE_WEIGHTS = {"all": 0.4, "data_path": 0.2, "liveness": 0.2, "room_races": 0.2}
 
 
@@ -255,8 +267,11 @@ def draw_plan(seed: int) -> FaultPlan:
     max_open = rng.choice((2, 4, 6))
     room_reuse = rng.random() < 0.6
     # Drawn last, so the rest of every earlier seed's plan is unchanged.
+    sends_checksums = rng.random() < 0.7
     shape = msgspec.structs.replace(
-        shape, prefill_checksums=rng.random() < 0.7, prefill_declares_checksums=rng.random() < 0.5
+        shape,
+        prefill_checksums=sends_checksums or shape.verify_checksums,
+        prefill_declares_checksums=rng.random() < 0.5,
     )
     shape = msgspec.structs.replace(shape, receiver_fence=rng.random() < 0.7)
     for kind in LATE_KINDS:
@@ -298,6 +313,8 @@ def draw_plan(seed: int) -> FaultPlan:
         # often beats the step that closes the window.
         drawn = 0.0 if rng.random() < 0.2 else rng.choice((2.0, 4.0, 8.0))
         weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
+    if shape.verify_checksums and rng.random() < CHECKSUM_MISMATCH_SHARE:
+        shape = msgspec.structs.replace(shape, prefill_checksums=False)
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -28,13 +28,14 @@ from pdflow.core.endpoints.endpoint_io import (
     OpenRoom,
     Received,
     RoomCall,
+    TopologyKnown,
 )
 from pdflow.core.endpoints.opened_marks import NONE
 from pdflow.core.framework.kvpoll import KVPoll, poll_may_follow
 from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired
 from pdflow.core.protocol.inputs import SendChunk
-from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata
+from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata, StatusReport
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
 from pdflow.core.resources.page_ledger import RoomPagesState
 from pdflow.sim.transport import aux_content, source_content
@@ -44,6 +45,10 @@ if TYPE_CHECKING:
     from pdflow.sim.world import World
 
 Transition = tuple[str, str, str, str | None, str]
+MISMATCH_DECLARED = "checksum mismatch"
+"""How a decode that requires checksums fails rooms of a prefill registered without them."""
+MISMATCH_UNDECLARED = "KV checksum missing"
+"""How it fails a room whose writers all reported Success without one."""
 """(machine, from, on, guard, to): one spec row."""
 
 INVARIANTS = (
@@ -156,6 +161,7 @@ class Monitor:
         for output in step.outputs:
             if isinstance(output, StatusChanged):
                 self._status(process, output)
+                self._check_mismatch_reason(process, inp, output)
         if process.endpoint.role == "prefill":
             self._check_generations(process, inp, step)  # type: ignore[arg-type]
             self._check_sender(process, inp, step)  # type: ignore[arg-type]
@@ -210,6 +216,32 @@ class Monitor:
         self.outcomes[key] = change.poll
         if process.endpoint.role == "prefill":
             self.prefill_outcomes[(process.me, change.room, change.generation)] = change.poll
+
+    def _check_mismatch_reason(
+        self, process: PrefillProcess | DecodeProcess, inp: AnyEndpointInput, change: StatusChanged
+    ) -> None:
+        """In a checksum-mismatch world, a decode room the mismatch fails is told so: by its
+        prefill's registration (declared), or by its writers' Successes without a checksum."""
+        if not self.world.shape.checksum_mismatch or process.endpoint.role != "decode":
+            return
+        if change.poll is not KVPoll.Failed:
+            return
+        if isinstance(inp, TopologyKnown) and inp.info.checksum is False:
+            expected = MISMATCH_DECLARED
+        elif (
+            isinstance(inp, Received)
+            and isinstance(inp.message, StatusReport)
+            and inp.message.status is KVPoll.Success
+        ):
+            expected = MISMATCH_UNDECLARED
+        else:
+            return  # failed before the mismatch could show (an abort, a timeout, a crash)
+        if not change.reason.startswith(expected):
+            self.fail(
+                "checksums_fail_closed",
+                f"{process.name}: room {change.room}/{change.generation} of a checksum-mismatch "
+                f"world failed with {change.reason!r}, not {expected!r}",
+            )
 
     def _check_timeout(
         self,
