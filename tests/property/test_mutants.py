@@ -19,6 +19,7 @@ def test_mutant_is_caught(mutant: Mutant) -> None:
         for seed in range(mutant.first_seed, mutant.first_seed + SEEDS):
             result, _ = run_seed(seed, STEPS, record=False)
             actions += result.actions
+            assert result.simulator_error is None, result.simulator_error
             if not result.ok:
                 print(
                     f"{mutant.name}: caught at seed {seed} after {actions} actions: "

@@ -137,6 +137,9 @@ def _show_failure(failure: Any, args: argparse.Namespace) -> None:
           f"--examples 1 --steps {args.steps}{trace_dir}`")  # fmt: skip
     for violation in failure.violations[:10]:
         print(f"  - {violation}")
+    if failure.simulator_error is not None:
+        print("  a bug of the simulator (pdflow.sim), not a protocol finding; fix it there:")
+        print("    " + failure.simulator_error.strip().replace("\n", "\n    "))
     if failure.trace_path:
         print(f"  trace: {failure.trace_path}")
         print(f"  replay it step by step: pdflow replay {failure.trace_path}")
@@ -155,6 +158,8 @@ def _run_mutants(args: argparse.Namespace) -> int:
     chosen = [mutant for mutant in MUTANTS if not args.mutant or mutant.name in args.mutant]
     trace_dir = args.trace_dir or (DEFAULT_TRACE_DIR if args.mutant else None)
     escaped = []
+    broken: dict[str, tuple[int, str]] = {}
+    """Mutants under which the simulator itself raised: neither caught nor escaped."""
     with _progress() as progress:  # type: ignore[attr-defined]
         task = progress.add_task("mutants", total=len(chosen))
         rows = []
@@ -166,18 +171,27 @@ def _run_mutants(args: argparse.Namespace) -> int:
                 for seed in range(first, first + args.examples):
                     result, _ = run_seed(seed, args.steps, record=False)
                     actions += result.actions
+                    if result.simulator_error is not None:
+                        broken[mutant.name] = (seed, result.simulator_error)
+                        break
                     if not result.ok:
                         trace: str | None = None
                         if trace_dir is not None:  # the same seed again, recorded this time
                             trace = run_seed(seed, args.steps, trace_dir=trace_dir)[0].trace_path
-                        caught = (seed, result.violations[0], trace or "")
+                        caught = (seed, result.first_problem, trace or "")
                         break
             rows.append((mutant, caught, actions))
-            if caught is None:
+            if caught is None and mutant.name not in broken:
                 escaped.append(mutant.name)
             progress.advance(task)
     for mutant, caught, actions in rows:
-        if caught is None:
+        if mutant.name in broken:
+            seed, error = broken[mutant.name]
+            print(f"SIMBUG  {mutant.name}: the simulator itself raised at seed {seed} (not a "
+                  f"catch; fix pdflow.sim; reproduce: pdflow check --mutants --mutant "
+                  f"{mutant.name} --seed {seed - mutant.first_seed} --examples 1 --steps "
+                  f"{args.steps}):\n{error.rstrip()}")
+        elif caught is None:
             print(f"ESCAPED {mutant.name} ({mutant.bug_class}) after {actions} actions")
         else:
             print(
@@ -188,5 +202,6 @@ def _run_mutants(args: argparse.Namespace) -> int:
                 print(f"  reproduce: pdflow check --mutants --mutant {mutant.name} --seed "
                       f"{caught[0] - mutant.first_seed} --examples 1 --steps {args.steps}"
                       + (f"; trace: {caught[2]}" if caught[2] else ""))
-    print(f"{len(chosen) - len(escaped)}/{len(chosen)} mutants caught")
-    return 1 if escaped else 0
+    caught_count = sum(caught is not None for _, caught, _ in rows)
+    print(f"{caught_count}/{len(chosen)} mutants caught")
+    return 1 if escaped or broken else 0

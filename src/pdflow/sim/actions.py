@@ -455,7 +455,7 @@ def _late_registration(world: World, index: int, hint: int) -> None:
     and change nothing."""
     registration = world.registrations[index]
     before = world.registry.snapshot()
-    reply = world.registry.reply_to(registration, world.clock.now)
+    reply = world.ask_registry(registration)
     if reply.status != 409 or world.registry.snapshot() != before:
         world.monitor.fail(
             "registry_ordered",
@@ -537,6 +537,11 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
 
 
 # ---- settling (the liveness phase) ---------------------------------------------------------------
+class WorldDidNotSettle(RuntimeError):
+    """Work went on round after round without the world coming to rest: a liveness finding
+    (rooms_settle), not a simulator bug."""
+
+
 def settle(world: World, max_rounds: int = 400) -> None:
     """Heal the network, let every process finish its work and time run past every deadline.
 
@@ -561,7 +566,7 @@ def settle(world: World, max_rounds: int = 400) -> None:
             continue
         if not _give_up_waiting_for_memory(world):
             return
-    raise RuntimeError(f"the world did not settle within {max_rounds} rounds")
+    raise WorldDidNotSettle(f"the world did not settle within {max_rounds} rounds")
 
 
 def _last_races(world: World) -> None:

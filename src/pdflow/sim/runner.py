@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import random
 import time
+import traceback
 from collections import Counter
 from pathlib import Path
 
 import msgspec
 
-from pdflow.sim.actions import apply, choices, settle
+from pdflow.sim.actions import WorldDidNotSettle, apply, choices, settle
 from pdflow.sim.faults import ACTION_KINDS, draw_plan
 from pdflow.sim.invariants import INVARIANTS, Transition, check_quiescent
 from pdflow.sim.world import World
@@ -29,10 +30,22 @@ class RunResult(msgspec.Struct):
     elapsed_s: float
     trace_path: str | None = None
     coverage: dict[str, int] = msgspec.field(default_factory=dict)
+    simulator_error: str | None = None
+    """The traceback of an exception the simulator itself raised (not a core machine): a bug
+    of pdflow.sim, which ends the run without saying anything about the protocol."""
 
     @property
     def ok(self) -> bool:
-        return not self.violations
+        return not self.violations and self.simulator_error is None
+
+    @property
+    def first_problem(self) -> str:
+        """The first violation, else the simulator bug's last line; empty when ok."""
+        if self.violations:
+            return self.violations[0]
+        if self.simulator_error is not None:
+            return f"simulator bug: {self.simulator_error.strip().splitlines()[-1]}"
+        return ""
 
 
 def run_seed(
@@ -44,6 +57,7 @@ def run_seed(
     world = World(plan, record=record)
     driver = random.Random(seed * 2 + 1)
     kinds = [k for k in ACTION_KINDS if plan.weights[k] > 0]
+    simulator_error = None
     try:
         for _ in range(steps):
             enabled = [(k, n) for k in kinds if (n := len(choices(world, k)))]
@@ -57,8 +71,13 @@ def run_seed(
             world.monitor.violations.extend(
                 f"liveness: {problem}" for problem in check_quiescent(world)
             )
-    except Exception as exc:  # a core that raises is a finding too: keep its trace
-        world.monitor.fail("no_core_error", f"{type(exc).__name__}: {exc}")
+    except WorldDidNotSettle as exc:
+        world.monitor.violations.append(f"liveness: [rooms_settle] {exc}")
+    except Exception as exc:
+        if world.raised_by_core(exc):  # a core that raises is a finding too: keep its trace
+            world.monitor.fail("no_core_error", f"{type(exc).__name__}: {exc}")
+        else:
+            simulator_error = traceback.format_exc()
     result = RunResult(
         seed=seed,
         actions=world.actions,
@@ -66,8 +85,9 @@ def run_seed(
         invariant_checks=world.monitor.checks + len(INVARIANTS),
         violations=list(world.monitor.violations),
         elapsed_s=time.perf_counter() - started,
+        simulator_error=simulator_error,
     )
-    if result.violations and world.trace is not None and trace_dir is not None:
+    if not result.ok and world.trace is not None and trace_dir is not None:
         result.trace_path = str(world.trace.write(trace_dir / f"pdflow-check-{seed}.jsonl"))
     return result, world
 

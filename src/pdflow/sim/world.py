@@ -10,6 +10,7 @@ in the trace.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import random
 from collections.abc import Iterator
@@ -25,6 +26,7 @@ from pdflow.core.cluster.registry import (
     QueryTopology,
     RegisterRank,
     Registry,
+    Reply,
     declared_checksum,
 )
 from pdflow.core.cluster.topology import (
@@ -60,7 +62,7 @@ from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
-from pdflow.core.protocol.inputs import AbortRequested, PublishPages
+from pdflow.core.protocol.inputs import AbortRequested, Input, PublishPages
 from pdflow.core.protocol.messages import Abort, PeerId
 from pdflow.core.protocol.outputs import (
     StartTransfer,
@@ -166,6 +168,8 @@ class World:
         """Room instances whose engine made its late calls while settling (once each)."""
         self.steps = 0
         self.actions = 0
+        self.core_error: Exception | None = None
+        """The last exception a core machine raised (see :meth:`raised_by_core`)."""
         self._start_prefill_instance()
         for rank in range(self.shape.decode_ranks):
             self._start_decode(rank)
@@ -232,7 +236,7 @@ class World:
             health=HEALTH,
         )
         self.registrations.append(registration)
-        reply = self.registry.reply_to(registration, self.clock.now)
+        reply = self.ask_registry(registration)
         if reply.status != 200:
             raise RuntimeError(f"the registry refused prefill rank {rank}: {reply.body}")
 
@@ -340,14 +344,14 @@ class World:
         return tuple(i for i, c in enumerate(self.prefill_coords) if c.dp == group)
 
     def _answer_topology(self) -> TopologyKnown | TopologyFailed:
-        reply = self.registry.reply_to(QueryTopology(), self.clock.now)
+        reply = self.ask_registry(QueryTopology())
         if reply.status != 200:
             return TopologyFailed(BOOTSTRAP, f"registry answered {reply.status}: {reply.body}")
         server = msgspec.convert(reply.body, PrefillServerInfo)
         ranks = []
         answers = []
         for c in self.prefill_coords:
-            answer = self.registry.reply_to(QueryRank(c.dp, c.cp, c.tp, c.pp), self.clock.now)
+            answer = self.ask_registry(QueryRank(c.dp, c.cp, c.tp, c.pp))
             info = msgspec.convert(answer.body, PrefillRankInfo)
             answers.append(info)
             if info.incarnation != self.prefill_incarnation:
@@ -385,7 +389,8 @@ class World:
         before = set(endpoint.open_rooms())
         now = self.clock.now
         try:
-            step = endpoint.handle(inp, now)
+            with self._core_boundary():
+                step = endpoint.handle(inp, now)
         except Exception as exc:  # recorded, then re-raised: the driver decides what it means
             self._record(process, inp, Step(timer_at=endpoint.timer_at()), exc)
             raise
@@ -402,6 +407,30 @@ class World:
             else:
                 carry_out_decode(DecodeSimEffects(self, process), output, msg_id)
         return step
+
+    # ---- the core's other entry points -------------------------------------------------------
+    @contextlib.contextmanager
+    def _core_boundary(self) -> Iterator[None]:
+        """What escapes a core machine here is the core's own error, remembered so that a run
+        ending on it reports no_core_error; any other exception is a bug of the simulator."""
+        try:
+            yield
+        except Exception as exc:
+            self.core_error = exc
+            raise
+
+    def raised_by_core(self, exc: BaseException) -> bool:
+        return exc is self.core_error
+
+    def admission_step(self, process: DecodeProcess, inp: Input) -> Step:
+        with self._core_boundary():
+            step = process.admission.handle(inp, self.clock.now)
+        self.monitor.record_fired(step.fired)
+        return step
+
+    def ask_registry(self, request: Input) -> Reply:
+        with self._core_boundary():
+            return self.registry.reply_to(request, self.clock.now)
 
     def _record(
         self,
@@ -482,10 +511,9 @@ class World:
 
     def _enqueue(self, process: DecodeProcess, job: ReceiverJob) -> None:
         request = job.request
-        step = process.admission.handle(
-            EnqueueRequest(request.rid, request.input_len, request.max_new), self.clock.now
+        step = self.admission_step(
+            process, EnqueueRequest(request.rid, request.input_len, request.max_new)
         )
-        self.monitor.record_fired(step.fired)
         if any(isinstance(o, RequestRejected) for o in step.outputs):
             job.stage = "rejected"
             self.feed(process, RoomCall(request.room, AbortRequested("rejected by admission")))
@@ -497,8 +525,7 @@ class World:
         """The decode scheduler admits what fits and publishes each admitted room's pages."""
         from pdflow.core.resources.admission import AdmitRequests
 
-        step = process.admission.handle(AdmitRequests(), self.clock.now)
-        self.monitor.record_fired(step.fired)
+        step = self.admission_step(process, AdmitRequests())
         for output in step.outputs:
             if isinstance(output, RequestAdmitted):
                 self._publish(process, process.requests[output.request_id], output.reserve_pages)
@@ -522,8 +549,7 @@ class World:
         job = process.requests.pop(rid, None)
         if job is not None and job.stage == "admitted":
             job.stage = "finished"
-            step = process.admission.handle(FinishRequest(rid), self.clock.now)
-            self.monitor.record_fired(step.fired)
+            self.admission_step(process, FinishRequest(rid))
 
     def room_removed(self, process: PrefillProcess | DecodeProcess, removed: RoomRemoved) -> None:
         self.monitor.room_removed(process, removed.room, removed.generation)
@@ -543,8 +569,7 @@ class World:
         if job is not None and job.stage == "queued":
             job.stage = "cancelled"
             process.requests.pop(job.request.rid, None)
-            step = process.admission.handle(CancelRequest(job.request.rid), self.clock.now)
-            self.monitor.record_fired(step.fired)
+            self.admission_step(process, CancelRequest(job.request.rid))
 
     def give_back_sources(
         self, process: PrefillProcess, pages: tuple[int, ...], *, first: bool = False
