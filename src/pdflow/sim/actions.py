@@ -189,7 +189,8 @@ def _late_copies(
     world: World, process: PrefillProcess | DecodeProcess, room: int, generation: int
 ) -> list[Any]:
     got = world.last_delivered.get((process.name, room, generation), {})
-    return [("late_copy", process.name, room, generation, kind) for kind in sorted(got)]
+    return [("late_copy", process.name, room, generation, kind) for kind in sorted(got)
+            if world.network.passes(got[kind])]  # fmt: skip
 
 
 def _mid_write(world: World) -> bool:
@@ -427,7 +428,7 @@ def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
             # A late copy of the room's metadata, or of an ABORT, reaches it while it drains
             # out of sight.
             for kind in sorted(late):
-                if kind.startswith(("RoomMetadata", "Abort")):
+                if kind.startswith(("RoomMetadata", "Abort")) and world.network.passes(late[kind]):
                     world.deliver(late[kind])
 
     return run

@@ -2,7 +2,8 @@
 
 Every fault is a choice the driver makes: deliver any deliverable message (of any link; of any
 position in a link too when the plan lets links reorder), drop one, duplicate one, cut links
-(partition) and heal them. Messages on a cut link wait; they are delivered after the heal.
+(partition) and heal them. Messages on a cut link wait; they are delivered after the heal, and
+no late copy of a message crosses a cut link either (:meth:`Network.passes`).
 """
 
 from __future__ import annotations
@@ -46,6 +47,10 @@ class Network:
 
     def is_cut(self, link: Link) -> bool:
         return frozenset(link) in self.cut
+
+    def passes(self, envelope: Envelope) -> bool:
+        """Whether a copy of this message could arrive now (a late copy crosses no cut link)."""
+        return not self.is_cut(envelope.link)
 
     def in_flight(self) -> list[tuple[Link, int]]:
         """Every queued message as (link, position), in a deterministic order."""
