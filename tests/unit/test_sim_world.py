@@ -194,3 +194,43 @@ def test_worlds_requiring_checksums_succeed_again() -> None:
                for key, poll in world.monitor.outcomes.items()):  # fmt: skip
             succeeding.append(seed)
     assert len(succeeding) >= 4, succeeding
+
+
+def test_a_heartbeat_probe_fails_when_its_health_link_is_cut_and_only_then(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The probe looked at prefill rank 0's control link: cutting rank 0 failed it, cutting
+    the health endpoint's own link did not."""
+    from pdflow.core.endpoints.endpoint_io import HeartbeatResult
+    from pdflow.sim.world import HEALTH
+
+    world = World(draw_plan(0))
+    assert world.shape.prefill_ranks >= 2
+    apply(world, "new_request", 0, hint=12 << 3)
+    decode = world.decode[0]
+    for _ in range(100):
+        if decode.endpoint.probe_targets():
+            break
+        apply(world, next(k for k in ("local_event", "deliver", "open_decode", "open_prefill")
+                          if choices(world, k)), 0)  # fmt: skip
+    assert (HEALTH, decode.me.address) in choices(world, "partition")
+    probes: list[bool] = []
+    feed = world.feed
+
+    def recording_feed(process: Any, inp: Any) -> Any:
+        if isinstance(inp, HeartbeatResult):
+            probes.append(inp.ok)
+        return feed(process, inp)
+
+    monkeypatch.setattr(world, "feed", recording_feed)
+
+    def probe_with_cut(address: str) -> list[bool]:
+        world.network.heal()
+        world.network.partition(address, decode.me.address)
+        probes.clear()
+        apply(world, "heartbeat_ok", 0)
+        return list(probes)
+
+    assert probe_with_cut(HEALTH) == [False]
+    for prefill in world.prefill:
+        assert probe_with_cut(prefill.me.address) == [True], prefill.name

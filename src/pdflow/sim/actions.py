@@ -22,7 +22,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
 from pdflow.core.resources.admission import QueueState
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
-from pdflow.sim.world import BOOTSTRAP, World
+from pdflow.sim.world import BOOTSTRAP, HEALTH, World
 
 ADVANCE_STEPS = (None, 1.0, 3.0)
 """None: jump to the next deadline (or 0.5 s when none is pending)."""
@@ -217,11 +217,14 @@ def _mid_transfer(world: World) -> bool:
 
 
 def _partitions(world: World) -> list[Any]:
+    """Links a partition may cut: a prefill rank's control link to a decode rank, or the link
+    from a decode rank to the prefill's health endpoint (its heartbeat probes)."""
+    prefill_side = [p.me.address for p in world.prefill] + [HEALTH]
     return [
-        (p, d)
-        for p in range(len(world.prefill))
-        for d in range(len(world.decode))
-        if not world.network.is_cut((world.prefill[p].me.address, world.decode[d].me.address))
+        (address, d.me.address)
+        for address in prefill_side
+        for d in world.decode
+        if not world.network.is_cut((address, d.me.address))
     ]
 
 
@@ -435,16 +438,18 @@ def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
 
 
 def _heartbeat(ok: bool) -> Callable[[World, int, int], None]:
-    """One heartbeat round of one decode rank: a probe of each target it names; ``ok=False``
-    fails them though the prefill may be up (a false failure: a stalled registry, a lost
-    probe)."""
+    """One heartbeat round of one decode rank: a probe of each target it names, which fails
+    when the link to the target's health endpoint is cut; ``ok=False`` fails them though the
+    prefill may be up (a false failure: a stalled registry, a lost probe)."""
 
     def run(world: World, rank: int, hint: int) -> None:
         decode = world.decode[rank]
         for target in decode.endpoint.probe_targets():
             seen = world.probe(target)
-            cut = world.network.is_cut((world.prefill[0].me.address, decode.me.address))
-            if not ok or (cut and target.health is not None):
+            cut = target.health is not None and world.network.is_cut(
+                (target.health, decode.me.address)
+            )
+            if not ok or cut:
                 seen = msgspec.structs.replace(seen, ok=False, incarnation=None)
             world.feed(decode, seen)
 
@@ -493,8 +498,8 @@ def _stall(world: World) -> None:
         _heartbeat(True)(world, rank, 0)
 
 
-def _partition(world: World, choice: tuple[int, int], hint: int) -> None:
-    world.network.partition(world.prefill[choice[0]].me.address, world.decode[choice[1]].me.address)
+def _partition(world: World, choice: tuple[str, str], hint: int) -> None:
+    world.network.partition(*choice)
 
 
 _APPLY: dict[str, Callable[[World, Any, int], object]] = {
