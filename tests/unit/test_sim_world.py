@@ -234,3 +234,20 @@ def test_a_heartbeat_probe_fails_when_its_health_link_is_cut_and_only_then(
     assert probe_with_cut(HEALTH) == [False]
     for prefill in world.prefill:
         assert probe_with_cut(prefill.me.address) == [True], prefill.name
+
+
+def test_the_hypothesis_machine_takes_only_the_faults_of_its_worlds_profile() -> None:
+    """WorldMachine offered every fault in every world, whatever its profile switched off."""
+    from pdflow.sim.machine import WorldMachine
+
+    for profile in FAULT_PROFILES:
+        seed = next(s for s in range(200) if draw_plan(s).profile == profile)
+        machine = WorldMachine()
+        machine.build_world(seed)
+        plan = machine.world.plan
+        switched_off = [k for k in ACTION_KINDS if plan.weights[k] == 0]
+        assert "crash_decode" in switched_off or profile in ("all", "liveness")
+        assert not [k for k in switched_off if machine.enabled(k)], profile
+        assert machine.enabled("new_request") and machine.enabled("crash_decode") == (
+            plan.weights["crash_decode"] > 0
+        )

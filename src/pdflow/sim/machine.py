@@ -2,7 +2,9 @@
 
 Subclass :class:`WorldMachine` to model-check an embedding: every action kind of
 :mod:`pdflow.sim.actions` is a rule, enabled by a precondition (never ``assume``), with a drawn
-index (which message to deliver: reordering) and a drawn size hint. The protocol invariants run
+index (which message to deliver: reordering) and a drawn size hint. The drawn seed's plan
+decides which kinds exist in a world, as for the seeded driver: a fault outside its profile (or
+switched off in it) is never a rule's to take. The protocol invariants run
 after every step; ``teardown`` heals the world, lets it settle and checks liveness. Add your own
 ``@invariant`` methods reading ``self.world``.
 """
@@ -37,6 +39,13 @@ class WorldMachine(RuleBasedStateMachine):
     def act(self, kind: str, index: int, hint: int) -> None:
         apply(self.world, kind, index, hint)
 
+    def enabled(self, kind: str) -> bool:
+        """Whether the rule for ``kind`` may run now: the world's plan has it, and it has a
+        choice."""
+        if not hasattr(self, "world") or self.world.plan.weights[kind] <= 0:
+            return False
+        return bool(choices(self.world, kind))
+
     @invariant()
     def protocol_invariants(self) -> None:
         if hasattr(self, "world"):
@@ -55,7 +64,7 @@ class WorldMachine(RuleBasedStateMachine):
 
 
 def _enabled(kind: str) -> Any:
-    return lambda self: hasattr(self, "world") and bool(choices(self.world, kind))
+    return lambda self: self.enabled(kind)
 
 
 def _make_rule(kind: str) -> Any:
