@@ -11,8 +11,10 @@ import pytest
 import pdflow.sim.runner as runner
 from pdflow.cli import main
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.resources.admission import AdmissionQueue
 from pdflow.sim.actions import settle
+from pdflow.sim.invariants import INVARIANTS
 from pdflow.sim.runner import run_seed
 from pdflow.sim.world import World
 
@@ -89,3 +91,23 @@ def test_a_mutant_under_which_the_simulator_raises_is_not_counted_caught(
     out = capsys.readouterr().out
     assert "SIMBUG  breaks_the_world: the simulator itself raised at seed" in out
     assert "0/1 mutants caught" in out and "ESCAPED" not in out
+
+
+def test_the_invariant_check_count_is_what_really_ran() -> None:
+    """It was every invariant id once per core step, plus every id once more: a world where
+    nothing but settling happened claimed 31 checks."""
+    idle, idle_world = run_seed(0, 0, record=False)
+    assert idle.core_steps == 0
+    registrations = idle_world.shape.prefill_ranks  # the registry's answers: core steps too
+    assert idle.checked == {"no_core_error": registrations, "rooms_settle": 1, "pages_return": 1,
+                            "verdict_revisable": 1}  # fmt: skip
+    assert idle.invariant_checks == registrations + 3
+
+    result, world = run_seed(0, 300, record=False)
+    assert result.ok and result.core_steps > 100
+    assert result.invariant_checks == sum(result.checked.values())
+    assert result.invariant_checks < len(INVARIANTS) * result.core_steps
+    decode_successes = [key for key, poll in world.monitor.outcomes.items()
+                        if key[0].startswith("decode") and poll is KVPoll.Success]  # fmt: skip
+    assert result.checked["success_needs_all_peers"] == len(decode_successes) > 0
+    assert result.checked["no_use_after_free"] == world.transport.pages_checked > 0

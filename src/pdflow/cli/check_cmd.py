@@ -76,9 +76,11 @@ def _run_examples(args: argparse.Namespace) -> int:
         reachable_summary,
         summary,
     )
+    from pdflow.sim.invariants import INVARIANTS
     from pdflow.sim.runner import run_seed
 
     coverage: Counter[tuple[str, str, str, str | None, str]] = Counter()
+    checked: Counter[str] = Counter()
     steps = checks = actions = mismatched = 0
     failures = []
     started = time.perf_counter()
@@ -89,6 +91,7 @@ def _run_examples(args: argparse.Namespace) -> int:
             coverage.update(world.monitor.coverage)
             steps += result.core_steps
             checks += result.invariant_checks
+            checked.update(result.checked)
             actions += result.actions
             mismatched += world.shape.checksum_mismatch
             if not result.ok:
@@ -99,7 +102,11 @@ def _run_examples(args: argparse.Namespace) -> int:
         f"examples: {args.examples} (seeds {args.seed}..{args.seed + args.examples - 1}), "
         f"{args.steps} actions each"
     )
-    print(f"actions: {actions}, core steps: {steps}, invariant checks: {checks}")
+    print(f"actions: {actions}, core steps: {steps}, invariant checks: {checks} (each time an "
+          f"invariant's check ran)")
+    never = [invariant for invariant in INVARIANTS if not checked[invariant]]
+    print(f"invariants checked at least once: {len(INVARIANTS) - len(never)}/{len(INVARIANTS)}"
+          + (f" (never: {', '.join(never)})" if never else ""))
     print(f"checksum-mismatch worlds (every room that gets that far must fail saying so): "
           f"{mismatched}")
     print(f"speed: {steps / elapsed:,.0f} simulated core steps/s ({elapsed:.1f} s)")

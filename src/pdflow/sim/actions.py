@@ -462,6 +462,7 @@ def _late_registration(world: World, index: int, hint: int) -> None:
     registration = world.registrations[index]
     before = world.registry.snapshot()
     reply = world.ask_registry(registration)
+    world.monitor.checking("registry_ordered")
     if reply.status != 409 or world.registry.snapshot() != before:
         world.monitor.fail(
             "registry_ordered",

@@ -119,7 +119,8 @@ class Monitor:
         """(prefill process, room, generation) -> decode peers whose ABORT it took and has not
         ACKed yet (drain_before_ack: owed only while the room still has writes in flight)."""
         """Room instances a prefill ACKed an ABORT for while it hosted no room of them."""
-        self.checks = 0
+        self.checked: Counter[str] = Counter()
+        """How many times each invariant was evaluated here (:meth:`checking`)."""
         self._reported_uaf = 0
         self._reported_source_reads = 0
 
@@ -129,6 +130,25 @@ class Monitor:
         if invariant not in INVARIANTS:
             raise ValueError(f"{invariant!r} is not an invariant of spec/protocol.toml")
         self.violations.append(f"t={self.world.clock.now:g}: [{invariant}] {message}")
+
+    def checking(self, *invariants: str) -> None:
+        """Count one evaluation of each of these invariants: call it where the check runs."""
+        self.checked.update(invariants)
+
+    @property
+    def counts(self) -> Counter[str]:
+        """How many times each invariant was evaluated so far, the transport's check of every
+        page a write landed in or read from included."""
+        transport = self.world.transport
+        return self.checked + Counter(
+            no_use_after_free=transport.pages_checked,
+            no_source_use_after_free=transport.sources_checked,
+        )
+
+    @property
+    def checks(self) -> int:
+        """Invariant evaluations so far, every id counted each time its check ran."""
+        return sum(self.counts.values())
 
     def record_fired(self, fired: tuple[Fired, ...]) -> None:
         for f in fired:
@@ -154,6 +174,7 @@ class Monitor:
             self.polls[(name, inp.room, inp.generation)] = KVPoll.Bootstrapping
             self.changed_at[(name, inp.room, inp.generation)] = self.world.clock.now
         created = set(process.endpoint.rooms) - allowed
+        self.checking("no_resurrection")
         if created:
             self.fail(
                 "no_resurrection", f"{name}: {type(inp).__name__} created rooms {sorted(created)}"
@@ -171,10 +192,10 @@ class Monitor:
             self._check_admission(process)  # type: ignore[arg-type]
             self._check_lost_writers(process, step)  # type: ignore[arg-type]
             self._check_fence_before_abort(process, step)  # type: ignore[arg-type]
-        self.checks += len(INVARIANTS)
 
     def _status(self, process: PrefillProcess | DecodeProcess, change: StatusChanged) -> None:
         key = (process.name, change.room, change.generation)
+        self.checking("no_status_after_clear")
         if key in self.removed:
             self.fail(
                 "no_status_after_clear",
@@ -191,6 +212,8 @@ class Monitor:
             )
             return
         self._check_timeout(process, change, key)
+        # One check, three invariants: no status may follow Failed or Success, nor go back.
+        self.checking("kvpoll_monotone", "failed_absorbing", "terminal_sticky")
         if not poll_may_follow(previous, change.poll):
             broken = (
                 "failed_absorbing" if previous is KVPoll.Failed
@@ -207,6 +230,7 @@ class Monitor:
         if not change.poll.is_terminal:
             return
         earlier = self.outcomes.get(key)
+        self.checking("one_terminal_outcome")
         if earlier is not None and earlier is not change.poll:
             self.fail(
                 "one_terminal_outcome",
@@ -236,6 +260,7 @@ class Monitor:
             expected = MISMATCH_UNDECLARED
         else:
             return  # failed before the mismatch could show (an abort, a timeout, a crash)
+        self.checking("checksums_fail_closed")
         if not change.reason.startswith(expected):
             self.fail(
                 "checksums_fail_closed",
@@ -263,6 +288,7 @@ class Monitor:
         shape = self.world.shape
         budget = shape.bootstrap_timeout if prefill else shape.waiting_timeout
         waited = self.world.clock.now - self.changed_at[key]
+        self.checking("single_room_status_clock")
         if waited < budget:
             self.fail(
                 "single_room_status_clock",
@@ -285,6 +311,7 @@ class Monitor:
             stale = [o for o in step.outputs
                      if isinstance(o, Dropped) and o.kind == "stale_generation"]  # fmt: skip
             opened = self.opened.get(key)
+            self.checking("newer_generation_not_stale")
             if stale and (opened is None or message.generation > opened):
                 self.fail(
                     "newer_generation_not_stale",
@@ -298,6 +325,7 @@ class Monitor:
             self.opened_generations.add((name, inp.room, inp.generation))
             failed = any(isinstance(o, StatusChanged) and o.poll is KVPoll.Failed
                          for o in step.outputs)  # fmt: skip
+            self.checking("generation_isolation", "abort_is_final")
             if failed and self.cancelled.get(key, inp.generation - 1) < inp.generation:
                 self.fail(
                     "generation_isolation",
@@ -318,6 +346,7 @@ class Monitor:
         """bounded_room_state, after the step's ACKs are counted (one may keep a cancel)."""
         name = process.name
         endpoint = process.endpoint
+        self.checking("bounded_room_state")
         for room, record in endpoint.pending.items():
             parked = record.parked_generation != NONE
             if parked or record.cancelled > endpoint.opened.get(room, NONE):
@@ -350,6 +379,7 @@ class Monitor:
                 room = endpoint.rooms.get(output.room)
                 key = (name, output.room, output.generation)
                 sent = self.chunks.get(key, (0, 0))
+                self.checking("chunks_partition")
                 if room is not None and sent != (room.num_pages, 1):
                     self.fail(
                         "chunks_partition",
@@ -357,6 +387,7 @@ class Monitor:
                         f"of {sent[0]} pages ({sent[1]} marked last), num_pages={room.num_pages}",
                     )
             elif isinstance(output, StartTransfer):
+                self.checking("abort_is_final")
                 if (name, output.room, output.generation) in self.acked_unopened:
                     self.fail(
                         "abort_is_final",
@@ -368,6 +399,7 @@ class Monitor:
                 pending = [w.wid for w in self.world.transport.writes.values()
                            if w.writer == process.me
                            and (w.room, w.generation) == (ack.room, ack.generation)]  # fmt: skip
+                self.checking("drain_before_ack")
                 if pending:
                     self.fail(
                         "drain_before_ack",
@@ -403,6 +435,7 @@ class Monitor:
             del self.acks_owed[key]
         in_flight = {(w.room, w.generation) for w in self.world.transport.writes.values()
                      if w.writer == process.me}  # fmt: skip
+        self.checking("drain_before_ack")
         for (owner, room, generation), owed in sorted(self.acks_owed.items()):
             if owner == name and (room, generation) not in in_flight:
                 self.fail(
@@ -416,6 +449,7 @@ class Monitor:
         for output in step.outputs:
             if isinstance(output, SendMessage) and isinstance(output.message, Abort):
                 abort = output.message
+                self.checking("fence_before_abort")
                 if ledger.state_of(abort.room, abort.generation) is RoomPagesState.RESERVED:
                     self.fail(
                         "fence_before_abort",
@@ -426,6 +460,9 @@ class Monitor:
     def _check_lost_writers(self, process: DecodeProcess, step: Step) -> None:
         """Once a writer is declared dead, no room still counts on it."""
         dead = {o.peer for o in step.outputs if isinstance(o, CloseSession)}
+        if not dead:
+            return
+        self.checking("lost_instance_fails_rooms")
         for room_id, room in sorted(process.endpoint.rooms.items()):
             verifying = room.state.name == "VERIFYING"  # every writer already finished
             if (
@@ -456,6 +493,7 @@ class Monitor:
     def _check_admission(self, process: DecodeProcess) -> None:
         admission = process.admission
         allocatable = process.endpoint.ledger.allocatable
+        self.checking("admission_consistent")
         if allocatable < admission.free_pages:
             self.fail(
                 "admission_consistent",
@@ -465,6 +503,7 @@ class Monitor:
         if admission.queue and not admission.admitted:
             head = next(iter(admission.queue.values()))
             decision = admission.decide(head)
+            self.checking("admission_no_deadlock")
             if not decision.admit:
                 self.fail(
                     "admission_no_deadlock",
@@ -478,6 +517,9 @@ class Monitor:
         gen = room.generation
         writers = self.world.writers_of(process.rank, room_id)
         unverified = [p.address for p, checksum in room.succeeded.items() if checksum is None]
+        self.checking("success_needs_all_peers")
+        if process.endpoint.config.verify_checksums:
+            self.checking("checksums_fail_closed")
         if process.endpoint.config.verify_checksums and unverified:
             self.fail(
                 "checksums_fail_closed",
@@ -491,9 +533,10 @@ class Monitor:
                 f"{len(room.succeeded)} of {len(writers)} writers",
             )
         published = room.published
-        if published is not None and published.aux_index is not None and (
-            job.aux != aux_content(room_id, gen)
-        ):
+        with_aux = published is not None and published.aux_index is not None
+        if with_aux:
+            self.checking("aux_before_success")
+        if with_aux and job.aux != aux_content(room_id, gen):
             self.fail(
                 "aux_before_success",
                 f"{process.name}: room {room_id}/{gen} succeeded but its aux slot holds "
@@ -501,6 +544,7 @@ class Monitor:
             )
         for peer in room.succeeded:
             outcome = self.prefill_outcomes.get((peer, room_id, gen))
+            self.checking("sides_agree", "success_bytes_exact")
             if outcome is not KVPoll.Success:
                 self.fail(
                     "sides_agree",
@@ -566,6 +610,7 @@ def check_quiescent(world: World) -> list[str]:
     """Liveness (rooms_settle, pages_return), once the world has settled: what is still held,
     open or outstanding; each problem starts with the invariant's id."""
     problems: list[str] = []
+    world.monitor.checking("rooms_settle", "pages_return", "verdict_revisable")
     for process in world.processes():
         rooms = process.endpoint.rooms
         for room_id in sorted(rooms):

@@ -156,6 +156,10 @@ class FakeTransport:
     violations: list[UseAfterFree] = field(default_factory=list)
     source_violations: list[SourceReadAfterFree] = field(default_factory=list)
     landed_bytes: int = 0
+    pages_checked: int = 0
+    """Decode pages a landing (or the local scatter) checked against the ledger."""
+    sources_checked: int = 0
+    """Source pages a landing write read and checked against their holder."""
     _next_wid: int = 0
 
     # ---- process lives ---------------------------------------------------------------------
@@ -231,6 +235,7 @@ class FakeTransport:
             data = self._read_source(write, src_page)
             write.moved.append(data)
             owner = self.owner_of(write.target_rank, page)
+            self.pages_checked += 1
             if owner != (write.room, write.generation):
                 self.violations.append(
                     UseAfterFree(
@@ -247,6 +252,7 @@ class FakeTransport:
         """The bytes a landing write reads from its writer's source page, now."""
         source = self.sources[write.writer]
         holder = source.holder[page]
+        self.sources_checked += 1
         if holder != (write.room, write.generation):
             read = SourceReadAfterFree(
                 write.wid, write.writer, page, write.room, write.generation, holder
@@ -260,6 +266,7 @@ class FakeTransport:
         into them first): each must still belong to the room."""
         for page in pages:
             owner = self.owner_of(decode_rank, page)
+            self.pages_checked += 1
             if owner != (room, generation):
                 self.violations.append(
                     UseAfterFree(LOCAL_WRITE, decode_rank, page, room, generation, owner)

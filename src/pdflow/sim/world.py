@@ -354,6 +354,7 @@ class World:
             answer = self.ask_registry(QueryRank(c.dp, c.cp, c.tp, c.pp))
             info = msgspec.convert(answer.body, PrefillRankInfo)
             answers.append(info)
+            self.monitor.checking("registry_ordered")
             if info.incarnation != self.prefill_incarnation:
                 self.monitor.fail(
                     "registry_ordered",
@@ -413,6 +414,7 @@ class World:
     def _core_boundary(self) -> Iterator[None]:
         """What escapes a core machine here is the core's own error, remembered so that a run
         ending on it reports no_core_error; any other exception is a bug of the simulator."""
+        self.monitor.checking("no_core_error")
         try:
             yield
         except Exception as exc:
@@ -532,6 +534,7 @@ class World:
 
     def _publish(self, process: DecodeProcess, job: ReceiverJob, count: int) -> None:
         free = process.endpoint.free_pages()
+        self.monitor.checking("admission_consistent")
         if len(free) < count:
             self.monitor.fail(
                 "admission_consistent",
@@ -744,9 +747,11 @@ class World:
     ) -> None:
         """Feed an input the endpoint must refuse with a typed error, changing nothing."""
         before = msgspec.json.encode(process.endpoint.snapshot())
+        self.monitor.checking("duplicate_claim_fails")
         try:
             self.feed(process, inp)
         except ProtocolError:
+            self.monitor.checking("refusal_changes_nothing")
             after = msgspec.json.encode(process.endpoint.snapshot())
             if after != before:
                 self.monitor.fail(
@@ -768,6 +773,7 @@ class World:
         try:
             self.feed(process, inp)
         except (ProtocolError, InvalidInput):
+            self.monitor.checking("refusal_changes_nothing")
             if msgspec.json.encode(process.endpoint.snapshot()) != before:
                 self.monitor.fail(
                     "refusal_changes_nothing",
