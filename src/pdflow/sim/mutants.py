@@ -407,7 +407,10 @@ MUTANTS: tuple[Mutant, ...] = (
            ((PageLedger, "owes_acks", _never_owes),)),
     Mutant("checksum_fails_open", "pdflow issue 12 finding 3 (unverified Success)",
            "a writer that sent no checksum is left out of the verification the decode requires",
-           (_rows_swapped(RECEIVER_TABLE, "guard", "completes_without_checksum", _always(False)),)),
+           (_rows_swapped(RECEIVER_TABLE, "guard", "completes_without_checksum", _always(False)),),
+           # Only a checksum-mismatch world (about 3%) has a writer sending none to a decode
+           # that requires them; seed 111 is the first whose rooms get that far.
+           first_seed=111),
     Mutant("checksum_mismatch_ignored", "silent KV corruption",
            "a failed checksum verification is taken as a pass",
            (_rows_swapped(RECEIVER_TABLE, "guard", "checksum_ok", _always(True)),)),
