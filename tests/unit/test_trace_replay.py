@@ -9,11 +9,11 @@ import msgspec
 import pytest
 
 from pdflow.cli import main
-from pdflow.core.endpoints.endpoint_io import ClearRoom, OpenReceiver, Received
+from pdflow.core.endpoints.endpoint_io import ClearRoom, OpenReceiver, Received, TimerFired
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.trace.format import StepRecord, TraceHeader
 from pdflow.trace.merge import load_traces
-from pdflow.trace.observe import input_rooms
+from pdflow.trace.observe import input_rooms, record_rooms
 from pdflow.trace.replay import ReplayRefused, replay
 from tests.unit.trace_fixtures import SCRIPTS, lines_of, record_world, rewrite
 
@@ -199,10 +199,39 @@ def test_a_divergence_says_what_to_do_and_where_to_look(
     edited = rewrite(tmp_path / "edited.jsonl", lines)
     assert main(["replay", str(edited)]) == 1
     out = capsys.readouterr().out
-    assert "what to do: this pdflow recorded it under the same spec, so the record" in out
-    rooms = "".join(f" --room {room}" for room in sorted(input_rooms(record.input)))
+    # A simulated world (virtual clock, a seed): a mutant core is the likely cause.
+    assert "under the same spec, in a simulated world (seed 7); if `pdflow check" in out
+    assert "this step is where the mutant core acted unlike the real one" in out
+    rooms = "".join(f" --room {room}" for room in sorted(record_rooms(record)))
+    assert rooms and set(input_rooms(record.input)) <= set(record_rooms(record))
     assert f"the timeline of what was recorded: pdflow trace show {edited}{rooms}\n" in out
+    assert f"step by step up to here: pdflow replay {edited}{rooms}\n" in out
+    # A node's trace (no seed) names no mutant.
+    node = [msgspec.structs.replace(line, seed=None, clock="monotonic")
+            if isinstance(line, TraceHeader) else line for line in lines]  # fmt: skip
+    assert main(["replay", str(rewrite(tmp_path / "node.jsonl", node))]) == 1
+    out = capsys.readouterr().out
+    assert "what to do: this pdflow recorded it under the same spec, so the record" in out
+    assert "mutant" not in out
     forced = [msgspec.structs.replace(line, spec_sha256="0" * 64)
               if isinstance(line, TraceHeader) else line for line in lines]  # fmt: skip
     assert main(["replay", "--force", str(rewrite(tmp_path / "forced.jsonl", forced))]) == 1
     assert "replayed with --force: where the spec changed" in capsys.readouterr().out
+
+
+def test_a_divergence_at_a_timer_names_the_room_the_timer_failed(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A TimerFired input names no room: the pointer to the timeline had none either."""
+    lines = lines_of(record_world(tmp_path / "world.jsonl"))
+    index, record = next((i, line) for i, line in enumerate(lines)
+                         if isinstance(line, StepRecord) and isinstance(line.input, TimerFired)
+                         and line.fired)  # fmt: skip
+    assert isinstance(record, StepRecord) and not input_rooms(record.input)
+    [room] = {f.key for f in record.fired}
+    lines[index] = msgspec.structs.replace(record, timer_at=12345.0)
+    edited = rewrite(tmp_path / "edited.jsonl", lines)
+    result = replay(load_traces([edited]))
+    assert result.divergence is not None and result.divergence.rooms == (room,)
+    assert main(["replay", str(edited)]) == 1
+    assert f"pdflow trace show {edited} --room {room}\n" in capsys.readouterr().out

@@ -12,9 +12,11 @@ from pdflow.core.endpoints.endpoint_io import (
     PrefillEndpointConfig,
     Received,
 )
-from pdflow.core.framework.step import Step
+from pdflow.core.framework.machines import MACHINES
+from pdflow.core.framework.step import Fired, Step
 from pdflow.core.protocol.messages import RoomMessage
 from pdflow.core.protocol.outputs import Output
+from pdflow.trace.format import StepRecord
 
 
 class TracedEndpoint(Protocol):
@@ -55,6 +57,26 @@ def touched_rooms(inp: AnyEndpointInput, step: Step | None) -> list[int]:
             if isinstance(room, int):
                 rooms.add(room)
     return sorted(rooms)
+
+
+def record_rooms(record: StepRecord) -> set[int]:
+    """The rooms a record concerns: its input's, its outputs', and those of its transitions
+    in room-keyed machines (the recorder also lists the keys of the others, which replay
+    compares as recorded, so they are filtered here rather than there)."""
+    rooms = input_rooms(record.input)
+    rooms.update(f.key for f in room_fired(record))
+    for output in record.outputs:
+        room = output.get("room")
+        if isinstance(room, int):
+            rooms.add(room)
+    return rooms
+
+
+def room_fired(record: StepRecord) -> list[Fired]:
+    """The record's transitions that belong to one room: a layout announcement's key is a
+    rank, the admission queue's 0, and neither is a room id."""
+    return [f for f in record.fired
+            if (table := MACHINES.get(f.machine)) is None or table.keyed_by_room]  # fmt: skip
 
 
 def room_summaries(endpoint: TracedEndpoint, rooms: list[int]) -> list[dict[str, object]]:

@@ -3,8 +3,9 @@ its recorded time, and check the step against the record field by field.
 
 The core is pure, so equal inputs give equal steps; any difference is a divergence (a changed
 core, a changed spec, or a trace that was edited). Replay stops at the first divergence in the
-merged order and keeps the endpoints as they were after the last step it checked, so a caller
-(the simulator) can take their snapshots and re-check invariants.
+merged order, or after the record asked for (``until``), and keeps the endpoints as they were
+after the last step it checked, so a caller (the simulator, ``pdflow replay --room``) can read
+their state there.
 """
 
 from __future__ import annotations
@@ -24,8 +25,8 @@ from pdflow.trace.format import StepError, StepRecord, TraceHeader
 from pdflow.trace.merge import Trace, paused_gc
 from pdflow.trace.observe import (
     TracedEndpoint,
-    input_rooms,
     outputs_as_builtins,
+    record_rooms,
     room_summaries,
     touched_rooms,
 )
@@ -50,7 +51,8 @@ class Divergence(msgspec.Struct, frozen=True):
     input: Any
     diffs: tuple[FieldDiff, ...]
     rooms: tuple[int, ...] = ()
-    """The rooms the diverging input addresses, for a pointer to their timelines."""
+    """The rooms the diverging record concerns (its input's, its transitions', its outputs'),
+    for a pointer to their timelines."""
 
 
 CLOCK_WENT_BACK = "t"
@@ -67,6 +69,10 @@ class ReplayResult:
     skipped_spec_check: bool = False
     """The trace was recorded against another spec and replayed anyway (``force``)."""
     per_endpoint: dict[str, int] = field(default_factory=dict)
+    last: StepRecord | None = None
+    """The last record replayed and matched: where the endpoints' state stands."""
+    stopped: bool = False
+    """Replay stopped after the ``until`` record, as asked, before the end of the trace."""
 
     @property
     def ok(self) -> bool:
@@ -78,6 +84,9 @@ class ReplayResult:
 
 
 StepHook = Callable[[StepRecord, dict[str, TracedEndpoint]], None]
+BeforeStepHook = Callable[[StepRecord, TracedEndpoint], None]
+StopPoint = tuple[str, int]
+"""(endpoint, seq): the record after which replay stops."""
 
 
 def build_endpoint(header: TraceHeader) -> TracedEndpoint:
@@ -97,8 +106,17 @@ def spec_mismatches(trace: Trace, sha: str | None = None) -> list[str]:
     ]
 
 
-def replay(trace: Trace, *, force: bool = False, on_step: StepHook | None = None) -> ReplayResult:
-    """Replay every record; ``on_step(record, endpoints)`` runs after each matching step."""
+def replay(
+    trace: Trace,
+    *,
+    force: bool = False,
+    on_step: StepHook | None = None,
+    before_step: BeforeStepHook | None = None,
+    until: StopPoint | None = None,
+) -> ReplayResult:
+    """Replay every record, or up to and including ``until``; ``before_step(record, endpoint)``
+    runs before each step is replayed (the divergent one too), ``on_step(record, endpoints)``
+    after each matching step."""
     mismatches = spec_mismatches(trace)
     if mismatches and not force:
         raise ReplayRefused(
@@ -115,21 +133,30 @@ def replay(trace: Trace, *, force: bool = False, on_step: StepHook | None = None
         )
     endpoints = {name: build_endpoint(header) for name, header in trace.headers.items()}
     started = time.perf_counter()
+    result = ReplayResult(records=0, endpoints=endpoints, elapsed_s=0.0,
+                          skipped_spec_check=bool(mismatches),
+                          per_endpoint=dict.fromkeys(endpoints, 0))  # fmt: skip
     with paused_gc():
-        checked, counts, divergence = _run(trace.records, endpoints, on_step)
-    elapsed = time.perf_counter() - started
-    return ReplayResult(checked, endpoints, elapsed, divergence, bool(mismatches), counts)
+        _run(trace.records, result, on_step, before_step, until)
+    result.elapsed_s = time.perf_counter() - started
+    return result
 
 
 def _run(
-    records: list[StepRecord], endpoints: dict[str, TracedEndpoint], on_step: StepHook | None
-) -> tuple[int, dict[str, int], Divergence | None]:
-    counts = dict.fromkeys(endpoints, 0)
+    records: list[StepRecord],
+    result: ReplayResult,
+    on_step: StepHook | None,
+    before_step: BeforeStepHook | None,
+    until: StopPoint | None,
+) -> None:
+    endpoints, counts = result.endpoints, result.per_endpoint
     checked = 0
-    divergence: Divergence | None = None
+    last: StepRecord | None = None
     last_t: dict[str, float] = {}
     for record in records:
         endpoint = endpoints[record.endpoint]
+        if before_step is not None:
+            before_step(record, endpoint)
         before = last_t.get(record.endpoint, record.t)
         last_t[record.endpoint] = record.t
         if record.t < before:
@@ -139,16 +166,20 @@ def _run(
         else:
             diffs = _diffs(record, _observe(endpoint, record.input, record.t))
         if diffs:
-            divergence = Divergence(
+            result.divergence = Divergence(
                 record.endpoint, record.seq, record.t, msgspec.to_builtins(record.input), diffs,
-                tuple(sorted(input_rooms(record.input))),
+                tuple(sorted(record_rooms(record))),
             )  # fmt: skip
             break
         checked += 1
         counts[record.endpoint] += 1
+        last = record
         if on_step is not None:
             on_step(record, endpoints)
-    return checked, counts, divergence
+        if until is not None and record.seq == until[1] and record.endpoint == until[0]:
+            result.stopped = record is not records[-1]
+            break
+    result.records, result.last = checked, last
 
 
 def _observe(endpoint: TracedEndpoint, inp: AnyEndpointInput, now: float) -> dict[str, Any]:

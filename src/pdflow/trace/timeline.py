@@ -19,13 +19,12 @@ from pdflow.core.endpoints.endpoint_io import (
     TimerFired,
 )
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.framework.machines import MACHINES
 from pdflow.core.framework.step import Fired
 from pdflow.core.protocol.inputs import PublishPages, TransferCompleted
 from pdflow.core.protocol.messages import PeerId, RoomMessage
 from pdflow.trace.format import StepRecord, message_id
 from pdflow.trace.merge import Trace
-from pdflow.trace.observe import input_rooms
+from pdflow.trace.observe import input_rooms, record_rooms, room_fired
 
 
 @dataclass(frozen=True)
@@ -93,13 +92,18 @@ class RoomTimeline:
         return (min(times), max(times)) if times else None
 
 
+def endpoint_names(trace: Trace) -> dict[str, str]:
+    """Each endpoint's peer key (address/incarnation#rank) -> its endpoint id in the trace."""
+    return {_me_key(header.config.me): name for name, header in trace.headers.items()}
+
+
 def build_timelines(trace: Trace) -> dict[int, RoomTimeline]:
-    peers = {_me_key(header.config.me): name for name, header in trace.headers.items()}
+    peers = endpoint_names(trace)
     rooms: dict[int, RoomTimeline] = {}
     for record in trace.records:
         for room_id, event in _events(record, peers):
             rooms.setdefault(room_id, RoomTimeline(room_id)).events.append(event)
-        touched = _rooms_of(record)
+        touched = record_rooms(record)
         for entry in record.rooms:
             room_id = int(str(entry["room"]))
             if room_id not in touched:
@@ -123,32 +127,19 @@ def _outcome_of(polls: set[str]) -> str:
     return polls.pop() if len(polls) == 1 else "/".join(sorted(polls))
 
 
-def _rooms_of(record: StepRecord) -> set[int]:
-    """The rooms a record concerns: its input's, its outputs', and those of its transitions
-    in room-keyed machines (the recorder also lists the keys of the others, which replay
-    compares as recorded, so they are filtered here rather than there)."""
-    rooms = input_rooms(record.input)
-    rooms.update(f.key for f in _room_fired(record))
-    for output in record.outputs:
-        room = output.get("room")
-        if isinstance(room, int):
-            rooms.add(room)
-    return rooms
+def transition_text(fired: Fired) -> str:
+    """``Machine: SOURCE -> TARGET on Event [guard]`` (``=`` where the state stays)."""
+    guard = f" [{fired.guard}]" if fired.guard else ""
+    arrow = "=" if fired.source == fired.target else "->"
+    return f"{fired.machine}: {fired.source} {arrow} {fired.target} on {fired.on}{guard}"
 
 
-def _room_fired(record: StepRecord) -> list[Fired]:
-    """The record's transitions that belong to one room: a layout announcement's key is a
-    rank, the admission queue's 0, and neither is a room id."""
-    return [f for f in record.fired
-            if (table := MACHINES.get(f.machine)) is None or table.keyed_by_room]  # fmt: skip
-
-
-def _peer_key(address: str, incarnation: str, rank: int) -> str:
+def peer_key(address: str, incarnation: str, rank: int) -> str:
     return f"{address}/{incarnation}#{rank}"
 
 
 def _me_key(peer: PeerId) -> str:
-    return _peer_key(peer.address, peer.incarnation, peer.rank)
+    return peer_key(peer.address, peer.incarnation, peer.rank)
 
 
 def _events(record: StepRecord, peers: dict[str, str]) -> list[tuple[int, RoomEvent]]:
@@ -161,13 +152,8 @@ def _events(record: StepRecord, peers: dict[str, str]) -> list[tuple[int, RoomEv
     if record.error is not None:
         for room in input_rooms(record.input):
             add(room, "error", f"refused: {record.error.kind}: {record.error.message}")
-    for fired in _room_fired(record):
-        guard = f" [{fired.guard}]" if fired.guard else ""
-        arrow = "=" if fired.source == fired.target else "->"
-        add(
-            fired.key, "transition",
-            f"{fired.machine}: {fired.source} {arrow} {fired.target} on {fired.on}{guard}",
-        )  # fmt: skip
+    for fired in room_fired(record):
+        add(fired.key, "transition", transition_text(fired))
     for index, output in enumerate(record.outputs):
         _output_event(record, index, output, peers, add)
     return out
@@ -192,7 +178,7 @@ def _input_events(record: StepRecord, add: Any) -> None:
         result = "ok" if inp.ok else f"FAILED ({inp.reason})"
         add(inp.room, "transfer_done", f"transfer #{inp.seq} done: {result}")
     elif isinstance(inp, TimerFired):
-        for fired in _room_fired(record):
+        for fired in room_fired(record):
             if fired.on == "Tick":
                 add(fired.key, "timer", "timer fired")
 
@@ -207,7 +193,7 @@ def _output_event(
             add(dropped_room, "dropped", f"dropped ({output['kind']}): {output['reason']}")
     elif kind == "send" and "room" in output["message"]:  # (a KvArgs concerns no room)
         message, to = output["message"], output["to"]
-        target = peers.get(_peer_key(to["address"], to["incarnation"], to["rank"]), to["address"])
+        target = peers.get(peer_key(to["address"], to["incarnation"], to["rank"]), to["address"])
         add(
             message["room"], "send", f"sends {message['type']} to {target}",
             msg_id=message_id(record.endpoint, record.seq, index), peer=target,
