@@ -204,3 +204,42 @@ def test_a_trace_of_headers_alone_is_not_followed(
     headers = [line for line in lines_of(record_world(tmp_path / "w.jsonl"))
                if isinstance(line, TraceHeader)]  # fmt: skip
     assert main(["replay", str(rewrite(tmp_path / "h.jsonl", headers)), "--room", "1"]) == 0
+
+
+def test_a_caught_mutant_names_the_replay_of_its_room_and_that_replay_shows_it(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`pdflow check` said "replay it step by step: pdflow replay TRACE", and that command
+    printed one verdict line."""
+    traces = tmp_path / "traces"
+    assert main(["check", "--mutants", "--mutant", "ack_before_drain",
+                 "--trace-dir", str(traces)]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    acked = re.search(r"ACKed room (\d+)/\d+", out)
+    hint = re.search(r"  step through room (\d+) as replayed: pdflow (replay \S+ --room \d+)\n",
+                     out)  # fmt: skip
+    assert acked and hint and hint.group(1) == acked.group(1)
+    assert main(hint.group(2).split()) == 1  # the mutant's trace diverges from the real core
+    replayed = capsys.readouterr().out
+    assert re.search(r"^\S+ seq \d+ t=\S+: ", replayed, flags=re.MULTILINE)  # steps first
+    assert "steps above were replayed by this pdflow's core and each matched its record" \
+        in replayed  # fmt: skip
+    assert "replay DIVERGED at endpoint " in replayed
+    assert "in a simulated world (seed " in replayed and "where the mutant core acted" in replayed
+    assert "state where replay stopped, after the last matching step" in replayed
+    assert f"\nroom {acked.group(1)}:\n" in replayed
+
+
+def test_a_violation_without_a_room_points_at_its_endpoint_or_every_step(
+    world: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from pdflow.cli.check_cmd import replay_hint
+
+    named = replay_hint(str(world), ["t=0: [duplicate_claim_fails] decode-0: OpenRoom was "
+                                     "accepted, not refused"])  # fmt: skip
+    assert named.endswith(f"pdflow replay {world} --endpoint decode-0")
+    unnamed = replay_hint(str(world), ["t=0: [registry_ordered] the registry answered 200"])
+    assert unnamed.endswith(f"pdflow replay {world} --all-steps")
+    for hint in (named, unnamed):
+        assert main(hint.split("pdflow ", 1)[1].split()) == 0
+        assert "replay OK: " in capsys.readouterr().out

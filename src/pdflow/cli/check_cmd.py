@@ -9,6 +9,8 @@ the checker against deliberately broken cores and reports how fast each is caugh
 from __future__ import annotations
 
 import argparse
+import re
+import shlex
 import time
 from collections import Counter
 from pathlib import Path
@@ -149,8 +151,34 @@ def _show_failure(failure: Any, args: argparse.Namespace) -> None:
         print("    " + failure.simulator_error.strip().replace("\n", "\n    "))
     if failure.trace_path:
         print(f"  trace: {failure.trace_path}")
-        print(f"  replay it step by step: pdflow replay {failure.trace_path}")
+        print(f"  {replay_hint(failure.trace_path, failure.violations)}")
         print(f"  its rooms' timelines: pdflow trace show {failure.trace_path}")
+
+
+_ROOM_IN_VIOLATION = re.compile(r"\broom (\d+)/\d+")
+_ENDPOINT_IN_VIOLATION = re.compile(r"\[\w+\] (\S+): ")
+"""Violations read ``t=T: [invariant] endpoint: ... room R/G ...`` (pdflow.sim.invariants;
+liveness ones start ``liveness: [invariant]``)."""
+
+
+def replay_hint(trace: str, violations: list[str]) -> str:
+    """The replay command that steps through what the violations name: their rooms, else the
+    endpoint named first, else every step."""
+    from pdflow.trace.merge import load_traces
+
+    path = shlex.quote(trace)
+    rooms = sorted({int(room) for v in violations for room in _ROOM_IN_VIOLATION.findall(v)})
+    if rooms:
+        follow = "".join(f" --room {room}" for room in rooms[:3])
+        return f"step through room {', '.join(map(str, rooms[:3]))} as replayed: " \
+               f"pdflow replay {path}{follow}"  # fmt: skip
+    endpoints = load_traces([Path(trace)]).headers
+    named = [m.group(1) for v in violations if (m := _ENDPOINT_IN_VIOLATION.search(v))]
+    for endpoint in named:
+        if endpoint in endpoints:
+            return (f"step through {endpoint} as replayed: pdflow replay {path} --endpoint "
+                    f"{shlex.quote(endpoint)}")  # fmt: skip
+    return f"step through it as replayed: pdflow replay {path} --all-steps"
 
 
 def _run_mutants(args: argparse.Namespace) -> int:
@@ -209,6 +237,8 @@ def _run_mutants(args: argparse.Namespace) -> int:
                 print(f"  reproduce: pdflow check --mutants --mutant {mutant.name} --seed "
                       f"{caught[0] - mutant.first_seed} --examples 1 --steps {args.steps}"
                       + (f"; trace: {caught[2]}" if caught[2] else ""))
+                if caught[2]:
+                    print(f"  {replay_hint(caught[2], [caught[1]])}")
     caught_count = sum(caught is not None for _, caught, _ in rows)
     print(f"{caught_count}/{len(chosen)} mutants caught")
     return 1 if escaped or broken else 0
