@@ -104,16 +104,16 @@ def _follow(
     from pdflow.trace.timeline import endpoint_names
 
     names = endpoint_names(trace)
-    views: list[StepView] = []
+    views: list[StepView] = []  # with --json: printed in the one JSON object at the end
+    shown: list[int] = []  # in text: printed as they come
 
     def take(view: StepView) -> None:
         if args.json:
-            views.append(view)  # printed in the one JSON object at the end
+            views.append(view)
         else:
             shown.append(view.seq)
             print("\n".join(step_lines(view, names)))
 
-    shown: list[int] = []
     stepper = Stepper(follow, take)
     result = _replay_or_explain(trace, args, stepper, stop)
     if result is None:
@@ -134,7 +134,8 @@ def _follow(
     if d is not None:
         if shown:
             print(f"(the {len(shown)} steps above were replayed by this pdflow's core and each "
-                  "matched its record; the next one does not, and replay cannot go past it)")
+                  "matched its record; the first record that does not is below, and replay "
+                  "cannot go past it)")
         _print_divergence(trace, d, args, result)
         where = f"where replay stopped, after the last matching step (before {d.endpoint} " \
                 f"seq {d.seq})"  # fmt: skip
