@@ -22,11 +22,27 @@ def test_one_mutant_is_caught_traced_and_reproducible(
     out = capsys.readouterr().out
     assert "1/1 mutants caught" in out
     command, trace = re.search(r"reproduce: pdflow (.+); trace: (\S+)", out).groups()  # type: ignore[union-attr]
-    assert Path(trace).is_file() and Path(trace).parent == traces
+    assert Path(trace).is_file() and Path(trace).parent == traces / "noop_fence"
     assert main(shlex.split(command)) == 0
     again = capsys.readouterr().out
     caught_at = re.search(r"caught  noop_fence +seed +(\d+)", out).group(1)  # type: ignore[union-attr]
     assert re.search(rf"caught  noop_fence +seed +{caught_at} ", again)
+
+
+def test_mutants_caught_at_one_seed_keep_a_trace_each(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both are caught at seed 0: their traces used to go to one file, the second overwriting
+    the first, so the first hint pointed at the other mutant's run."""
+    names = ("duplicate_claim_accepted", "unopened_abort_not_acked")
+    args = ["check", "--mutants", "--trace-dir", str(tmp_path)]
+    assert main([*args, *(arg for name in names for arg in ("--mutant", name))]) == 0
+    out = capsys.readouterr().out
+    traces = dict(re.findall(r"--mutant (\w+) --seed 0 .*; trace: (\S+)", out))
+    assert sorted(traces) == sorted(names)
+    assert {Path(trace).parent.name for trace in traces.values()} == set(names)
+    contents = {Path(trace).read_bytes() for trace in traces.values()}
+    assert len(contents) == 2  # two runs recorded, neither overwritten
 
 
 def test_an_unknown_mutant_or_one_without_mutants_is_refused(

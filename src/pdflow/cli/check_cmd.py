@@ -212,7 +212,9 @@ def _run_mutants(args: argparse.Namespace) -> int:
                     if not result.ok:
                         trace: str | None = None
                         if trace_dir is not None:  # the same seed again, recorded this time
-                            trace = run_seed(seed, args.steps, trace_dir=trace_dir)[0].trace_path
+                            # A folder per mutant: two caught at one seed must not share a file.
+                            mutant_dir = trace_dir / mutant.name
+                            trace = run_seed(seed, args.steps, trace_dir=mutant_dir)[0].trace_path
                         caught = (seed, result.first_problem, trace or "")
                         break
             rows.append((mutant, caught, actions))
