@@ -273,6 +273,26 @@ def test_fence_writers_must_be_distinct() -> None:
     assert ledger.snapshot() == before
 
 
+@pytest.mark.invariant("refusal_changes_nothing")
+def test_a_refused_fence_leaves_no_writer_owing_an_ack() -> None:
+    """A fence the ledger refuses (the room holds nothing, is fenced already, or names a writer
+    twice) must not record an owed drain ACK: a writer owing one is never readmitted."""
+    ledger = PageLedger(POOL)
+    with pytest.raises(LocalProtocolError):
+        ledger.handle(Fence(7, 1, (A,)), 1.0)  # room 7 holds no pages
+    ledger.handle(Reserve(8, 1, (0,)), 1.0)
+    with pytest.raises(InvalidInput, match="distinct"):
+        ledger.handle(Fence(8, 1, (A, A)), 1.0)
+    ledger.handle(Reserve(9, 1, (1,)), 1.0)
+    ledger.handle(Fence(9, 1, (B,)), 1.0)
+    with pytest.raises(LocalProtocolError):
+        ledger.handle(Fence(9, 1, (A,)), 2.0)  # fenced already, on B
+    assert not ledger.owes_acks(A), "A was never sent an ABORT: it owes nothing"
+    assert ledger.owes_acks(B)
+    ledger.handle(ReleaseAfterSuccess(8, 1), 3.0)
+    assert not ledger.owes_acks(A)
+
+
 def test_report_lists_the_oldest_fence_first() -> None:
     ledger = PageLedger(POOL)
     ledger.handle(Reserve(1, 1, (0,)), 0.0)

@@ -577,16 +577,19 @@ class PageLedger:
     def _room_step(self, kind: type, inp: LedgerInput, now: float) -> tuple[list[Output], Fired]:
         """One input for one (room, generation) instance, created on first use."""
         given: Any = inp  # typed again where needed: ``kind is X`` does not narrow ``inp``
+        key: tuple[int, int] = (given.room, given.generation)
+        machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
+        was_fenced, pages = machine.state is _FENCED, len(machine.pages)
+        outputs, fired = machine.fire(inp, now)
+        # The ACKs owed change only once the room took the input: a refused one (a fence of a
+        # room holding nothing, or naming a writer twice) must not leave a writer owing an ACK
+        # for good, which would keep it from ever being readmitted.
         if kind is Fence:
             fence: Fence = given
             self._health.owe(fence.writers, fence.room, fence.generation, fence.session)
         elif kind is AckArrived:
             ack: AckArrived = given
             self._health.acked(ack.writer, ack.room, ack.generation)
-        key: tuple[int, int] = (given.room, given.generation)
-        machine = self._rooms.get(key) or RoomPages(key[0], key[1], self._pool, self._health)
-        was_fenced, pages = machine.state is _FENCED, len(machine.pages)
-        outputs, fired = machine.fire(inp, now)
         if not machine.holds_pages():
             self._rooms.pop(key, None)
         else:
