@@ -351,3 +351,27 @@ def test_a_room_leaving_its_timed_states_disarms_its_deadline_on_both_ranks() ->
     step = d.handle(Received(report), 2.0)
     assert polls(step) == [KVPoll.Success]
     assert step.timer_at is None and 1 not in d.deadlines.armed
+
+
+@pytest.mark.invariant("no_core_error", "refusal_changes_nothing")
+def test_parked_metadata_the_room_refuses_is_dropped_not_raised_to_the_engines_open() -> None:
+    """Two decode peers' metadata for generation 1 arrive before the engine opens it, and they
+    disagree on required_dst_info_num. The open hands both to the new room, which refuses the
+    second: that peer message must be dropped and counted (as after the open), not raised out
+    of the engine's OpenRoom after the room was opened, leaving the engine believing the open
+    failed while the endpoint hosts the room and keeps an empty record armed."""
+    p = prefill()
+    other = PeerId("127.0.0.1:8001", "d1", 1)
+    first = msgspec.structs.replace(metadata(5, 1), required_dst_info_num=2)
+    second = msgspec.structs.replace(first, decode=other, required_dst_info_num=3)
+    assert not dropped(p.handle(Received(first), 0.0))
+    assert not dropped(p.handle(Received(second), 0.0))
+    step = p.handle(OpenRoom(5, 1), 1.0)
+    assert dropped(step) == ["protocol_error"]
+    assert p.counters["dropped_protocol_error"] == 1
+    opened = p.summary(5)
+    assert opened is not None and opened.peers == 1
+    assert 5 not in p.pending and 5 not in p.parking_deadlines.armed
+    # The peer that agrees completes the room as if the other had come after the open.
+    third = msgspec.structs.replace(first, decode=PeerId("127.0.0.1:8002", "d1", 2))
+    assert polls(p.handle(Received(third), 1.0)) == [KVPoll.WaitingForInput]

@@ -36,6 +36,7 @@ from pdflow.core.endpoints.opened_marks import NONE, OpenedMarks
 from pdflow.core.endpoints.room_host import REMOVED_ROOMS_COUNTER
 from pdflow.core.endpoints.slot_inputs import CLEAR_HINT, ClearSlot, OpenSlot
 from pdflow.core.framework.deadlines import DeadlineQueue
+from pdflow.core.framework.errors import RemoteProtocolError
 from pdflow.core.framework.step import Fired
 from pdflow.core.framework.table import Table, TableMachine, row
 from pdflow.core.protocol.inputs import (
@@ -218,9 +219,16 @@ class PrefillRoomSlot(TableMachine[SlotState]):
             self._forget_parked()
         self.host.opened.opened(self.key, self.generation)
         room = self.host.host_sender(self.key, self.generation, now)
+        refused: list[Output] = []
         for metadata in parked.values():
-            self.host.room_input(room, MetadataArrived(metadata), now)
-        return []
+            try:
+                self.host.room_input(room, MetadataArrived(metadata), now)
+            except RemoteProtocolError as exc:
+                # A peer's message the room refuses (decode peers that disagree, one too
+                # many): dropped and counted as it would be had it come after the open. Raised,
+                # it would fail the engine's open of a room this step already opened.
+                refused.append(self._drop("protocol_error", f"parked metadata: {exc}"))
+        return refused
 
     def _act_open_cancelled(self, inp: OpenSlot, now: float) -> list[Output]:
         self._act_open(inp, now)
@@ -376,7 +384,7 @@ PREFILL_SLOT_TABLE: Table[SlotState] = Table(
             guard=_S._guard_unopened_full, emits=[_DROPPED], action=_S._act_drop_unopened_full),
         row(_P.ABSENT, AbortArrived, _P.CANCELLED, emits=[_ACK], action=_S._act_cancel),
         # -- PARKED: metadata waits for the engine to open this generation -----------------------
-        row(_P.PARKED, OpenSlot, _P.OPEN, action=_S._act_open),
+        row(_P.PARKED, OpenSlot, _P.OPEN, emits=[_DROPPED], action=_S._act_open),
         row(_P.PARKED, MetadataArrived, _P.PARKED,
             guard=_S._guard_parking_full, emits=[_DROPPED], action=_S._act_drop_parking_full),
         row(_P.PARKED, MetadataArrived, _P.PARKED, action=_S._act_park),
