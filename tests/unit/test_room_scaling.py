@@ -221,3 +221,41 @@ def test_opens_ask_about_a_bounded_number_of_held_room_ids_however_many_are_held
         marks.opened(room, 1)
     assert asked[0] <= 4 * 2 * BYSTANDERS, f"{2 * BYSTANDERS} opens asked {asked[0]} times"
     assert len(marks) == 16 and marks.forgotten == 3 * BYSTANDERS - 16
+
+
+def test_a_prefill_complete_step_visits_no_other_room() -> None:
+    # Under prefill_complete every prefill step asked the ready table for its next expiry by
+    # walking every room it held: each step cost O(rooms open).
+    from pdflow.core.endpoints.endpoint_io import (
+        ClearRoom,
+        OpenRoom,
+        PrefillEndpointConfig,
+        Received,
+        RoomCall,
+        TimerFired,
+    )
+    from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+    from pdflow.core.protocol.inputs import AbortRequested
+    from pdflow.core.protocol.messages import BootstrapRequest
+    from pdflow.core.protocol.policy import AllocationPolicy
+
+    endpoint = PrefillEndpoint(
+        PrefillEndpointConfig(me=A, policy=AllocationPolicy.PREFILL_COMPLETE)
+    )
+    for room in range(BYSTANDERS):
+        endpoint.handle(OpenRoom(room, 0), 0.0)
+    table = endpoint.ready_table
+    assert table is not None
+    table._rooms = VisitCountingDict(table._rooms)
+    VisitCountingDict.visited = 0
+    late = BootstrapRequest(room=BYSTANDERS, generation=0, decode=B, prefill=A)
+    endpoint.handle(Received(late), 1.0)  # an early bootstrap: an ownerless room that expires
+    endpoint.handle(RoomCall(3, AbortRequested("gave up")), 2.0)
+    endpoint.handle(ClearRoom(3), 2.0)  # failed and cleared: a tombstone that expires
+    step = endpoint.handle(TimerFired(), 3.0)
+    assert VisitCountingDict.visited == 0
+    assert step.timer_at == 1.0 + table.ttl_s
+    # The ownerless room still expires exactly at its deadline, and only then.
+    endpoint.handle(TimerFired(), 1.0 + table.ttl_s)
+    assert table.state_of(BYSTANDERS, 0).name == "ABSENT"
+    assert table.timer_at() == 2.0 + table.ttl_s, "room 3's tombstone expires next"

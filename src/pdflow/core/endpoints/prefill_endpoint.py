@@ -251,8 +251,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             self._drop(outputs, "protocol_error", str(exc))
 
     def _timers(self, now: float, outputs: list[Output], fired: list[Fired]) -> None:
-        ready_due = self.ready_table is not None and (self.ready_table.timer_at() or now + 1) <= now
-        if ready_due:
+        ready_at = None if self.ready_table is None else self.ready_table.timer_at()
+        if ready_at is not None and ready_at <= now:
             self._ready_table(Tick(), now, outputs, fired)
         for room_id in self.parking_deadlines.pop_due(now):
             record = self.pending.get(room_id)

@@ -23,7 +23,3 @@ class Step(msgspec.Struct, frozen=True, gc=False):
     timer_at: float | None = None
     fired: tuple[Fired, ...] = ()
 
-
-def earliest(*deadlines: float | None) -> float | None:
-    present = [d for d in deadlines if d is not None]
-    return min(present) if present else None

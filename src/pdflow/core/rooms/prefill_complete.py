@@ -23,9 +23,10 @@ from collections.abc import Callable
 
 import msgspec
 
+from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
-from pdflow.core.framework.step import Step, earliest
+from pdflow.core.framework.step import Step
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input, Tick
 from pdflow.core.protocol.messages import PeerId, StatusReport
@@ -362,6 +363,9 @@ class PrefillCompleteTable:
         self.me = me
         self.ttl_s = timeouts.waiting_timeout + timeouts.bootstrap_timeout
         self._rooms: dict[int, dict[int, BootstrapRoom]] = {}
+        # Each held room's expiry, so a step finds the next one in O(log n): the endpoint asks
+        # for it on every step, and walking every held room made each step O(rooms).
+        self._expiries: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
 
     def state_of(self, room: int, generation: int) -> BootstrapRoomState:
         held = self._rooms.get(room, {}).get(generation)
@@ -378,7 +382,7 @@ class PrefillCompleteTable:
         return sum(len(gens) for gens in self._rooms.values())
 
     def timer_at(self) -> float | None:
-        return earliest(*(r.expires_at for gens in self._rooms.values() for r in gens.values()))
+        return self._expiries.earliest
 
     def snapshot(self) -> PrefillCompleteSnapshot:
         rooms = tuple(
@@ -422,23 +426,21 @@ class PrefillCompleteTable:
 
     def _sweep(self, tick: Tick, now: float) -> Step:
         fired: list[Fired] = []
-        due = [
-            r
-            for gens in self._rooms.values()
-            for r in gens.values()
-            if r.expires_at is not None and now >= r.expires_at
-        ]
-        for machine in due:
+        for room, generation in self._expiries.pop_due(now):
+            machine = self._rooms[room][generation]
             _, one = machine.fire(tick, now)
             fired.append(one)
             self._keep_or_forget(machine)
         return Step((), self.timer_at(), tuple(fired))
 
     def _keep_or_forget(self, machine: BootstrapRoom) -> None:
+        key = (machine.key, machine.generation)
         gens = self._rooms.setdefault(machine.key, {})
         if machine.state is BootstrapRoomState.ABSENT:
             gens.pop(machine.generation, None)
             if not gens:
                 del self._rooms[machine.key]
+            self._expiries.arm(key, None)
         else:
             gens[machine.generation] = machine
+            self._expiries.arm(key, machine.expires_at)
