@@ -259,3 +259,51 @@ def test_a_prefill_complete_step_visits_no_other_room() -> None:
     endpoint.handle(TimerFired(), 1.0 + table.ttl_s)
     assert table.state_of(BYSTANDERS, 0).name == "ABSENT"
     assert table.timer_at() == 2.0 + table.ttl_s, "room 3's tombstone expires next"
+
+
+def test_opens_do_not_walk_the_rooms_that_drain() -> None:
+    # Whether a room id is held (its opened mark must be kept) was answered by walking every
+    # room cleared with writes in flight: past max_finished_room_ids each open cost O(draining).
+    from pdflow.core.endpoints.endpoint_io import (
+        ClearRoom,
+        OpenRoom,
+        PrefillEndpointConfig,
+        Received,
+        RoomCall,
+        TransferCompleted,
+    )
+    from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
+    from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, SendChunk
+    from pdflow.core.protocol.messages import RoomMetadata
+    from pdflow.core.protocol.outputs import StartTransfer
+
+    endpoint = PrefillEndpoint(PrefillEndpointConfig(me=A, max_finished_room_ids=16))
+    writes = {}
+    for room in range(BYSTANDERS):  # each cleared with its one write in flight
+        metadata = RoomMetadata(
+            room=room, generation=0, decode=B, prefill=A, session_id="s", dst_pages=(0,),
+            aux_index=None, required_dst_info_num=1,
+        )  # fmt: skip
+        endpoint.handle(OpenRoom(room, 0), 0.0)
+        endpoint.handle(Received(metadata), 0.0)
+        endpoint.handle(RoomCall(room, InitTransfer(1)), 0.0)
+        step = endpoint.handle(RoomCall(room, SendChunk((5,), is_last=True)), 0.0)
+        (writes[room],) = [o.seq for o in step.outputs if isinstance(o, StartTransfer)]
+        endpoint.handle(RoomCall(room, AbortRequested("gave up")), 0.0)
+        endpoint.handle(ClearRoom(room), 0.0)
+    endpoint.draining = VisitCountingDict(endpoint.draining)
+    VisitCountingDict.visited = 0
+    for room in range(BYSTANDERS, BYSTANDERS + 100):
+        endpoint.handle(OpenRoom(room, 0), 1.0)
+        endpoint.handle(RoomCall(room, AbortRequested("gave up")), 1.0)
+        endpoint.handle(ClearRoom(room), 1.0)
+    assert VisitCountingDict.visited == 0
+    # A room id that drains keeps its mark; once drained it may be forgotten again.
+    assert all(room in endpoint.opened for room in range(BYSTANDERS))
+    assert len(endpoint.opened) <= BYSTANDERS + 16
+    endpoint.handle(TransferCompleted(0, 0, writes[0], ok=False, reason="x"), 2.0)
+    for room in range(BYSTANDERS + 100, 2 * BYSTANDERS):  # time to recheck every held one
+        endpoint.handle(OpenRoom(room, 0), 2.0)
+        endpoint.handle(RoomCall(room, AbortRequested("gave up")), 2.0)
+        endpoint.handle(ClearRoom(room), 2.0)
+    assert 0 not in endpoint.opened and 1 in endpoint.opened

@@ -8,6 +8,7 @@ first, and removes a cleared room only once its last write has drained.
 
 from __future__ import annotations
 
+from collections import Counter
 from typing import Any
 
 import msgspec
@@ -113,6 +114,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         super().__init__(config.me)
         # The room slots (prefill_slots.py): what is kept per room id besides open rooms.
         self.draining: dict[tuple[int, int], SenderRoom] = {}
+        self._draining_generations: Counter[int] = Counter()
+        """Per room id, how many of its generations drain (asked per open: no walk over all)."""
         self.opened = OpenedMarks(config.max_finished_room_ids, self._holds_room_id)
         self.pending: dict[int, PendingRecord] = {}
         self.parking_deadlines: DeadlineQueue[int] = DeadlineQueue()
@@ -310,6 +313,18 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         fail = FailRoom(room, generation, reason)
         self._ready_table(fail, now, self._step_outputs, self._step_fired)
 
+    def hold_draining(self, room: SenderRoom) -> None:
+        """The engine cleared the room while its writes are in flight: held until they drain."""
+        self.draining[(room.key, room.generation)] = room
+        self._draining_generations[room.key] += 1
+
+    def release_drained(self, room: SenderRoom) -> None:
+        """The room's last write completed: it is no longer held."""
+        del self.draining[(room.key, room.generation)]
+        self._draining_generations[room.key] -= 1
+        if not self._draining_generations[room.key]:
+            del self._draining_generations[room.key]
+
     def close_sender(self, room: SenderRoom, now: float) -> None:
         """The engine is done with the sender: its deadline goes, the ready table closes it."""
         self.deadlines.arm(room.key, None)
@@ -336,9 +351,11 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
 
     def _holds_room_id(self, room_id: int) -> bool:
         """Whether anything of the room id is held: its opened mark must then be kept."""
-        if room_id in self.rooms or room_id in self.pending:
-            return True
-        return any(room == room_id for room, _ in self.draining)
+        return (
+            room_id in self.rooms
+            or room_id in self.pending
+            or room_id in self._draining_generations
+        )
 
     def is_draining(self, room_id: int, generation: int) -> bool:
         """The engine cleared this generation while its writes were in flight; they still are."""

@@ -111,6 +111,10 @@ class SlotHost(Protocol):
 
     def close_sender(self, room: SenderRoom, now: float) -> None: ...
 
+    def hold_draining(self, room: SenderRoom) -> None: ...
+
+    def release_drained(self, room: SenderRoom) -> None: ...
+
     def count(self, counter: str) -> None: ...
 
     def ack(self, abort: Abort) -> SendMessage: ...
@@ -295,7 +299,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
 
     def _act_start_draining(self, inp: ClearSlot, now: float) -> list[Output]:
         room = self.host.rooms.pop(self.key)
-        self.host.draining[(self.key, self.generation)] = room
+        self.host.hold_draining(room)
         self.host.close_sender(room, now)
         return []
 
@@ -307,7 +311,7 @@ class PrefillRoomSlot(TableMachine[SlotState]):
     def _act_drain_and_remove(self, inp: TransferCompleted, now: float) -> list[Output]:
         room = self.host.draining[(self.key, self.generation)]
         self.host.room_input(room, inp, now)
-        del self.host.draining[(self.key, self.generation)]
+        self.host.release_drained(room)
         return [self._removed(room)]
 
     def _act_drop_stale(self, inp: MetadataArrived, now: float) -> list[Output]:
