@@ -214,6 +214,22 @@ def test_an_earlier_generations_bootstrap_creates_nothing() -> None:
     assert step.outputs == () and table.snapshot() == before
 
 
+@pytest.mark.parametrize("generation", [0, -1, -(2**40)])
+def test_nothing_held_supersedes_no_generation_whatever_its_number(generation: int) -> None:
+    """With nothing held for the room id, no generation is superseded: an empty table read as
+    holding generation 0, so a negative generation's early bootstrap (or cancel) was dropped and
+    its endpoint never told it was ready (or failed)."""
+    table = _table()
+    table.handle(BootstrapArrived(ROOM, generation, D1), 0.0)
+    assert table.state_of(ROOM, generation) is BootstrapRoomState.UNOWNED
+    table.handle(ClaimRoom(ROOM, generation, OWNER), 1.0)
+    ready = _notices(table.handle(MarkComplete(ROOM, generation, OWNER), 2.0))
+    assert ready == [(D1, KVPoll.WaitingForInput)]
+    cancelled = _table()
+    cancelled.handle(FailRoom(ROOM, generation), 0.0)
+    assert cancelled.is_failed(ROOM, generation)
+
+
 def test_a_later_generation_supersedes_a_waiting_endpoint_and_a_tombstone() -> None:
     """Bug A's table half: generation 1's tombstone (or waiting endpoint) never blocks the next
     generation of the room id; the endpoint waiting on generation 1 is told it failed."""

@@ -132,7 +132,8 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
     table: Table[BootstrapRoomState]
 
     def __init__(
-        self, room: int, generation: int, me: PeerId, ttl_s: float, newest: Callable[[], int]
+        self, room: int, generation: int, me: PeerId, ttl_s: float,
+        newest: Callable[[], int | None],
     ) -> None:
         self.key = room
         self.generation = generation
@@ -178,7 +179,8 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         return self.expires_at is not None and now >= self.expires_at
 
     def _guard_superseded(self, inp: BootstrapArrived | FailRoom, now: float) -> bool:
-        return self.newest() > self.generation
+        newest = self.newest()
+        return newest is not None and newest > self.generation
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: ClaimRoom, now: float) -> list[Output]:
@@ -374,8 +376,10 @@ class PrefillCompleteTable:
     def is_failed(self, room: int, generation: int) -> bool:
         return self.state_of(room, generation) in _FAILED_STATES
 
-    def newest(self, room: int) -> int:
-        return max(self._rooms.get(room, {}), default=0)
+    def newest(self, room: int) -> int | None:
+        """The latest generation of the room id the table holds (None: it holds none, so no
+        generation is superseded, whatever its number)."""
+        return max(self._rooms.get(room, {}), default=None)
 
     def held(self) -> int:
         """(room, generation) entries held: at most a few per room id."""
@@ -414,7 +418,9 @@ class PrefillCompleteTable:
     def _supersede_earlier(self, room: int, now: float, fired: list[Fired]) -> list[Output]:
         outputs: list[Output] = []
         latest = self.newest(room)
-        earlier = self._rooms.get(room, {})
+        if latest is None:
+            return outputs
+        earlier = self._rooms[room]
         for generation in sorted(g for g in earlier if g < latest):
             machine = earlier[generation]
             if machine.state in _OWNERLESS:
