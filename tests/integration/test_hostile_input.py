@@ -20,7 +20,7 @@ from pdflow.core.dataplane.buffers import KvBuffers
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, KvArgsAccepted, PeerId, RoomMetadata
-from pdflow.io.codec import MsgpackCodec, wire_frames
+from pdflow.io.codec import DEFAULT_SMALL_MESSAGE_BYTES, MsgpackCodec, wire_frames
 from pdflow.io.frame_auth import authenticated
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
@@ -236,12 +236,19 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
 
 async def test_a_decode_accepts_no_large_frame(tmp_path: anyio.Path) -> None:
     """Large frames only where the protocol needs them: a decode receives no message that
-    grows with a room, so 1 MiB of forged metadata is refused before it is decoded."""
+    grows with a room, so its ZMQ cuts a frame over 64 KiB before buffering it (1 MiB of
+    forged metadata is never read); smaller frames are dropped before they are decoded."""
     settings = checked(tmp_path)
     async with two_nodes(settings) as (p_node, d_node):
         rank = d_node.ranks[0]
+        pull = d_node.runtime.channels[0]._pull
+        assert pull.getsockopt(zmq.MAXMSGSIZE) == DEFAULT_SMALL_MESSAGE_BYTES
         pages = tuple(range(1 << 16, (1 << 16) + 209_000))
         forged = RoomMetadata(5, 0, rank.peer, p_node.ranks[0].peer, "x", pages, None, 1)
         await forge(rank.peer.address, [MsgpackCodec().encode(forged, None)] * 10)
-        await dropped_at_least(d_node, "oversized", 10)
+        half = b"x" * (DEFAULT_SMALL_MESSAGE_BYTES // 2 + 1)
+        await forge(rank.peer.address, [[half, half]] * 3)
+        await dropped_at_least(d_node, "malformed", 3)  # one frame per message
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        metrics = d_node.runtime.metrics
+        assert metrics.value("pdflow_dropped_frames_total", {"reason": "oversized"}) == 0

@@ -17,6 +17,8 @@ from pdflow.core.protocol.messages import (
     StatusReport,
 )
 from pdflow.io.codec import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_SMALL_MESSAGE_BYTES,
     HEADER_BYTES,
     MAGIC,
     MAX_SCHEMA_DEPTH,
@@ -128,6 +130,24 @@ def test_oversized_is_refused_both_ways() -> None:
     assert "raise max_message_bytes" in str(caught.value)
 
 
+def test_a_small_message_type_over_the_small_limit_is_refused_before_sending() -> None:
+    """Every receiver refuses it, and a decode's ZMQ cuts the connection it came on (MAXMSGSIZE
+    is the decode's small limit): the sender must never put it on the wire."""
+    codec = MsgpackCodec()
+    huge_aux = StatusReport(1, 0, KVPoll.Success, PREFILL, DECODE,
+                            aux=b"x" * DEFAULT_SMALL_MESSAGE_BYTES)  # fmt: skip
+    with pytest.raises(FrameError) as caught:
+        codec.encode(huge_aux, None)
+    assert caught.value.reason == "oversized" and "StatusReport" in str(caught.value)
+    assert len(codec.encode(metadata(pages=30_000), None)[0]) > DEFAULT_SMALL_MESSAGE_BYTES
+
+
+def test_the_inbound_frame_limit_is_the_largest_frame_the_codec_accepts() -> None:
+    assert MsgpackCodec().max_inbound_frame_bytes == DEFAULT_MAX_MESSAGE_BYTES
+    assert MsgpackCodec(large_inbound=()).max_inbound_frame_bytes == DEFAULT_SMALL_MESSAGE_BYTES
+    assert MsgpackCodec(max_message_bytes=4096).max_inbound_frame_bytes == 4096
+
+
 def test_limit_must_be_sane() -> None:
     with pytest.raises(ValueError, match="at least 64"):
         MsgpackCodec(max_message_bytes=10)
@@ -176,7 +196,7 @@ def test_only_messages_that_grow_with_a_room_may_be_large_and_only_where_receive
     assert prefill_side.decode(frames) == (big_metadata, None)
     assert reason_of(decode_side, frames) == "oversized"  # a decode never receives one
     padded = StatusReport(7, 2, KVPoll.Failed, PREFILL, DECODE, reason="x" * 70_000)
-    padded_frames = decode_side.encode(padded, None)  # a sender is limited by the maximum only
+    padded_frames = wire_frames(msgspec.msgpack.encode(padded))  # (a pdflow sender refuses it)
     for codec in (prefill_side, decode_side):
         with pytest.raises(FrameError, match="may exceed") as caught:
             codec.decode(padded_frames)

@@ -14,9 +14,9 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdflow.core.protocol.messages import Abort, PeerId
+from pdflow.core.protocol.messages import Abort, PeerId, RoomMetadata
 from pdflow.io.codec import MAGIC, ControlMessage, MsgpackCodec, wire_frames
-from pdflow.io.control import YIELD_EVERY, ControlChannel, Deliver, PushSocket
+from pdflow.io.control import RECEIVE_HWM, YIELD_EVERY, ControlChannel, Deliver, PushSocket
 from tests.ports import free_port
 
 pytestmark = [pytest.mark.anyio, pytest.mark.timeout(30)]
@@ -106,7 +106,7 @@ async def test_messages_arrive_in_order_and_bad_frames_are_counted() -> None:
             [b"garbage"],
             wire_frames(b"\x80", version=2),
             wire_frames(b"\xc1"),
-            [MAGIC, b"1", b"x" * 8000, b""],
+            [MAGIC, b"1", b"x" * 3000, b"x" * 3000],  # each frame under the limit, not all
         ):
             await channels.raw.send_multipart(frames)
         await channels.send(2)
@@ -401,4 +401,84 @@ async def test_a_peer_that_reads_nothing_holds_the_sender_for_one_timeout_not_on
         sender.close()
         if pull is not None:
             pull.close(linger=0)
+        context.term()
+
+
+async def test_zmq_cuts_a_frame_over_the_inbound_limit_before_buffering_it() -> None:
+    """A frame at the codec's limit is read (and judged by pdflow); one byte more and ZMQ drops
+    the connection as the frame's header arrives, so nothing of it is ever buffered."""
+    codec = MsgpackCodec(max_message_bytes=4096)
+    done = anyio.Event()
+
+    async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+        pass
+
+    async with receiving(codec, deliver, done) as channels:
+        monitor = channels.receiver._pull.get_monitor_socket(zmq.EVENT_DISCONNECTED)
+        try:
+            await channels.raw.send_multipart([b"x" * 4096])
+            with anyio.fail_after(5):
+                while channels.drops != Counter(malformed=1):  # read: at the limit
+                    await anyio.sleep(0.01)
+            await channels.raw.send_multipart([b"x" * 4097])
+            with anyio.fail_after(5):
+                event = await monitor.recv_multipart()
+            assert int.from_bytes(event[0][:2], "little") == zmq.EVENT_DISCONNECTED
+            assert channels.drops == Counter(malformed=1)  # never read, so never counted here
+        finally:
+            channels.receiver._pull.disable_monitor()
+            monitor.close(linger=0)
+        done.set()
+
+
+async def test_a_connection_nobody_reads_queues_few_messages_and_loses_none() -> None:
+    """While the receive loop is held up, ZMQ keeps at most RECEIVE_HWM messages of one
+    connection (then the sender's own queue fills): 1 MiB frames here, so the receiver holds
+    about RECEIVE_HWM MiB, not the 1,000 of ZMQ's default. Nothing is lost: once the loop
+    serves again, every message the sender queued arrives."""
+    codec = MsgpackCodec()
+    pages = tuple(range(1 << 16, (1 << 16) + 209_000))  # 5 bytes each: just under 1 MiB
+    frames = codec.encode(RoomMetadata(1, 0, DECODE, PREFILL, "s", pages, None, 1), None)
+    assert len(frames[0]) > codec.max_message_bytes - (16 << 10)
+    context = zmq.asyncio.Context()
+    receiver = ControlChannel.open(context, codec)
+    raw = zmq.Context()
+    push = raw.socket(zmq.PUSH)
+    push.setsockopt(zmq.SNDHWM, 1)
+    push.setsockopt(zmq.LINGER, 0)
+    push.connect(f"tcp://{receiver.address}")
+    queued = 0
+    delivered = 0
+    try:
+        with anyio.move_on_after(4):  # (ZMQ's default queue would still be filling)
+            refused_since = anyio.current_time()
+            while anyio.current_time() - refused_since < 0.5:
+                try:
+                    push.send_multipart(frames, zmq.NOBLOCK)
+                except zmq.Again:
+                    await anyio.sleep(0.01)
+                else:
+                    queued += 1
+                    refused_since = anyio.current_time()
+        # Beyond the receiver's queue: the sender's one message, the one being read, and what
+        # the kernel's socket buffers hold (about 10 MiB on loopback here).
+        assert queued <= 2 * RECEIVE_HWM, f"{queued} messages of 1 MiB queued"
+        done = anyio.Event()
+
+        async def deliver(message: ControlMessage, msg_id: str | None) -> None:
+            nonlocal delivered
+            delivered += 1
+            if delivered == queued:
+                done.set()
+
+        async with anyio.create_task_group() as tasks:
+            tasks.start_soon(receiver.receive_forever, deliver)
+            with anyio.fail_after(10):
+                await done.wait()
+            tasks.cancel_scope.cancel()
+        assert receiver.dropped == 0
+    finally:
+        push.close(linger=0)
+        raw.term()
+        receiver.close()
         context.term()

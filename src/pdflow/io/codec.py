@@ -71,6 +71,9 @@ class WireCodec(Protocol):
     """Encode a control message into frames and back."""
 
     max_message_bytes: int
+    max_inbound_frame_bytes: int
+    """The largest single frame this codec ever accepts from a peer: the control channel has
+    ZMQ refuse a larger one (MAXMSGSIZE) before buffering it."""
 
     def encode(self, message: ControlMessage, msg_id: str | None) -> list[bytes]: ...
 
@@ -95,6 +98,9 @@ class MsgpackCodec:
         self.max_message_bytes = max_message_bytes
         self.small_message_bytes = min(small_message_bytes, max_message_bytes)
         self.large_inbound = frozenset(large_inbound)
+        self.max_inbound_frame_bytes = (
+            self.max_message_bytes if self.large_inbound else self.small_message_bytes
+        )
         if not 0 <= version <= 0xFF:
             raise ValueError(f"the protocol version must fit in one byte, got {version}")
         self.version = version
@@ -113,6 +119,15 @@ class MsgpackCodec:
                 "oversized",
                 f"{type(message).__name__} encodes to {len(frame)} bytes, over the "
                 f"{self.max_message_bytes}-byte limit; raise max_message_bytes on both sides",
+            )
+        if len(frame) > self.small_message_bytes and (
+            message.__struct_config__.tag not in LARGE_MESSAGE_TYPES
+        ):
+            # Every receiver refuses it (a decode's ZMQ even cuts the connection it came on).
+            raise FrameError(
+                "oversized",
+                f"{type(message).__name__} encodes to {len(frame)} bytes; only "
+                f"{list(LARGE_MESSAGE_TYPES)} may exceed {self.small_message_bytes} bytes",
             )
         return frames
 

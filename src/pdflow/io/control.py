@@ -8,8 +8,14 @@ that cannot be queued within ``send_timeout_s`` is abandoned and counted; the co
 a lost message. A send the channel cannot even attempt (an address that is not ``host:port``
 or ``tcp://``, a connect ZMQ refuses, a message over the codec's limit) is refused, counted by
 reason and returns False; it never raises. Receiving decodes every frame list; one that is not
-a valid message is counted by reason, logged and dropped, and the loop keeps serving. A frame
-far over the codec's limit is cut off by ZMQ itself (MAXMSGSIZE), which disconnects that sender.
+a valid message is counted by reason, logged and dropped, and the loop keeps serving.
+
+What ZMQ buffers for one connection before pdflow reads it is bounded in ZMQ itself: a frame
+over the codec's inbound limit (``max_inbound_frame_bytes``) is refused as its header arrives
+(MAXMSGSIZE: ZMQ disconnects that sender, nothing is buffered or counted here; a pdflow sender
+refuses such a message itself), and at most RECEIVE_HWM messages wait per connection. A message
+of several frames, each under the limit, is dropped as ``oversized`` once read; ZMQ counts
+messages, not frames, so such a message is held whole until then (docs/operations.md).
 
 Requires anyio's asyncio backend (``zmq.asyncio``).
 """
@@ -32,8 +38,12 @@ DEFAULT_MAX_SOCKETS = 512
 YIELD_EVERY = 32
 """Frames handled back to back before the receive loop yields to the event loop."""
 
-# Frames beyond this multiple of the codec limit are never even buffered.
-_HARD_LIMIT_FACTOR = 8
+RECEIVE_HWM = 32
+"""Messages ZMQ queues per connection while the receive loop is held up (RCVHWM); past it, it
+stops reading that connection and the sender's own queue (SNDHWM) fills instead. With frames of
+at most ``max_inbound_frame_bytes`` this bounds what a connection holds: 32 MiB at a prefill
+(1 MiB frames), 2 MiB at a decode (64 KiB). It is at least YIELD_EVERY, so a burst the loop
+takes without yielding is already queued."""
 
 log = structlog.get_logger("pdflow.control")
 
@@ -149,7 +159,8 @@ class ControlChannel:
         shared ``pool`` the channel gets its own, of DEFAULT_MAX_SOCKETS."""
         pull = context.socket(zmq.PULL)
         pull.setsockopt(zmq.LINGER, 0)
-        pull.setsockopt(zmq.MAXMSGSIZE, codec.max_message_bytes * _HARD_LIMIT_FACTOR)
+        pull.setsockopt(zmq.MAXMSGSIZE, codec.max_inbound_frame_bytes)
+        pull.setsockopt(zmq.RCVHWM, RECEIVE_HWM)
         try:
             if port:
                 pull.bind(f"tcp://{host}:{port}")

@@ -99,6 +99,8 @@ class AuthenticatedCodec:
             raise ValueError(f"the freshness window must be positive seconds, got {window_s}")
         self.inner = inner
         self.max_message_bytes = inner.max_message_bytes
+        # The MAC frame (48 bytes and the sender's identity) is far below any usable limit.
+        self.max_inbound_frame_bytes = inner.max_inbound_frame_bytes
         self.window_s = window_s
         self._keyed = hmac.new(key, _MAC_DOMAIN, hashlib.sha256)
         self._clock = clock
