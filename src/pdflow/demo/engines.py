@@ -48,7 +48,7 @@ def rank_kv(cache: PagedKVCache, aux: AuxRows, memory: MemorySlots) -> RankKv:
         v_addrs=tuple(base + (2 * layer + 1) * size for layer in range(geometry.n_layers)),
     )
     return RankKv(layout, cache.tp_size, cache.tp_rank, geometry.n_kv_heads, aux.buffer,
-                  (memory.component,))  # fmt: skip
+                  (memory.component,), owner=(cache, aux, memory))  # fmt: skip
 
 
 class RoomOutcome(msgspec.Struct):

@@ -85,6 +85,10 @@ class RankKv(msgspec.Struct, frozen=True):
     device: str = "cpu"
     """Whose memory the KV, state and staging addresses name: "cpu" or "cuda[:n]"; it picks the
     executor the shell checksums, gathers and scatters with (aux rows are host memory)."""
+    owner: object = None
+    """What owns the memory the addresses name (the engine's tensors, a ``HostKvCache``): held
+    here, so a node (which keeps its ``RankKv``) never writes into memory freed under it. None:
+    the caller keeps the memory alive for as long as any node uses this description."""
 
     def __post_init__(self) -> None:
         described = self.kv_buffers
@@ -528,9 +532,9 @@ class HostKvCache:
 def host_cache_for_rank(*, total_kv_heads: int, tp_size: int, tp_rank: int, num_layers: int,
                         num_pages: int, page_size: int, head_dim: int,
                         dtype: KvDtype) -> tuple[HostKvCache, RankKv]:  # fmt: skip
-    """Allocate the cache of one TP rank and describe it. The description holds addresses
-    only: keep the returned cache alive while any node uses the ``RankKv``."""
+    """Allocate the cache of one TP rank and describe it; the description holds the cache
+    (``RankKv.owner``), so the memory lives at least as long as the ``RankKv``."""
     heads = rank_head_range(total_kv_heads, tp_size, tp_rank)
     cache = HostKvCache(num_layers=num_layers, num_pages=num_pages, page_size=page_size,
                         num_heads=heads.count, head_dim=head_dim, dtype=dtype)  # fmt: skip
-    return cache, RankKv(cache.layout, tp_size, tp_rank, total_kv_heads)
+    return cache, RankKv(cache.layout, tp_size, tp_rank, total_kv_heads, owner=cache)
