@@ -12,6 +12,7 @@ from typing import Any
 
 import anyio
 import httpx
+import msgspec
 import pytest
 import zmq
 import zmq.asyncio
@@ -232,6 +233,31 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
         await dropped_at_least(p_node, "unauthenticated", 1)
         await dropped_at_least(p_node, "bad_mac", 1)
         assert await one_room(p_node, d_node, 2) is KVPoll.Success
+
+
+async def test_a_late_kv_args_of_an_earlier_life_leaves_the_live_layout_in_place(
+    tmp_path: anyio.Path,
+) -> None:
+    """Before: it replaced the live decode life's layout; that life's next RoomMetadata was
+    dropped (unannounced_decode) and its room failed. Now the core drops it as a stale life."""
+    settings = checked(tmp_path)
+    async with two_nodes(settings) as (p_node, d_node):
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+        live = d_node.ranks[0].peer
+        dead = PeerId(live.address, "an-earlier-life", live.rank)
+        kv = d_node.ranks[0].kv
+        late = [msgspec.structs.replace(kv.kv_args(dead, rank.peer, "127.0.0.1:1"),
+                                        started_at=started_at)
+                for rank in p_node.ranks for started_at in (d_node.started_at - 60, None)]
+        for rank in p_node.ranks:
+            await forge(rank.peer.address, [MsgpackCodec().encode(args, None) for args in late
+                                            if args.prefill == rank.peer])  # fmt: skip
+        await core_dropped_at_least(p_node, "stale_incarnation", len(late))
+        for rank in p_node.ranks:
+            assert rank._host.endpoint.layout_of(live) is not None
+        assert await one_room(p_node, d_node, 2) is KVPoll.Success
+        metrics = p_node.runtime.metrics
+        assert metrics.value("pdflow_dropped_frames_total", {"reason": "unannounced_decode"}) == 0
 
 
 async def test_a_decode_accepts_no_large_frame(tmp_path: anyio.Path) -> None:

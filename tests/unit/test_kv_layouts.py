@@ -34,6 +34,7 @@ from pdflow.core.resources.kv_layouts import (
     LayoutChanged,
     LayoutEvicted,
     PeerLost,
+    is_earlier_life,
 )
 from pdflow.core.resources.page_ledger import PagesFreed, SessionRetired
 from tests.unit.test_endpoint_scenarios import BOOT, DECODE, PREFILL_A, TIMEOUTS, info
@@ -55,8 +56,9 @@ def sends(step: Step) -> list[type]:
     return [type(o.message) for o in step.outputs if isinstance(o, SendMessage)]
 
 
-def announcement(decode: PeerId, prefill: PeerId = PREFILL_A) -> KvArgs:
-    return KvArgs(decode, prefill, "s", LAYOUT, 1, 0, 8)
+def announcement(decode: PeerId, prefill: PeerId = PREFILL_A,
+                 started_at: float | None = None) -> KvArgs:  # fmt: skip
+    return KvArgs(decode, prefill, "s", LAYOUT, 1, 0, 8, started_at=started_at)
 
 
 def fired(step: Step) -> list[tuple[str, str, str, str]]:
@@ -138,6 +140,75 @@ def test_the_prefill_refuses_layouts_for_another_life_and_answers_sent_to_it() -
     step = p.handle(Received(KvArgsAccepted(PREFILL_A, DECODE, "x")), 0.0)
     assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["wrong_direction"]
     assert p.layout_of(DECODE) is None and p.snapshot().decode_layouts == 0
+
+
+def life(incarnation: str) -> PeerId:
+    """Another life of DECODE's rank: same address and rank."""
+    return PeerId(DECODE.address, incarnation, DECODE.rank)
+
+
+def guarded(step: Step) -> list[tuple[str, str, str | None, str]]:
+    return [(f.source, f.on, f.guard, f.target) for f in step.fired if f.machine == "DecodeLayout"]
+
+
+def test_an_earlier_lifes_late_layout_is_dropped_and_the_live_layout_stays() -> None:
+    """Before: a late (or replayed) KvArgs of a dead life replaced the live life's layout; the
+    live life's messages were then dropped (unannounced_decode) and, answered already, it never
+    announced again."""
+    p = prefill_endpoint(limit=2)
+    live = announcement(life("live"), started_at=200.0)
+    other = announcement(PeerId("10.0.1.9:9000", "x", 0), started_at=5.0)
+    p.handle(Received(live), 0.0)
+    p.handle(Received(other), 0.5)  # the live rank is now the least recently heard from
+    before = p.snapshot()
+    for late_start in (100.0, 200.0, None):  # earlier, the same instant, unknown
+        step = p.handle(Received(announcement(life("dead"), started_at=late_start)), 1.0)
+        assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["stale_incarnation"]
+        assert sends(step) == []  # no KvArgsAccepted to the dead life
+        assert guarded(step) == [("KNOWN", "LayoutAnnounced", "older_life", "KNOWN")]
+        assert p.layout_of(live.decode) == live and p.layout_of(life("dead")) is None
+    assert p.snapshot().counters == {**before.counters, "dropped_stale_incarnation": 3}
+    # Nothing else changed either: the dead life's KvArgs did not make the live rank the most
+    # recently heard from, so a third decode evicts it rather than the other one.
+    p.handle(Received(announcement(PeerId("10.0.1.8:9000", "y", 0))), 2.0)
+    assert p.layout_of(live.decode) is None and p.layout_of(other.decode) == other
+
+
+def test_a_later_life_replaces_the_layout_of_the_earlier() -> None:
+    p = prefill_endpoint()
+    p.handle(Received(announcement(life("first"), started_at=100.0)), 0.0)
+    later = announcement(life("second"), started_at=100.5)
+    step = p.handle(Received(later), 1.0)
+    accepted = KvArgsAccepted(PREFILL_A, later.decode, "10.0.0.1:7100")
+    assert step.outputs == (SendMessage(later.decode, accepted),)
+    assert guarded(step) == [("KNOWN", "LayoutAnnounced", None, "KNOWN")]
+    assert p.layout_of(later.decode) == later and p.layout_of(life("first")) is None
+
+
+@pytest.mark.parametrize(("new", "kept", "earlier"), [
+    (1.0, 2.0, True), (2.0, 2.0, True), (3.0, 2.0, False),
+    (None, 2.0, True), (3.0, None, False), (None, None, False),
+])  # fmt: skip
+def test_lives_are_ordered_by_their_start(new: float | None, kept: float | None,
+                                          earlier: bool) -> None:  # fmt: skip
+    assert is_earlier_life(announcement(life("new"), started_at=new),
+                           announcement(life("kept"), started_at=kept)) is earlier  # fmt: skip
+    # The same life announcing again (a new transport session) is never an earlier one.
+    assert not is_earlier_life(announcement(life("kept"), started_at=new),
+                               announcement(life("kept"), started_at=kept))  # fmt: skip
+
+
+def test_the_decode_announces_when_its_life_started() -> None:
+    d = DecodeEndpoint(DecodeEndpointConfig(
+        me=DECODE, num_pages=8, timeouts=TIMEOUTS, session_id="s", kv_layout=LAYOUT,
+        started_at=1234.5,
+    ))  # fmt: skip
+    d.handle(OpenReceiver(1, 1, BOOT), 0.0)
+    d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
+    step = d.handle(PublishPages(1, (0,), aux_index=0), 0.1)
+    [kv] = [o.message for o in step.outputs
+            if isinstance(o, SendMessage) and isinstance(o.message, KvArgs)]  # fmt: skip
+    assert kv.started_at == 1234.5
 
 
 def test_100000_forged_layouts_keep_the_prefill_at_its_bound_and_the_active_decode() -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import ctypes
 import random
+import time
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from contextlib import AsyncExitStack
 from functools import partial
@@ -393,12 +394,17 @@ class DecodeNode(NodeLifecycle):
         staging_memory: Mapping[int, EngineMemory] | None = None,
         admission_reserve_tokens: int = NUM_RESERVED_DECODE_TOKENS,
         admission_clip_max_new: int = CLIP_MAX_NEW_TOKENS,
+        started_at: float | None = None,
     ) -> None:
         if not ranks:
             raise ValueError("a decode node needs at least one rank")
         self.settings = settings or load_settings()
         self.transport = transport
         self.incarnation = incarnation or draw_incarnation()
+        # Wall clock, not monotonic: announced with each rank's layout, it orders this life
+        # against a predecessor at the same address, so prefill ranks drop that one's late
+        # KvArgs instead of replacing this life's layout with it.
+        self.started_at = time.time() if started_at is None else started_at
         self.is_mla = is_mla
         self.rank_kv = list(ranks)
         self.runtime = NodeRuntime("decode", self.settings, self.incarnation,
@@ -491,7 +497,7 @@ class DecodeNode(NodeLifecycle):
             staging_page_bytes=self._page_bytes[rank_kv.tp_rank],
             kv_layout=rank_kv.kv_buffers, staging_addr=self._staging_addr(rank_kv.tp_rank),
             aux_row_bytes=0 if rank_kv.aux is None else rank_kv.aux.row_bytes,
-            state=rank_kv.state,
+            state=rank_kv.state, started_at=self.started_at,
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))

@@ -888,6 +888,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             decode=self.me, prefill=prefill, session_id=self.session_id,
             layout=layout, tp_size=cfg.tp_size, tp_rank=cfg.tp_rank,
             total_kv_heads=cfg.num_kv_heads, staging_addr=cfg.staging_addr, state=cfg.state,
+            started_at=cfg.started_at,
         )  # fmt: skip
 
     def _room_input(

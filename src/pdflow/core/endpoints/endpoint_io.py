@@ -266,6 +266,9 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     aux_row_bytes: int = 0
     """Bytes of one row of the engine's aux buffer; a Success carrying a row of another size
     fails the room (0: not checked)."""
+    started_at: float | None = None
+    """When this decode process started (wall clock, from the shell), announced with the layout
+    (KvArgs.started_at) so prefill ranks keep this life's layout over an earlier life's."""
 
 
 DecodeEndpointInput = (

@@ -16,6 +16,7 @@ import msgspec
 from pdflow.core.endpoints.endpoint_io import (
     AnyEndpointInput,
     ClearRoom,
+    Dropped,
     OpenRoom,
     PrefillEndpointConfig,
     Received,
@@ -234,6 +235,9 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             produced, transitions = self.layouts.announce(message, now)
             outputs.extend(produced)
             fired.extend(transitions)
+            for output in produced:
+                if isinstance(output, Dropped):
+                    self.counters[f"dropped_{output.kind}"] += 1
             if len(transitions) > 1:
                 self.counters["decode_layouts_evicted"] += len(transitions) - 1
             return

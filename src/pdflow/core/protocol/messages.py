@@ -115,6 +115,10 @@ class KvArgs(Message, frozen=True, tag="kv_args"):
     """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
     state: tuple[StateBuffers, ...] = ()
     """This decode rank's model-state components, in the order state indices name them."""
+    started_at: float | None = None
+    """When this decode process started (wall-clock seconds, read by its shell): orders the
+    lives of one decode rank, so a prefill never lets an earlier life's late KvArgs replace a
+    later life's layout. None: unordered (older than any life that says when it started)."""
 
 
 class KvArgsAccepted(Message, frozen=True, tag="kv_args_accepted"):

@@ -13,8 +13,11 @@ sides are table machines, one per peer:
   decode rotates its transport session (fence by engine rotation), every announcement goes
   STALE (LayoutChanged) and is said again, with the new session, before the next message.
 - :class:`DecodeLayout` (prefill side, one per decode rank): ABSENT -> KNOWN on an
-  announcement (emits the answer); a later life of the same decode rank replaces it. At most
-  ``limit`` are kept: past it, the least recently heard from is evicted (back to ABSENT).
+  announcement (emits the answer); a later life of the same decode rank replaces it, and an
+  earlier life's (lives ordered by ``KvArgs.started_at``) is dropped as ``stale_incarnation``:
+  a late or replayed KvArgs of a dead life must not replace the live life's layout, whose
+  messages would then be refused while it never announces again. At most ``limit`` are kept:
+  past it, the least recently heard from is evicted (back to ABSENT).
 
 Specified as ``[machines.LayoutAnnouncement]`` and ``[machines.DecodeLayout]`` in
 spec/machines/kv_layouts.toml.
@@ -25,6 +28,7 @@ from __future__ import annotations
 import enum
 from collections import OrderedDict
 
+from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
 from pdflow.core.protocol.inputs import Input
 from pdflow.core.protocol.messages import KvArgs, KvArgsAccepted, PeerId, peer_order
@@ -174,12 +178,35 @@ class DecodeLayout(TableMachine[DecodeLayoutState]):
         self.state = DECODE_LAYOUT_TABLE.initial
         self.announcement: KvArgs | None = None
 
+    def _guard_older_life(self, inp: LayoutAnnounced, now: float) -> bool:
+        kept = self.announcement
+        return kept is not None and is_earlier_life(inp.announcement, kept)
+
     def _act_register(self, inp: LayoutAnnounced, now: float) -> list[Output]:
         # A later life of the same decode rank replaces the earlier one's layout.
         announcement = inp.announcement
         self.announcement = announcement
         accepted = KvArgsAccepted(self.me, announcement.decode, self.session_id)
         return [SendMessage(announcement.decode, accepted)]
+
+    def _act_drop_earlier_life(self, inp: LayoutAnnounced, now: float) -> list[Output]:
+        late, kept = inp.announcement, self.announcement
+        kept_life = "?" if kept is None else f"{kept.decode.incarnation} ({kept.started_at!r})"
+        return [Dropped("stale_incarnation",
+                        f"KvArgs of {late.decode.address} rank {late.decode.rank} life "
+                        f"{late.decode.incarnation} ({late.started_at!r}), which started no "
+                        f"later than the kept life {kept_life}")]  # fmt: skip
+
+
+def is_earlier_life(new: KvArgs, kept: KvArgs) -> bool:
+    """Whether ``new`` comes from another life of the decode rank than ``kept`` that started no
+    later. A life that gives no start time is earlier than one that does; two that give none
+    are unordered, and the newcomer replaces (as before lives were ordered)."""
+    if new.decode.incarnation == kept.decode.incarnation:
+        return False
+    if new.started_at is None:
+        return kept.started_at is not None
+    return kept.started_at is not None and new.started_at <= kept.started_at
 
 
 _DL = DecodeLayout
@@ -192,6 +219,8 @@ DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
     rows=[
         row(_D.ABSENT, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
             action=_DL._act_register),
+        row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, guard=_DL._guard_older_life, emits=["dropped"],
+            action=_DL._act_drop_earlier_life),
         row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
             action=_DL._act_register),
         row(_D.KNOWN, LayoutEvicted, _D.ABSENT),
@@ -216,12 +245,16 @@ class DecodeLayouts:
         self._ranks: OrderedDict[tuple[str, int], DecodeLayout] = OrderedDict()
 
     def announce(self, announcement: KvArgs, now: float) -> tuple[list[Output], list[Fired]]:
+        """Keep the announcement (evicting past the limit), or drop it: then the outputs hold
+        the Dropped and nothing else changed, not even which rank was heard from last."""
         key = _decode_rank(announcement.decode)
         machine = self._ranks.get(key) or DecodeLayout(
             self.me, self.session_id, announcement.decode.rank
         )
         outputs, fired = machine.fire(LayoutAnnounced(announcement), now)
         transitions = [fired]
+        if any(isinstance(output, Dropped) for output in outputs):
+            return outputs, transitions
         self._ranks[key] = machine
         self._ranks.move_to_end(key)
         while len(self._ranks) > self.limit:
