@@ -17,16 +17,19 @@ import pytest
 import zmq
 import zmq.asyncio
 
-from pdflow.core.dataplane.buffers import KvBuffers
+from pdflow.core.dataplane.buffers import KvBuffer, KvBuffers, KvRole
 from pdflow.core.dataplane.layout import KvDtype, packed_layout
+from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, KvArgsAccepted, PeerId, RoomMetadata
 from pdflow.io.codec import DEFAULT_SMALL_MESSAGE_BYTES, MsgpackCodec, wire_frames
 from pdflow.io.frame_auth import authenticated
+from pdflow.io.kv_buffers import host_cache_for_rank
 from pdflow.io.node_common import NodeLifecycle
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import Settings, load_settings
-from tests.integration.test_nodes_inprocess import one_room, two_nodes
+from pdflow.transport import InProcessFabric
+from tests.integration.test_nodes_inprocess import GEOMETRY, one_room, two_nodes
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -233,6 +236,37 @@ async def test_with_the_token_set_a_peer_identity_from_the_registry_no_longer_fo
         await dropped_at_least(p_node, "unauthenticated", 1)
         await dropped_at_least(p_node, "bad_mac", 1)
         assert await one_room(p_node, d_node, 2) is KVPoll.Success
+
+
+async def test_a_forged_1mib_kv_args_is_not_kept(tmp_path: anyio.Path) -> None:
+    """Before: the prefill's core kept it (up to control_max_peers of them: 1 GiB encoded).
+    Now a layout over control_max_layout_bytes (64 KiB) is dropped, and the real decode's
+    layout (well under it) is still kept."""
+    settings = checked(tmp_path)
+    async with two_nodes(settings) as (p_node, d_node):
+        rank = p_node.ranks[0]
+        forged = PeerId("127.0.0.1:20001", "forged", 0)
+        buffers = tuple(KvBuffer((1 << 40) + i * (1 << 21), 1 << 20, 1 << 10, i, KvRole.K, 1)
+                        for i in range(11_500))  # fmt: skip
+        args = KvArgs(forged, rank.peer, "127.0.0.1:1", KvBuffers(1, buffers), 1, 0, 1)
+        frame = MsgpackCodec().encode(args, None)
+        assert len(frame[0]) > 900 << 10
+        await forge(rank.peer.address, [frame])
+        await core_dropped_at_least(p_node, "layout_too_large", 1)
+        assert rank._host.endpoint.layout_of(forged) is None
+        assert await one_room(p_node, d_node, 1) is KVPoll.Success
+
+
+async def test_a_decode_whose_layout_prefills_would_drop_refuses_to_start(
+    tmp_path: anyio.Path,
+) -> None:
+    settings = checked(tmp_path, control_max_layout_bytes=256)
+    _cache, kv = host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=32, **GEOMETRY)
+    async with InProcessFabric().create_transport() as transport:
+        node = DecodeNode(ranks=[kv], transport=transport, settings=settings)
+        with pytest.raises(InvalidInput, match="PDFLOW_CONTROL_MAX_LAYOUT_BYTES"):
+            async with node:
+                pass
 
 
 async def test_a_late_kv_args_of_an_earlier_life_leaves_the_live_layout_in_place(

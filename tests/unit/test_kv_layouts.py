@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from pdflow.core.dataplane.buffers import KvBuffers
@@ -35,6 +36,7 @@ from pdflow.core.resources.kv_layouts import (
     LayoutEvicted,
     PeerLost,
     is_earlier_life,
+    layout_bytes,
 )
 from pdflow.core.resources.page_ledger import PagesFreed, SessionRetired
 from tests.unit.test_endpoint_scenarios import BOOT, DECODE, PREFILL_A, TIMEOUTS, info
@@ -111,9 +113,10 @@ def test_an_answer_from_a_prefill_never_announced_to_is_dropped_and_changes_noth
                                      "dropped_stale_incarnation": 1}  # fmt: skip
 
 
-def prefill_endpoint(limit: int = 1024) -> PrefillEndpoint:
+def prefill_endpoint(limit: int = 1024, max_layout_bytes: int = 64 << 10) -> PrefillEndpoint:
     return PrefillEndpoint(PrefillEndpointConfig(
         me=PREFILL_A, timeouts=TIMEOUTS, session_id="10.0.0.1:7100", max_decode_layouts=limit,
+        max_layout_bytes=max_layout_bytes,
     ))  # fmt: skip
 
 
@@ -140,6 +143,26 @@ def test_the_prefill_refuses_layouts_for_another_life_and_answers_sent_to_it() -
     step = p.handle(Received(KvArgsAccepted(PREFILL_A, DECODE, "x")), 0.0)
     assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["wrong_direction"]
     assert p.layout_of(DECODE) is None and p.snapshot().decode_layouts == 0
+
+
+def test_a_layout_over_max_layout_bytes_is_dropped_and_changes_nothing() -> None:
+    """Before: any KvArgs the codec let through (up to 1 MiB) was kept, max_decode_layouts of
+    them; now each is at most max_layout_bytes (encoded)."""
+    fits = announcement(DECODE)
+    p = prefill_endpoint(max_layout_bytes=layout_bytes(fits))
+    assert sends(p.handle(Received(fits), 0.0)) == [KvArgsAccepted]  # at the limit: kept
+    before = p.snapshot()
+    stranger = PeerId("10.0.1.9:9000", "x", 0)
+    for big in (announcement(stranger, started_at=1.0),  # a new decode rank (ABSENT)
+                msgspec.structs.replace(fits, staging_addr=1 << 40)):  # the kept one, grown
+        assert layout_bytes(big) > layout_bytes(fits)
+        step = p.handle(Received(big), 1.0)
+        assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["layout_too_large"]
+        assert sends(step) == []
+        assert [f.guard for f in step.fired] == ["too_large"]
+    assert p.layout_of(DECODE) == fits and p.layout_of(stranger) is None
+    assert p.snapshot().decode_layouts == 1
+    assert p.snapshot().counters == {**before.counters, "dropped_layout_too_large": 2}
 
 
 def life(incarnation: str) -> PeerId:
@@ -236,7 +259,7 @@ def test_cells_outside_the_tables_are_refused_and_change_nothing() -> None:
     with pytest.raises(LocalProtocolError):
         machine.fire(Contact(announcement(DECODE)), 0.0)
     assert machine.session_id == "s"
-    layout = DecodeLayout(PREFILL_A, "s", 0)
+    layout = DecodeLayout(PREFILL_A, "s", 0, 64 << 10)
     with pytest.raises(LocalProtocolError):
         layout.fire(LayoutEvicted(), 0.0)
     assert layout.announcement is None

@@ -3,7 +3,7 @@
 Each bound is a setting (see docs/operations.md for the defaults and how they were sized): past
 one, the node closes the least recently used entry or refuses the new one, counts it by reason,
 and keeps serving. What the *core* keeps (per room id, and the KV layouts decode ranks announced,
-``control_max_peers``) is bounded by the core itself.
+``control_max_peers`` of at most ``control_max_layout_bytes`` each) is bounded by the core itself.
 
 - :class:`SocketPool`: the outgoing PUSH sockets of all the control channels of one node; the
   least recently used one is closed when a new peer needs a socket past ``limit``.

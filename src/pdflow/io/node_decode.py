@@ -64,6 +64,7 @@ from pdflow.core.resources.admission import (
     NUM_RESERVED_DECODE_TOKENS,
     AdmissionBudget,
 )
+from pdflow.core.resources.kv_layouts import layout_bytes
 from pdflow.core.resources.page_ledger import (
     PagesFreed,
     PagesQuarantined,
@@ -500,7 +501,9 @@ class DecodeNode(NodeLifecycle):
             state=rank_kv.state, started_at=self.started_at,
         )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
-        endpoint = self.runtime.recorder.wrap(endpoint_id, DecodeEndpoint(config))
+        core = DecodeEndpoint(config)
+        self._refuse_a_layout_prefills_drop(core, me)
+        endpoint = self.runtime.recorder.wrap(endpoint_id, core)
         host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
                             self.runtime.metrics, self.runtime.events)  # fmt: skip
         self._hosts.append(host)
@@ -511,6 +514,20 @@ class DecodeNode(NodeLifecycle):
         ))  # fmt: skip
         self._channels[rank_kv.tp_rank] = channel
         self.ranks.append(DecodeRank(self, host, rank_kv))
+
+    def _refuse_a_layout_prefills_drop(self, endpoint: DecodeEndpoint, me: PeerId) -> None:
+        """A layout over control_max_layout_bytes would be dropped by every prefill rank
+        (``layout_too_large``) and each room would fail late: refuse to start instead."""
+        announced = endpoint.announcement(me)  # its own address stands for a prefill rank's
+        limit = self.settings.control_max_layout_bytes
+        if announced is not None and layout_bytes(announced) > limit:
+            raise InvalidInput(
+                f"decode rank {me.rank}'s KV layout ({len(announced.layout.buffers)} buffers, "
+                f"{len(announced.state)} state components) encodes to "
+                f"{layout_bytes(announced)} bytes, over control_max_layout_bytes ({limit}), so "
+                "prefill ranks would drop it; raise PDFLOW_CONTROL_MAX_LAYOUT_BYTES on every "
+                "node (at most the codec's max_message_bytes)"
+            )
 
     def _staging_addr(self, rank: int) -> int | None:
         return self._staging_base.get(rank)

@@ -479,6 +479,7 @@ class PrefillNode(NodeLifecycle):
                                        timeouts=timeouts_from(self.settings),
                                        session_id=self.transport.session_id,
                                        max_decode_layouts=self.settings.control_max_peers,
+                                       max_layout_bytes=self.settings.control_max_layout_bytes,
                                        )  # fmt: skip
         endpoint_id = self.runtime.endpoint_id(unique)
         endpoint = self.runtime.recorder.wrap(endpoint_id, PrefillEndpoint(config))

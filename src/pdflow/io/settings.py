@@ -46,6 +46,7 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     allocation_policy: AllocationPolicy = AllocationPolicy.EARLY
     control_max_sockets: int = 512
     control_max_peers: int = 1024
+    control_max_layout_bytes: int = 64 << 10
     control_max_early_pages: int = 1 << 20
     control_mac_window: float = 30.0
     rotate_quarantine_percent: float = 0.0
@@ -204,6 +205,7 @@ _FIELDS: dict[str, _Field] = {
     "allocation_policy": _Field(_parse_policy, _policy),
     "control_max_sockets": _Field(_parse_int, _positive_int),
     "control_max_peers": _Field(_parse_int, _positive_int),
+    "control_max_layout_bytes": _Field(_parse_int, _positive_int),
     "control_max_early_pages": _Field(_parse_int, _positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
     "small_room_staging_bytes": _Field(_parse_int, _small_room_bytes),

@@ -882,6 +882,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             ordered.append(output)
         return tuple(ordered)
 
+    def announcement(self, prefill: PeerId) -> KvArgs | None:
+        """The KvArgs this rank announces to ``prefill`` (None: it announces no layout)."""
+        layout = self.config.kv_layout
+        return None if layout is None else self._kv_args(layout, prefill)
+
     def _kv_args(self, layout: KvBuffers, prefill: PeerId) -> KvArgs:
         cfg = self.config
         return KvArgs(

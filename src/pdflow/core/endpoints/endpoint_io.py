@@ -226,6 +226,9 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     max_decode_layouts: int = 1024
     """Decode ranks whose KV layout this rank keeps; past it the least recently heard from is
     evicted."""
+    max_layout_bytes: int = 64 << 10
+    """The largest KV layout this rank keeps (its KvArgs, MessagePack-encoded); a larger one is
+    dropped (``layout_too_large``), so the kept layouts take at most max_decode_layouts x this."""
 
 
 class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field="role"):

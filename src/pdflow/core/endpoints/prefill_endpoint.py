@@ -125,7 +125,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         self.max_parked_peers = config.max_parked_peers
         self._step_outputs: list[Output] = []
         self._step_fired: list[Fired] = []
-        self.layouts = DecodeLayouts(config.me, config.session_id, config.max_decode_layouts)
+        self.layouts = DecodeLayouts(config.me, config.session_id, config.max_decode_layouts,
+                                     config.max_layout_bytes)  # fmt: skip
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.
         self.ready_table: PrefillCompleteTable | None = (
             PrefillCompleteTable(config.me, config.timeouts)

@@ -16,8 +16,10 @@ sides are table machines, one per peer:
   announcement (emits the answer); a later life of the same decode rank replaces it, and an
   earlier life's (lives ordered by ``KvArgs.started_at``) is dropped as ``stale_incarnation``:
   a late or replayed KvArgs of a dead life must not replace the live life's layout, whose
-  messages would then be refused while it never announces again. At most ``limit`` are kept:
-  past it, the least recently heard from is evicted (back to ABSENT).
+  messages would then be refused while it never announces again. A layout encoding to more
+  than ``max_layout_bytes`` is dropped (``layout_too_large``), and at most ``limit`` are kept:
+  past it, the least recently heard from is evicted (back to ABSENT). So the layouts take at
+  most ``limit x max_layout_bytes`` (encoded).
 
 Specified as ``[machines.LayoutAnnouncement]`` and ``[machines.DecodeLayout]`` in
 spec/machines/kv_layouts.toml.
@@ -27,6 +29,8 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
+
+import msgspec
 
 from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.table import Fired, Table, TableMachine, row
@@ -171,12 +175,16 @@ _D = DecodeLayoutState
 class DecodeLayout(TableMachine[DecodeLayoutState]):
     table: Table[DecodeLayoutState]
 
-    def __init__(self, me: PeerId, session_id: str, decode_rank: int) -> None:
+    def __init__(self, me: PeerId, session_id: str, decode_rank: int, max_bytes: int) -> None:
         self.me = me
         self.session_id = session_id
         self.key = decode_rank
+        self.max_bytes = max_bytes
         self.state = DECODE_LAYOUT_TABLE.initial
         self.announcement: KvArgs | None = None
+
+    def _guard_too_large(self, inp: LayoutAnnounced, now: float) -> bool:
+        return layout_bytes(inp.announcement) > self.max_bytes
 
     def _guard_older_life(self, inp: LayoutAnnounced, now: float) -> bool:
         kept = self.announcement
@@ -189,6 +197,14 @@ class DecodeLayout(TableMachine[DecodeLayoutState]):
         accepted = KvArgsAccepted(self.me, announcement.decode, self.session_id)
         return [SendMessage(announcement.decode, accepted)]
 
+    def _act_drop_too_large(self, inp: LayoutAnnounced, now: float) -> list[Output]:
+        decode = inp.announcement.decode
+        return [Dropped("layout_too_large",
+                        f"KvArgs of {decode.address} rank {decode.rank} encodes to "
+                        f"{layout_bytes(inp.announcement)} bytes, over max_layout_bytes "
+                        f"{self.max_bytes}; raise it (control_max_layout_bytes) on every "
+                        "node")]  # fmt: skip
+
     def _act_drop_earlier_life(self, inp: LayoutAnnounced, now: float) -> list[Output]:
         late, kept = inp.announcement, self.announcement
         kept_life = "?" if kept is None else f"{kept.decode.incarnation} ({kept.started_at!r})"
@@ -196,6 +212,15 @@ class DecodeLayout(TableMachine[DecodeLayoutState]):
                         f"KvArgs of {late.decode.address} rank {late.decode.rank} life "
                         f"{late.decode.incarnation} ({late.started_at!r}), which started no "
                         f"later than the kept life {kept_life}")]  # fmt: skip
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def layout_bytes(announcement: KvArgs) -> int:
+    """What a KV layout weighs: its KvArgs' MessagePack encoding (as on the wire, less the
+    frame header), the measure ``max_layout_bytes`` bounds."""
+    return len(_ENCODER.encode(announcement))
 
 
 def is_earlier_life(new: KvArgs, kept: KvArgs) -> bool:
@@ -217,8 +242,12 @@ DECODE_LAYOUT_TABLE: Table[DecodeLayoutState] = Table(
     inputs=(LayoutAnnounced, LayoutEvicted),
     remote_inputs=(LayoutAnnounced,),
     rows=[
+        row(_D.ABSENT, LayoutAnnounced, _D.ABSENT, guard=_DL._guard_too_large, emits=["dropped"],
+            action=_DL._act_drop_too_large),
         row(_D.ABSENT, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
             action=_DL._act_register),
+        row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, guard=_DL._guard_too_large, emits=["dropped"],
+            action=_DL._act_drop_too_large),
         row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, guard=_DL._guard_older_life, emits=["dropped"],
             action=_DL._act_drop_earlier_life),
         row(_D.KNOWN, LayoutAnnounced, _D.KNOWN, emits=["send.kv_args_accepted"],
@@ -235,13 +264,14 @@ def _decode_rank(peer: PeerId) -> tuple[str, int]:
 
 
 class DecodeLayouts:
-    """The layouts decode ranks announced to one prefill rank: one per decode rank, at most
-    ``limit``, the least recently heard from evicted first."""
+    """The layouts decode ranks announced to one prefill rank: one per decode rank, each of at
+    most ``max_layout_bytes``, at most ``limit``, the least recently heard from evicted first."""
 
-    def __init__(self, me: PeerId, session_id: str, limit: int) -> None:
+    def __init__(self, me: PeerId, session_id: str, limit: int, max_layout_bytes: int) -> None:
         self.me = me
         self.session_id = session_id
         self.limit = limit
+        self.max_layout_bytes = max_layout_bytes
         self._ranks: OrderedDict[tuple[str, int], DecodeLayout] = OrderedDict()
 
     def announce(self, announcement: KvArgs, now: float) -> tuple[list[Output], list[Fired]]:
@@ -249,7 +279,7 @@ class DecodeLayouts:
         the Dropped and nothing else changed, not even which rank was heard from last."""
         key = _decode_rank(announcement.decode)
         machine = self._ranks.get(key) or DecodeLayout(
-            self.me, self.session_id, announcement.decode.rank
+            self.me, self.session_id, announcement.decode.rank, self.max_layout_bytes
         )
         outputs, fired = machine.fire(LayoutAnnounced(announcement), now)
         transitions = [fired]
