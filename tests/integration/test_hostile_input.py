@@ -195,6 +195,45 @@ async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path
         assert await one_room(p_node, d_node, 2) is KVPoll.Success
 
 
+async def test_one_decode_that_uses_up_its_early_pages_leaves_the_others_theirs(
+    tmp_path: anyio.Path,
+) -> None:
+    """Before: the early-page budget was one per prefill rank; a decode that announced and then
+    sent metadata for rooms never opened held it for bootstrap_timeout, and every other
+    decode's early metadata was dropped (early_pages_limit): their rooms never started. Now
+    each decode life holds at most its share (a quarter by default, 16 of 64 pages here)."""
+    settings = checked(tmp_path, control_max_early_pages=64,
+                       control_max_early_pages_per_decode=16)  # fmt: skip
+    codec = MsgpackCodec()
+    async with two_nodes(settings) as (p_node, d_node):
+        hog = forged_decode(1)
+        kv = d_node.ranks[0].kv
+        for rank in p_node.ranks:
+            announce = codec.encode(kv.kv_args(hog, rank.peer, "127.0.0.1:1"), None)
+            hoarded = [codec.encode(RoomMetadata(500 + n, 0, hog, rank.peer, "127.0.0.1:1",
+                                                 tuple(range(8)), None, 1), None)
+                       for n in range(8)]  # fmt: skip
+            await forge(rank.peer.address, [announce, *hoarded])
+        await dropped_at_least(p_node, "early_pages_share", 6 * len(p_node.ranks))
+        # The real decode's metadata arrives before the prefill opens the room: early.
+        d_rank, room = d_node.ranks[0], 9
+        await d_rank.open(room, 0, p_node.bootstrap)
+        await d_rank.wait(room)
+        await d_rank.publish_pages(room, [1, 2])
+        with anyio.fail_after(10):
+            while any(p_node.limits[r.rank].early.pages < 16 + 2 for r in p_node.ranks):
+                await anyio.sleep(0.01)  # admitted beside the forger's 16
+        for rank in p_node.ranks:
+            await rank.open_room(room, 0)
+            await rank.wait(room)
+            await rank.init_transfer(room, 2)
+            await rank.send_chunk(room, [3, 4], True)
+        with anyio.fail_after(10):
+            assert (await d_rank.wait(room, terminal=True)).poll is KVPoll.Success
+        metrics = p_node.runtime.metrics
+        assert metrics.value("pdflow_dropped_frames_total", {"reason": "early_pages_limit"}) == 0
+
+
 async def core_dropped_at_least(node: NodeLifecycle, kind: str, count: int) -> None:
     metrics = node.runtime.metrics
     with anyio.fail_after(20):

@@ -48,15 +48,39 @@ def test_socket_pool_closes_the_least_recently_used_past_its_limit() -> None:
 
 def test_early_pages_are_bounded_released_on_open_and_expire() -> None:
     early = EarlyPages(10, hold_s=5.0)
-    assert early.admit(1, 6, now=0.0)
-    assert not early.admit(2, 5, now=1.0)
-    assert early.admit(2, 4, now=1.0) and early.pages == 10
+    d = decode(1)
+    assert early.admit(1, d, 6, now=0.0) is None
+    assert early.admit(2, d, 5, now=1.0) == "early_pages_limit"
+    assert early.admit(2, d, 4, now=1.0) is None and early.pages == 10
     early.opened(1)
-    assert early.pages == 4 and early.admit(3, 6, now=2.0)
-    assert not early.admit(4, 1, now=5.9)  # room 2 is held until 6.0
-    assert early.admit(4, 4, now=6.0) and early.pages == 10  # rooms 2 expired, 3 and 4 held
+    assert early.pages == 4 and early.admit(3, d, 6, now=2.0) is None
+    assert early.admit(4, d, 1, now=5.9) == "early_pages_limit"  # room 2 is held until 6.0
+    assert early.admit(4, d, 4, now=6.0) is None and early.pages == 10  # 2 expired; 3, 4 held
     early.opened(99)  # never admitted: nothing to release
     assert early.pages == 10
+
+
+def test_one_decode_life_cannot_use_up_the_early_pages_of_the_others() -> None:
+    """Before: one budget for every decode life; one that used it up had every other decode's
+    early metadata dropped for bootstrap_timeout. Now each holds at most its share."""
+    early = EarlyPages(10, hold_s=5.0, per_decode=4)
+    hog, other, restarted = decode(1), decode(2), decode(1, incarnation="d2")
+    assert early.admit(1, hog, 3, now=0.0) is None
+    assert early.admit(2, hog, 2, now=0.0) == "early_pages_share"  # 5 > its share of 4
+    assert early.admit(2, hog, 1, now=0.0) is None
+    assert early.admit(3, hog, 1, now=0.0) == "early_pages_share"
+    assert early.admit(3, other, 4, now=0.0) is None  # its own share is untouched
+    assert early.admit(1, restarted, 2, now=0.0) is None  # another life: another share
+    assert early.pages == 10 and early.admit(4, decode(3), 1, 0.0) == "early_pages_limit"
+    early.opened(1)  # room 1 held 3 of the hog's pages and 2 of the restarted life's
+    assert early.pages == 5
+    assert early.admit(5, hog, 3, now=1.0) is None  # 1 + 3: its whole share again
+    assert early.admit(6, restarted, 2, now=1.0) is None and early.pages == 10
+    assert early.admit(7, other, 1, now=4.9) == "early_pages_limit"
+    assert early.admit(7, other, 4, now=5.0) is None  # rooms 2 and 3 expired, and its pages
+    assert early.admit(8, hog, 1, now=5.0) is None  # room 2's page expired: its share has one
+    early.opened(7)
+    assert early.pages == 6 and early.admit(9, hog, 1, now=5.0) == "early_pages_share"
 
 
 def test_prefill_rank_admits_only_announced_decodes_and_real_pages() -> None:
@@ -83,6 +107,10 @@ def test_prefill_rank_admits_only_announced_decodes_and_real_pages() -> None:
     assert refusal(metadata(1, (-1,))) == "pages_out_of_range"
     assert refusal(metadata(1, (0, 1, 2))) is None
     assert refusal(metadata(2, (3, 4))) == "early_pages_limit"
+    share = PrefillRankLimits(max_early_pages=4, hold_s=60.0, max_early_pages_per_decode=2)
+    assert share.refusal(metadata(1, (0, 1, 2)), opened, announced.get, 0.0) == (
+        "early_pages_share"
+    )
     assert refusal(metadata(7, tuple(range(8)))) is None  # open: no budget
 
 

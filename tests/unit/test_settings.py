@@ -27,16 +27,19 @@ def test_defaults_without_environment() -> None:
     assert (settings.control_max_sockets, settings.control_max_peers,
             settings.control_max_early_pages) == (512, 1024, 1 << 20)  # fmt: skip
     assert settings.control_max_layout_bytes == 64 << 10
+    assert settings.control_max_early_pages_per_decode == 1 << 18
 
 
 def test_resource_limits_come_from_pdflow_variables() -> None:
     env = {"PDFLOW_CONTROL_MAX_SOCKETS": "64", "PDFLOW_CONTROL_MAX_PEERS": "8",
            "PDFLOW_CONTROL_MAX_EARLY_PAGES": "4096",
-           "PDFLOW_CONTROL_MAX_LAYOUT_BYTES": "131072"}  # fmt: skip
+           "PDFLOW_CONTROL_MAX_LAYOUT_BYTES": "131072",
+           "PDFLOW_CONTROL_MAX_EARLY_PAGES_PER_DECODE": "1024"}  # fmt: skip
     settings = load_settings(env)
     assert (settings.control_max_sockets, settings.control_max_peers,
             settings.control_max_early_pages) == (64, 8, 4096)  # fmt: skip
     assert settings.control_max_layout_bytes == 131072
+    assert settings.control_max_early_pages_per_decode == 1024
     with pytest.raises(SettingsError, match="PDFLOW_CONTROL_MAX_SOCKETS='0'"):
         load_settings({"PDFLOW_CONTROL_MAX_SOCKETS": "0"})
 

@@ -9,7 +9,8 @@ and keeps serving. What the *core* keeps (per room id, and the KV layouts decode
   least recently used one is closed when a new peer needs a socket past ``limit``.
 - :class:`EarlyPages`: destination pages of RoomMetadata that arrived for a room the prefill
   rank has not opened yet (the core parks it until the room opens or ``bootstrap_timeout``);
-  at most ``limit`` pages are admitted that way per rank.
+  at most ``limit`` pages are admitted that way per rank, and at most ``per_decode`` of them
+  for any one decode life, so one decode cannot use up the budget the others need.
 """
 
 from __future__ import annotations
@@ -98,38 +99,58 @@ class SocketPool(Generic[S]):
 
 class EarlyPages:
     """Pages admitted for rooms not open yet, each released when its room opens or at
-    ``expires_at`` (the core has discarded what it parked by then)."""
+    ``expires_at`` (the core has discarded what it parked by then): at most ``limit`` in all,
+    and at most ``per_decode`` from any one decode life."""
 
-    def __init__(self, limit: int, hold_s: float) -> None:
-        if limit < 1:
-            raise ValueError(f"the early page limit must be at least 1, got {limit}")
+    def __init__(self, limit: int, hold_s: float, per_decode: int | None = None) -> None:
+        share = limit if per_decode is None else per_decode
+        if min(limit, share) < 1:
+            raise ValueError(f"the early page limits must be at least 1, got {limit} and {share}")
         self.limit = limit
+        self.per_decode = share
         self.hold_s = hold_s
         self.pages = 0
-        # Insertion order is arrival order, and every hold is equally long: expiry pops from
-        # the front.
-        self._rooms: OrderedDict[int, tuple[int, float]] = OrderedDict()
+        self._by_decode: dict[PeerId, int] = {}
+        # Per room, the pages each decode life holds there. Insertion order is arrival order
+        # and every hold is equally long: expiry pops from the front.
+        self._rooms: OrderedDict[int, tuple[dict[PeerId, int], float]] = OrderedDict()
 
-    def admit(self, room: int, pages: int, now: float) -> bool:
+    def admit(self, room: int, decode: PeerId, pages: int, now: float) -> str | None:
+        """None if admitted, else why not: ``early_pages_limit`` (the rank's budget is used up)
+        or ``early_pages_share`` (this decode life would hold more than its share)."""
         self._expire(now)
         if self.pages + pages > self.limit:
-            return False
-        held, _ = self._rooms.pop(room, (0, now))
-        self._rooms[room] = (held + pages, now + self.hold_s)
+            return "early_pages_limit"
+        held = self._by_decode.get(decode, 0)
+        if held + pages > self.per_decode:
+            return "early_pages_share"
+        holders, _ = self._rooms.pop(room, ({}, now))
+        holders[decode] = holders.get(decode, 0) + pages
+        self._rooms[room] = (holders, now + self.hold_s)
+        self._by_decode[decode] = held + pages
         self.pages += pages
-        return True
+        return None
 
     def opened(self, room: int) -> None:
-        held, _ = self._rooms.pop(room, (0, 0.0))
-        self.pages -= held
+        holders, _ = self._rooms.pop(room, ({}, 0.0))
+        self._release(holders)
 
     def _expire(self, now: float) -> None:
         while self._rooms:
-            room, (held, expires_at) = next(iter(self._rooms.items()))
+            room, (holders, expires_at) = next(iter(self._rooms.items()))
             if now < expires_at:
                 return
             del self._rooms[room]
-            self.pages -= held
+            self._release(holders)
+
+    def _release(self, holders: dict[PeerId, int]) -> None:
+        for decode, pages in holders.items():
+            left = self._by_decode[decode] - pages
+            if left:
+                self._by_decode[decode] = left
+            else:
+                del self._by_decode[decode]
+            self.pages -= pages
 
 
 class PrefillRankLimits:
@@ -141,10 +162,11 @@ class PrefillRankLimits:
     (``unannounced_decode``): nothing unknown makes the rank park a message or open a reply
     socket. RoomMetadata must name pages that exist in the announced layout
     (``pages_out_of_range``); for a room the rank has not opened yet it is admitted within
-    ``early``'s page limit (``early_pages_limit``)."""
+    ``early``'s page limits (``early_pages_limit``, ``early_pages_share``)."""
 
-    def __init__(self, max_early_pages: int, hold_s: float) -> None:
-        self.early = EarlyPages(max_early_pages, hold_s)
+    def __init__(self, max_early_pages: int, hold_s: float,
+                 max_early_pages_per_decode: int | None = None) -> None:  # fmt: skip
+        self.early = EarlyPages(max_early_pages, hold_s, max_early_pages_per_decode)
 
     def refusal(
         self, message: object, is_open: Callable[[int], bool],
@@ -161,6 +183,6 @@ class PrefillRankLimits:
         pages = message.dst_pages
         if min(pages) < 0 or max(pages) >= args.layout.num_pages:
             return "pages_out_of_range"
-        if not is_open(message.room) and not self.early.admit(message.room, len(pages), now):
-            return "early_pages_limit"
-        return None
+        if is_open(message.room):
+            return None
+        return self.early.admit(message.room, message.decode, len(pages), now)

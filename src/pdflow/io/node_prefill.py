@@ -395,7 +395,8 @@ class PrefillNode(NodeLifecycle):
         """(tp rank, room) -> the readiness the engine gave with the room's latest chunk."""
         self.limits = {
             r.tp_rank: PrefillRankLimits(self.settings.control_max_early_pages,
-                                         self.settings.bootstrap_timeout)
+                                         self.settings.bootstrap_timeout,
+                                         self.settings.control_max_early_pages_per_decode)
             for r in ranks
         }  # fmt: skip
         self._queues = TransferQueues(self.settings.transfer_queues, transfer_lanes)
