@@ -98,6 +98,8 @@ async def test_bad_frames_are_counted_dropped_and_change_nothing(tmp_path: anyio
             wire_frames(good[0][HEADER_BYTES:], version=PROTOCOL_VERSION + 1),
             wire_frames(b"\xc1not msgpack"),
             wire_frames(msgspec.msgpack.encode({"type": "drop_tables"})),
+            [b"\x00" * (60 << 10)] * 20,  # each frame fits the ZMQ limit, all 1.2 MiB do not
+            # Over the ZMQ limit (MAXMSGSIZE): its connection is cut, nothing read or counted.
             wire_frames(b"\x00" * (2 << 20)),
         ]
         context = zmq.asyncio.Context()
