@@ -52,7 +52,8 @@ async def receive(frames: int, queued_first: bool) -> float:
         if queued_first:
             for _ in range(frames):
                 await raw.send_multipart(message)
-            await anyio.sleep(0.5)  # all of them at the receiver
+            # All sent: RECEIVE_HWM of them at the receiver, the rest in the sender's queue.
+            await anyio.sleep(0.5)
         async with anyio.create_task_group() as tasks:
             started = cpu_s()
             tasks.start_soon(receiver.receive_forever, deliver)
