@@ -11,6 +11,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import anyio
+import anyio.to_thread
 import httpx
 import msgspec
 import pytest
@@ -56,7 +57,9 @@ async def forge(address: str, frame_lists: Iterable[list[bytes]]) -> None:
     for frames in frame_lists:
         await push.send_multipart(frames)
     push.close()
-    context.term()
+    # term() waits (LINGER) until the queued frames are out: off the event loop, since the
+    # node reading them runs on it, and ZMQ takes only RECEIVE_HWM of them while it does not.
+    await anyio.to_thread.run_sync(context.term)
 
 
 async def dropped_at_least(node: NodeLifecycle, reason: str, count: int) -> None:
