@@ -169,8 +169,10 @@ def rss_bytes() -> int:
 async def test_40_forged_1mib_room_metadata_do_not_grow_rss(tmp_path: anyio.Path) -> None:
     """Before: +375 MiB of RSS, held for the bootstrap timeout (300 s); 80 such frames here
     grew it by over 600 MiB. Now 40 are dropped unannounced, and of 40 from a decode that
-    announced a layout first only one fits the early-page budget (set to 256 Ki pages)."""
-    settings = checked(tmp_path, control_max_early_pages=1 << 18)
+    announced a layout first only one fits the early-page budget (set to 256 Ki pages, all of
+    which one decode life may hold here)."""
+    settings = checked(tmp_path, control_max_early_pages=1 << 18,
+                       control_max_early_pages_per_decode=1 << 18)  # fmt: skip
     codec = MsgpackCodec()
     async with two_nodes(settings) as (p_node, d_node):
         assert await one_room(p_node, d_node, 1) is KVPoll.Success
@@ -204,9 +206,8 @@ async def test_one_decode_that_uses_up_its_early_pages_leaves_the_others_theirs(
     """Before: the early-page budget was one per prefill rank; a decode that announced and then
     sent metadata for rooms never opened held it for bootstrap_timeout, and every other
     decode's early metadata was dropped (early_pages_limit): their rooms never started. Now
-    each decode life holds at most its share (a quarter by default, 16 of 64 pages here)."""
-    settings = checked(tmp_path, control_max_early_pages=64,
-                       control_max_early_pages_per_decode=16)  # fmt: skip
+    each decode life holds at most its share (a quarter unless set: 16 of 64 pages here)."""
+    settings = checked(tmp_path, control_max_early_pages=64)
     codec = MsgpackCodec()
     async with two_nodes(settings) as (p_node, d_node):
         hog = forged_decode(1)

@@ -47,7 +47,7 @@ def test_socket_pool_closes_the_least_recently_used_past_its_limit() -> None:
 
 
 def test_early_pages_are_bounded_released_on_open_and_expire() -> None:
-    early = EarlyPages(10, hold_s=5.0)
+    early = EarlyPages(10, hold_s=5.0, per_decode=10)
     d = decode(1)
     assert early.admit(1, d, 6, now=0.0) is None
     assert early.admit(2, d, 5, now=1.0) == "early_pages_limit"
@@ -81,10 +81,11 @@ def test_one_decode_life_cannot_use_up_the_early_pages_of_the_others() -> None:
     assert early.admit(8, hog, 1, now=5.0) is None  # room 2's page expired: its share has one
     early.opened(7)
     assert early.pages == 6 and early.admit(9, hog, 1, now=5.0) == "early_pages_share"
+    assert EarlyPages(10, hold_s=5.0).per_decode == 2  # unless set: a quarter
 
 
 def test_prefill_rank_admits_only_announced_decodes_and_real_pages() -> None:
-    limits = PrefillRankLimits(max_early_pages=4, hold_s=60.0)
+    limits = PrefillRankLimits(max_early_pages=4, hold_s=60.0, max_early_pages_per_decode=4)
     peer = decode(1)
     announced: dict[PeerId, KvArgs] = {}
 

@@ -27,7 +27,7 @@ def test_defaults_without_environment() -> None:
     assert (settings.control_max_sockets, settings.control_max_peers,
             settings.control_max_early_pages) == (512, 1024, 1 << 20)  # fmt: skip
     assert settings.control_max_layout_bytes == 64 << 10
-    assert settings.control_max_early_pages_per_decode == 1 << 18
+    assert settings.control_max_early_pages_per_decode is None  # a quarter of the budget
 
 
 def test_resource_limits_come_from_pdflow_variables() -> None:

@@ -10,7 +10,8 @@ and keeps serving. What the *core* keeps (per room id, and the KV layouts decode
 - :class:`EarlyPages`: destination pages of RoomMetadata that arrived for a room the prefill
   rank has not opened yet (the core parks it until the room opens or ``bootstrap_timeout``);
   at most ``limit`` pages are admitted that way per rank, and at most ``per_decode`` of them
-  for any one decode life, so one decode cannot use up the budget the others need.
+  (a quarter unless set) for any one decode life, so one decode cannot use up the budget the
+  others need.
 """
 
 from __future__ import annotations
@@ -97,13 +98,18 @@ class SocketPool(Generic[S]):
         return len(self._sockets)
 
 
+EARLY_SHARES = 4
+"""Unless set otherwise, one decode life may hold 1/EARLY_SHARES of a rank's early pages: it
+takes that many decode lives to use the budget up."""
+
+
 class EarlyPages:
     """Pages admitted for rooms not open yet, each released when its room opens or at
     ``expires_at`` (the core has discarded what it parked by then): at most ``limit`` in all,
     and at most ``per_decode`` from any one decode life."""
 
     def __init__(self, limit: int, hold_s: float, per_decode: int | None = None) -> None:
-        share = limit if per_decode is None else per_decode
+        share = max(1, limit // EARLY_SHARES) if per_decode is None else per_decode
         if min(limit, share) < 1:
             raise ValueError(f"the early page limits must be at least 1, got {limit} and {share}")
         self.limit = limit

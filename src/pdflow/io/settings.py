@@ -48,9 +48,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     control_max_peers: int = 1024
     control_max_layout_bytes: int = 64 << 10
     control_max_early_pages: int = 1 << 20
-    control_max_early_pages_per_decode: int = 1 << 18
-    """The early pages (control_max_early_pages) one decode life may hold at a prefill rank: a
-    quarter by default, so one decode cannot use up the budget the others' metadata needs."""
+    control_max_early_pages_per_decode: int | None = None
+    """The early pages (control_max_early_pages) one decode life may hold at a prefill rank, so
+    one decode cannot use up the budget the others' metadata needs; None: a quarter of them."""
     control_mac_window: float = 30.0
     rotate_quarantine_percent: float = 0.0
     """Decode: rotate the transport engine (fence by engine rotation, docs/operations.md) when a
@@ -138,6 +138,10 @@ def _port(value: Any) -> str | None:
     return None if ok else f"{value!r} must be a TCP port in [0, {_MAX_PORT}] (0: any free port)"
 
 
+def _optional_positive_int(value: Any) -> str | None:
+    return None if value is None else _positive_int(value)
+
+
 def _optional_port(value: Any) -> str | None:
     return None if value is None else _port(value)
 
@@ -210,7 +214,7 @@ _FIELDS: dict[str, _Field] = {
     "control_max_peers": _Field(_parse_int, _positive_int),
     "control_max_layout_bytes": _Field(_parse_int, _positive_int),
     "control_max_early_pages": _Field(_parse_int, _positive_int),
-    "control_max_early_pages_per_decode": _Field(_parse_int, _positive_int),
+    "control_max_early_pages_per_decode": _Field(_parse_int, _optional_positive_int),
     "control_mac_window": _Field(_parse_float, _positive),
     "small_room_staging_bytes": _Field(_parse_int, _small_room_bytes),
     "metrics_port": _Field(_parse_int, _optional_port),
