@@ -71,10 +71,14 @@ class PrefillProcess:
         await self.process.stdin.send((json.dumps(command) + "\n").encode())
 
     async def start_room(
-        self, room: int, generation: int, tokens: int, stall: bool = False
+        self, room: int, generation: int, tokens: int, stall: bool = False,
+        fill_byte: int | None = None,
     ) -> None:
+        """``fill_byte``: the room's pages hold that byte, not the room's pattern (a room of
+        many MiB whose bytes no decode checks, filled without computing its pattern)."""
         self.room_done.setdefault(room, anyio.Event())
-        await self.send(op="room", room=room, generation=generation, tokens=tokens, stall=stall)
+        await self.send(op="room", room=room, generation=generation, tokens=tokens, stall=stall,
+                        fill_byte=fill_byte)  # fmt: skip
 
     def kill(self) -> None:
         self.process.send_signal(signal.SIGKILL)
@@ -150,6 +154,19 @@ class DecodeEngine:
 
     def _index(self, rank: int) -> int:
         return [kv.tp_rank for kv in self.node.rank_kv].index(rank)
+
+    def take_run(self, index: int, count: int) -> list[int]:
+        """``count`` consecutive free pages of one rank, now: a prefill writing consecutive
+        source pages moves them in one write op per buffer."""
+        free = set(self.free[index])
+        start = next((page for page in sorted(free)
+                      if all(page + i in free for i in range(count))), None)  # fmt: skip
+        if start is None:
+            raise LookupError(f"no run of {count} free pages on rank index {index}")
+        run = list(range(start, start + count))
+        self.free[index] = [page for page in self.free[index] if page not in set(run)]
+        self.in_use[index].update(run)
+        return run
 
     async def take(self, indices: list[int], count: int) -> dict[int, list[int]]:
         """``count`` pages on each rank at once: holding one rank's pages while waiting for
@@ -280,11 +297,11 @@ async def wait_readmitted(node: DecodeNode, timeout_s: float = 10) -> None:
 @asynccontextmanager
 async def decode_engine(
     tasks: TaskGroup, transport: Transport, settings: dict[str, Any], *, tp: int = 2,
-    num_pages: int = 256,
+    num_pages: int = 256, head_dim: int = GEOMETRY["head_dim"],
 ) -> AsyncIterator[DecodeEngine]:
     """A DecodeNode of ``tp`` ranks over host caches of ``num_pages`` pages each, and the
     engine that drives it, pumping its events in ``tasks`` (the node is ``engine.node``)."""
-    caches = decode_caches(tp, num_pages=num_pages)
+    caches = decode_caches(tp, num_pages=num_pages, head_dim=head_dim)
     async with DecodeNode(ranks=[kv for _, kv in caches], transport=transport,
                           settings=load_settings(**settings)) as node:  # fmt: skip
         engine = DecodeEngine(node, [cache for cache, _ in caches])
@@ -372,9 +389,12 @@ async def inprocess_room(
 
 
 
-def decode_caches(tp: int, num_pages: int) -> list[tuple[HostKvCache, RankKv]]:
+def decode_caches(tp: int, num_pages: int,
+                  head_dim: int = GEOMETRY["head_dim"]) -> list[tuple[HostKvCache, RankKv]]:
+    """``head_dim`` sets the page size in bytes (a prefill must be started with the same)."""
+    geometry = {**GEOMETRY, "head_dim": head_dim}
     return [host_cache_for_rank(tp_size=tp, tp_rank=r, num_pages=num_pages, dtype=KvDtype.FP16,
-                                **GEOMETRY) for r in range(tp)]  # fmt: skip
+                                **geometry) for r in range(tp)]  # fmt: skip
 
 
 __all__ = ["DecodeEngine", "PagesHeld", "PrefillProcess", "Settings", "WriterFenced",

@@ -11,6 +11,8 @@ makes every later write wait, in flight for the node, until ``{"op": "release_wr
 write that starts waiting prints ``{"event": "write_held"}``, and every write handed to the
 transport, held or not, ``{"event": "write_submitted"}``. ``"staging_slot_pages": N`` gives
 each rank a staging slot of N pages (a decode of another TP size receives staged).
+``"head_dim": D`` sets the page size in bytes (the decode's caches must have the same); a room
+command's ``"fill_byte": B`` fills its pages with that byte instead of the room's pattern.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from pdflow.transport.base import TransferOutcome, WriteOpLike
 from pdflow.transport.mooncake import MooncakeTransport
 
 sys.path.insert(0, os.path.dirname(__file__))
-from node_kv_pattern import GEOMETRY, fill, pages_for
+from node_kv_pattern import GEOMETRY, fill, page_view, pages_for
 from proc_commands import emit, room_on_every_rank, run_main, serve_commands
 
 
@@ -62,7 +64,10 @@ async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: Sour
     count = pages_for(tokens)
     pages = await pool.take(count)
     try:
-        fill(cache, kv, room, pages)
+        if cmd.get("fill_byte") is None:
+            fill(cache, kv, room, pages)
+        else:
+            page_view(cache, kv)[:, pages] = cmd["fill_byte"]
         await rank.init_transfer(room, count)
         split = max(1, count // 2)
         if count > 1:
@@ -82,7 +87,7 @@ async def main(options: dict[str, Any]) -> None:
     settings = load_settings(**options.get("settings", {}))
     tp = options.get("tp", 2)
     num_pages = options.get("num_pages", 2048)
-    geometry = {k: v for k, v in GEOMETRY.items()}
+    geometry = {**GEOMETRY, "head_dim": options.get("head_dim", GEOMETRY["head_dim"])}
     caches = [host_cache_for_rank(tp_size=tp, tp_rank=r, num_pages=num_pages,
                                   dtype=KvDtype.FP16, **geometry) for r in range(tp)]  # fmt: skip
     transport = (GatedTransport if options.get("gate_writes") else MooncakeTransport).open()

@@ -5,18 +5,22 @@ served through the new engine."""
 
 from __future__ import annotations
 
+import ctypes
 import signal
 from typing import Any
 
 import anyio
+import numpy as np
 import pytest
 
+from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.kv_buffers import staging_page_bytes
 from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.settings import load_settings
 from pdflow.transport.mooncake import MooncakeTransport
 
+from .canaries import CANARY
 from .node_harness import (
     DecodeEngine,
     decode_caches,
@@ -25,6 +29,7 @@ from .node_harness import (
     sigstopped_prefill,
     wait_readmitted,
 )
+from .node_kv_pattern import GEOMETRY
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -263,3 +268,87 @@ async def test_sigstop_then_reclaim_quarantine_frees_pages_and_the_resumed_write
         assert engine.corrupt == []
         assert await engine.settled_leak_report() == []
         assert engine.written_after_release() == []
+
+
+WIRE_HEAD_DIM = 4096
+"""With it a page is 512 KiB per buffer (16 tokens x 4 heads x 4096 x 2 bytes), so a chunk of
+32 consecutive pages is one 16 MiB write op per buffer: tens of milliseconds on loopback."""
+WIRE_FILL = 0x5A
+
+
+def room_bytes(layout: Any, pages: list[int]) -> list[bytes]:
+    """The bytes of a run of consecutive pages, buffer by buffer."""
+    return [ctypes.string_at(layout.page_addr(b, pages[0]), len(pages) * layout.item_len)
+            for b in range(len(layout.buffer_addrs))]  # fmt: skip
+
+
+def written(layout: Any, pages: list[int]) -> int:
+    """How many bytes of the run are no longer the canary."""
+    canary = np.uint8(CANARY)
+    return sum(int(np.count_nonzero(np.frombuffer(data, np.uint8) != canary))
+               for data in room_bytes(layout, pages))  # fmt: skip
+
+
+async def test_sigstop_inside_a_write_on_the_wire_rotation_cuts_it_before_the_pages_are_reused(
+    tmp_path: anyio.Path,
+) -> None:
+    """The prefill is paused while its writes are on the wire: the decode's engine accepted
+    them and part of their bodies landed. The heartbeat declares it dead, reclaim_quarantine
+    rotates, and the pages are released and reused (the engine paints them) while it is
+    still paused; after SIGCONT not one byte of the cut writes, or of any later one, lands in
+    them. Only destroying the old engine cuts an accepted write: unregistering the memory
+    from it, or a retire that does nothing, lets the rest land (this test goes red)."""
+    settings = node_settings(str(tmp_path), checksum=False)
+    count = 64  # two chunks of 32 pages: 4 ops of 16 MiB each
+    pool = count + 8
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, tp=1, num_pages=pool,
+                                 head_dim=WIRE_HEAD_DIM) as engine:  # fmt: skip
+            node, [rank] = engine.node, engine.node.ranks
+            layout = node.rank_kv[0].layout
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": pool,
+                       "tp": 1, "head_dim": WIRE_HEAD_DIM}  # fmt: skip
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                await serve_new_rooms(engine, prefill, bootstrap, range(2))
+                room, tokens = 100, count * GEOMETRY["page_size"]
+                await prefill.start_room(room, 0, tokens, fill_byte=WIRE_FILL)
+                await rank.open(room, 0, bootstrap)
+                assert (await rank.wait(room)).poll is not KVPoll.Failed
+                pages = engine.take_run(0, count)
+                first_byte = layout.page_addr(0, pages[0])
+                await rank.publish_pages(room, pages)
+                with anyio.fail_after(30):
+                    while ctypes.string_at(first_byte, 1) != bytes([WIRE_FILL]):
+                        await anyio.sleep(0.0002)
+                prefill.process.send_signal(signal.SIGSTOP)
+                with anyio.fail_after(20):  # the heartbeat's verdict, interval x max failures
+                    assert (await rank.wait(room, terminal=True)).poll is KVPoll.Failed
+                await anyio.sleep(0.3)  # what was in the socket buffers has been read
+                at_stop = written(layout, pages)
+                total = count * layout.item_len * len(layout.buffer_addrs)
+                assert 0 < at_stop < total, "the pause did not come inside the writes"
+                assert [q.pages for q in rank.quarantine()] == [tuple(pages)]
+                with anyio.fail_after(30):
+                    rotation = await node.reclaim_quarantine()
+                assert rotation.released_pages == count
+                with anyio.fail_after(5):  # the engine has them back, painted with canaries
+                    while not set(pages) <= set(engine.free[0]):
+                        await anyio.sleep(0.01)
+                assert written(layout, pages) == 0
+                prefill.process.send_signal(signal.SIGCONT)
+                with anyio.fail_after(30):
+                    await prefill.room_done[room].wait()
+                await anyio.sleep(0.5)  # anything still on its way has landed by now
+                late = written(layout, pages)
+                print(f"write on the wire: {at_stop} of {total} bytes landed before the pause, "
+                      f"{late} in the reused pages after SIGCONT; prefill says "
+                      f"{prefill.rooms[room]}")
+                assert late == 0, f"{late} bytes of the cut writes landed in reused pages"
+                assert prefill.rooms[room] == ["Failed"]
+                await wait_readmitted(node)
+                await serve_new_rooms(engine, prefill, bootstrap, range(200, 203))
+            assert engine.corrupt == []
+            assert engine.written_after_release() == []
+            assert await engine.settled_leak_report() == []
+        tasks.cancel_scope.cancel()
