@@ -10,6 +10,7 @@ its ranks back from the live one.
 from __future__ import annotations
 
 import select
+import signal
 import subprocess
 import sys
 import time
@@ -135,4 +136,39 @@ async def kill_9_then_a_late_put(registry: str, settings: dict[str, Any],
                 superseded = {i for r in node.ranks for i in r.snapshot().superseded}
             assert superseded == {first.ready["incarnation"]}, "never to be readmitted"
             assert engine.corrupt == []
+        tasks.cancel_scope.cancel()
+
+
+async def test_a_paused_prefill_does_not_slow_the_heartbeat_of_another(
+    tmp_path: anyio.Path,
+) -> None:
+    """Each probe of a paused prefill takes the probe's whole read timeout (3 s): its kernel
+    accepts the connection and nothing answers. Another prefill killed meanwhile must still be
+    noticed within its own interval x max failures, not once per slow probe of the paused one."""
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with (
+                prefill_process(tasks, options) as paused,
+                prefill_process(tasks, dict(options)) as killed,
+            ):
+                for first_room, prefill in ((0, paused), (10, killed)):
+                    for room in range(first_room, first_room + 2):
+                        await prefill.start_room(room, 0, 64)
+                        assert await engine.run_room(prefill.ready["bootstrap"], room, 0,
+                                                     64) == "Success"  # fmt: skip
+                paused.process.send_signal(signal.SIGSTOP)
+                await anyio.sleep(2 * HEARTBEAT_S)  # a probe of it is hanging now
+                with anyio.fail_after(30):
+                    stalled, killed_at = await stall_then_kill(
+                        engine, killed, killed.ready["bootstrap"], range(100, 105)
+                    )
+                noticed_within = time.monotonic() - killed_at
+                paused.process.send_signal(signal.SIGCONT)
+                assert set(stalled.values()) == {"Failed"}
+            print(f"kill -9 noticed in {noticed_within:.2f}s beside a paused prefill (interval "
+                  f"{HEARTBEAT_S}s x {MAX_FAILURES})")
+            assert noticed_within < HEARTBEAT_S * MAX_FAILURES + 2
         tasks.cancel_scope.cancel()

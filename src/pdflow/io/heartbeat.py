@@ -7,8 +7,11 @@ reports what it saw (``HeartbeatResult``); counting failures, declaring an insta
 readmitting it are the core's decisions.
 
 Targets are probed concurrently and each result is delivered as it comes, so one slow target
-never holds back another's. Each probe has a deadline (``PROBE_DEADLINE_S``; the client's own
-probe gives up sooner, at its connect + read budget): one that overruns it is a failed probe.
+never holds back another's: each target is probed every interval unless its last probe is still
+running (a paused process's probe waits out the client's whole read timeout, 3 s by default;
+waiting for it before probing anyone again made a dead prefill beside a paused one take 6.4 s,
+not 1 s, to be noticed). Each probe has a deadline (``PROBE_DEADLINE_S``; the client's own probe
+gives up sooner, at its connect + read budget): one that overruns it is a failed probe.
 """
 
 from __future__ import annotations
@@ -32,6 +35,19 @@ PROBE_DEADLINE_S = 10.0
 its own budget, 5 s by default): past it the target is reported down."""
 
 
+async def probe_and_deliver(target: ProbeTarget, probe: Probe, deliver: Deliver,
+                            deadline_s: float = PROBE_DEADLINE_S) -> None:  # fmt: skip
+    """Probe one target within ``deadline_s`` and deliver what it answered (down if nothing)."""
+    status = HealthStatus(False, None, f"no answer within the probe's deadline of {deadline_s:g}s")
+    with anyio.move_on_after(deadline_s):
+        status = await probe(target)
+    if not status.ok:
+        log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
+                    detail=status.detail[:200])  # fmt: skip
+    await deliver(HeartbeatResult(target.bootstrap, status.ok, status.incarnation,
+                                  target.health))  # fmt: skip
+
+
 async def probe_once(
     targets: Iterable[ProbeTarget],
     probe: Probe,
@@ -39,21 +55,9 @@ async def probe_once(
     deadline_s: float = PROBE_DEADLINE_S,
 ) -> None:
     """Probe every target concurrently and deliver each result as it comes."""
-
-    async def one(target: ProbeTarget) -> None:
-        status = HealthStatus(False, None, f"no answer within the probe's deadline of "
-                                           f"{deadline_s:g}s")
-        with anyio.move_on_after(deadline_s):
-            status = await probe(target)
-        if not status.ok:
-            log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
-                        detail=status.detail[:200])  # fmt: skip
-        await deliver(HeartbeatResult(target.bootstrap, status.ok, status.incarnation,
-                                      target.health))  # fmt: skip
-
     async with anyio.create_task_group() as tasks:
         for target in sorted(set(targets)):
-            tasks.start_soon(one, target)
+            tasks.start_soon(probe_and_deliver, target, probe, deliver, deadline_s)
 
 
 async def run_heartbeat(
@@ -63,11 +67,23 @@ async def run_heartbeat(
     deliver: Deliver,
     deadline_s: float = PROBE_DEADLINE_S,
 ) -> None:
-    """Forever: wait ``interval_s``, then probe whatever ``targets()`` names now."""
+    """Forever: every ``interval_s``, probe each target ``targets()`` names now whose last probe
+    has ended; a target still being probed is left for a later tick, not waited for."""
     if interval_s <= 0:
         raise ValueError(f"heartbeat interval must be positive seconds, got {interval_s}")
     if deadline_s <= 0:
         raise ValueError(f"probe deadline must be positive seconds, got {deadline_s}")
-    while True:
-        await anyio.sleep(interval_s)
-        await probe_once(targets(), probe, deliver, deadline_s)
+    probing: set[ProbeTarget] = set()
+
+    async def probe_one(target: ProbeTarget) -> None:
+        try:
+            await probe_and_deliver(target, probe, deliver, deadline_s)
+        finally:
+            probing.discard(target)
+
+    async with anyio.create_task_group() as tasks:
+        while True:
+            await anyio.sleep(interval_s)
+            for target in sorted(set(targets()) - probing):
+                probing.add(target)
+                tasks.start_soon(probe_one, target)
