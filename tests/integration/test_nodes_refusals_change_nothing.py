@@ -1,8 +1,9 @@
 """A refused node call changes nothing (docs/embedding.md): a duplicate open keeps the room's
 status (waiters and the decode's page release read it), a refused chunk leaves no readiness
 object behind for the id's next room, an open whose DP registration fails leaves nothing open,
-admit after publish_pages is refused rather than counting pages that may be released, and
-finish_request naming another generation than the admitted one is refused."""
+admit after publish_pages is refused rather than counting pages that may be released,
+finish_request naming another generation than the admitted one is refused, and so is
+finish_request for a failed room whose pages are quarantined (admission would count them free)."""
 
 from __future__ import annotations
 
@@ -166,3 +167,51 @@ def test_admit_after_publish_pages_is_refused() -> None:
         assert d_node.admission[0].admitted == 0
 
     _with_nodes(story)
+
+
+def test_finish_request_of_a_failed_room_whose_pages_are_quarantined_is_refused() -> None:
+    """The room is aborted while the prefill's write to its pages is in flight: the pages stay
+    quarantined until the prefill drains (no receiver-side fence here, as over Mooncake). An
+    engine that calls finish_request for it is refused and admission still counts the pages;
+    the request leaves admission by itself once they are released."""
+
+    async def run() -> None:
+        settings = load_settings(trace_enabled=False)
+        fabric = InProcessFabric(receiver_fence=False)
+        p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)
+        d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)
+        async with (
+            fabric.create_transport() as p_transport,
+            fabric.create_transport() as d_transport,
+            PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
+                        settings=settings) as p_node,
+            DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
+        ):  # fmt: skip
+            p_rank, d_rank, gate = p_node.ranks[0], d_node.ranks[0], d_node.admission[0]
+            await p_rank.open_room(5, 0)
+            await d_rank.open(5, 0, p_node.bootstrap)
+            await d_rank.wait(5)
+            pages = await d_rank.admit(5, input_len=8, max_new=4)
+            hold = fabric.hold_writes(d_transport.session_id)
+            await d_rank.publish_pages(5, list(range(pages)))
+            await p_rank.wait(5)
+            await p_rank.init_transfer(5, 2)
+            await p_rank.send_chunk(5, [0, 1], True)
+            with anyio.fail_after(5):
+                await hold.wait_for_writer()
+            await d_rank.abort(5, "the client went away")
+            assert (await d_rank.wait(5, terminal=True)).poll is KVPoll.Failed
+            await d_rank.clear(5)
+            assert [q.pages for q in d_rank.quarantine()] == [tuple(range(pages))]
+            with pytest.raises(InvalidInput, match="did not succeed and pdflow still holds"):
+                d_rank.finish_request(5, 0)
+            assert gate.admitted == 1 and gate.is_admitted("5/0")
+            hold.release()  # the write lands in the held pages, then the prefill ACKs
+            with anyio.fail_after(5):
+                while d_rank.quarantine() or gate.admitted:
+                    await anyio.sleep(0.01)
+            assert d_rank.allocatable == MODEL["num_pages"]
+            d_rank.finish_request(5, 0)  # not admitted any more: a no-op
+        del p_cache, d_cache
+
+    anyio.run(run, backend="asyncio")

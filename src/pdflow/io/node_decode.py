@@ -214,6 +214,9 @@ class DecodeRank:
             check_state_indices(self.kv.state, state, "publish_pages")
         await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len,
                                            state))  # fmt: skip
+        generation = self._host.endpoint.generation_of(room)
+        if generation is not None:
+            self._node.pages_with_pdflow.add((self.rank, request_id(room, generation)))
         self._node.room_pages[(self.rank, room)] = tuple(pages)
         self._node.room_state[(self.rank, room)] = state
         clock = self._host.clocks.get(room)
@@ -245,8 +248,18 @@ class DecodeRank:
         """The engine is done with a successful room's request (decoding finished): its pages
         return to the pool admission sees. Naming another generation than the one admitted
         raises ``InvalidInput`` (the admitted request would keep its pages counted); a request
-        that is not admitted (never, or its failed room's pages came back) is a no-op."""
+        that is not admitted (never, or its failed room's pages came back) is a no-op. A failed
+        room whose published pages pdflow still holds (quarantined: a writer may still land in
+        them) raises ``InvalidInput``: its request leaves admission when they are released."""
         gate, rid = self._node.admission[self.rank], request_id(room, generation)
+        if (self.rank, rid) in self._node.pages_with_pdflow and not self._succeeded(room,
+                                                                                  generation):
+            raise InvalidInput(
+                f"finish_request({room}, {generation}): the room did not succeed and pdflow "
+                "still holds its published pages (quarantined while a writer may still land "
+                "in them); its request leaves admission by itself when they come back "
+                "(PagesReleased): call finish_request only for a room that succeeded"
+            )
         if not gate.is_admitted(rid):
             others = gate.admitted_with_prefix(request_id_prefix(room))
             if others:
@@ -256,6 +269,11 @@ class DecodeRank:
                     "the generation the room was opened with"
                 )
         gate.finish(rid)
+
+    def _succeeded(self, room: int, generation: int) -> bool:
+        status = self._node.runtime.events.status(self.rank, room)
+        return (status is not None and status.generation == generation
+                and status.poll is KVPoll.Success)  # fmt: skip
 
     async def abort(self, room: int, reason: str = "aborted by the engine") -> None:
         await self._host.call(RoomCall(room, AbortRequested(reason)))
@@ -358,13 +376,15 @@ class DecodeRankEffects(RankEffects):
         self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
 
     def release_pages(self, freed: PagesFreed) -> None:
+        rid = request_id(freed.room, freed.generation)
+        self.node.pages_with_pdflow.discard((self.host.rank, rid))
         status = self.host.events.status(self.host.rank, freed.room)
         if status is None or status.generation != freed.generation or (
             status.poll is not KVPoll.Success
         ):
             # A failed room's pages: no request will decode on them, admission gets them back.
             # A successful room's stay with the engine until finish_request.
-            self.node.admission[self.host.rank].finish(request_id(freed.room, freed.generation))
+            self.node.admission[self.host.rank].finish(rid)
         self.host.events.publish(
             PagesReleased(self.host.rank, freed.room, freed.generation, freed.pages)
         )
@@ -440,6 +460,9 @@ class DecodeNode(NodeLifecycle):
         # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
         self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
         self.admission: dict[int, AdmissionGate] = {}
+        self.pages_with_pdflow: set[tuple[int, str]] = set()
+        """(rank, request id) of every room whose published pages pdflow has not handed back
+        (PagesReleased): a failed one's request leaves admission only with them."""
         self._rotation_lock = anyio.Lock()
         self._rotation_wanted = False
         self._rotation_failed_at: float | None = None
