@@ -11,7 +11,8 @@ from typing import Any
 import anyio
 import pytest
 
-from pdflow.io.node_common import PagesHeld, PagesReleased, WriterFenced
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.node_common import PagesHeld, PagesReleased, RoomStatus, WriterFenced
 from pdflow.transport.mooncake import MooncakeTransport
 
 from .node_harness import (
@@ -19,8 +20,10 @@ from .node_harness import (
     prefill_process,
     sigstopped_prefill,
     stall_then_kill,
+    start_rooms,
     wait_readmitted,
 )
+from .node_kv_pattern import pages_for
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -168,3 +171,63 @@ async def test_sigstop_past_the_heartbeat_lands_no_late_write_in_a_released_page
         assert engine.corrupt == []
         assert await engine.settled_leak_report() == []
         assert engine.written_after_release() == []
+
+
+async def test_a_restart_seen_only_by_its_new_incarnation_frees_none_of_the_old_lifes_pages(
+    tmp_path: anyio.Path,
+) -> None:
+    """The prefill is killed -9 mid-transfer and restarted on the same bootstrap address before
+    the heartbeat's failures reach their limit: the decode learns of it from the incarnation
+    its probe answers with. The old life's rooms fail and it is superseded (never readmitted),
+    but the restart is no fence: over Mooncake its pages stay quarantined (no WriterFenced, no
+    PagesReleased), and the new life serves new rooms."""
+    settings = {**node_settings(str(tmp_path)), "heartbeat_max_failure": 40}  # 20 s of failures
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            node = engine.node
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with prefill_process(tasks, options) as first:
+                bootstrap = first.ready["bootstrap"]
+                for room in range(3):
+                    await first.start_room(room, 0, 64)
+                    assert await engine.run_room(bootstrap, room, 0, 64) == "Success"
+                options["bootstrap"] = bootstrap
+                stalled = range(100, 106)
+                async with anyio.create_task_group() as group:
+                    outcomes = start_rooms(group, engine, first, bootstrap, stalled, 128,
+                                           stall=True)  # fmt: skip
+                    with anyio.fail_after(10):
+                        while len(engine.order_of(RoomStatus, poll=KVPoll.Transferring)) < (
+                            2 * len(stalled)
+                        ):
+                            await anyio.sleep(0.01)
+                    first.kill()
+                    with anyio.fail_after(5):
+                        await first.process.wait()
+                    async with prefill_process(tasks, options) as second:
+                        with anyio.fail_after(15):  # the new incarnation's first answer
+                            while len(outcomes) < len(stalled):
+                                await anyio.sleep(0.02)
+                        assert set(outcomes.values()) == {"Failed"}
+                        for rank in node.ranks:
+                            counters = rank.snapshot().counters
+                            assert counters["heartbeat_failures"] < 40, "not the failure limit"
+                            assert rank.snapshot().superseded == (first.ready["incarnation"],)
+                        await anyio.sleep(4 * HEARTBEAT_S)  # more probes answered by the new life
+                        held = {(e.rank, e.room) for e in engine.events
+                                if isinstance(e, PagesHeld) and e.room in stalled}  # fmt: skip
+                        assert held == {(rank.rank, room) for rank in node.ranks
+                                        for room in stalled}  # fmt: skip
+                        assert not [e for e in engine.events if isinstance(e, PagesReleased)
+                                    and e.room in stalled]  # fmt: skip
+                        assert engine.order_of(WriterFenced) == []
+                        assert sum(len(q.pages) for r in node.ranks for q in r.quarantine()) == (
+                            2 * len(stalled) * pages_for(128)
+                        )
+                        for room in range(200, 205):
+                            await second.start_room(room, 0, 48)
+                            with anyio.fail_after(15):
+                                assert await engine.run_room(bootstrap, room, 0, 48) == "Success"
+            assert engine.corrupt == []
+            assert engine.written_after_release() == []
+        tasks.cancel_scope.cancel()
