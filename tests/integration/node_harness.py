@@ -358,11 +358,12 @@ async def sigstopped_prefill(
 
 @asynccontextmanager
 async def inprocess_nodes(
-    p_kv: list[RankKv], d_kv: list[RankKv], settings: Settings
-) -> AsyncIterator[tuple[PrefillNode, DecodeNode]]:
+    p_kv: list[RankKv], d_kv: list[RankKv], settings: Settings,
+    fabric: InProcessFabric | None = None,
+) -> AsyncIterator[tuple[PrefillNode, DecodeNode]]:  # fmt: skip
     """A prefill node and a decode node over one in-process fabric (the prefill hosts the
-    registry)."""
-    fabric = InProcessFabric()
+    registry): ``fabric`` when the test holds writes or picks the fence, else a new one."""
+    fabric = fabric if fabric is not None else InProcessFabric()
     async with (
         fabric.create_transport() as p_transport,
         fabric.create_transport() as d_transport,

@@ -23,6 +23,7 @@ from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode, PrefillPlacement
 from pdflow.io.settings import load_settings
 from pdflow.transport import InProcessFabric
+from tests.integration.node_harness import inprocess_nodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -180,19 +181,13 @@ def test_finish_request_of_a_failed_room_whose_pages_are_quarantined_is_refused(
         fabric = InProcessFabric(receiver_fence=False)
         p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)
         d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)
-        async with (
-            fabric.create_transport() as p_transport,
-            fabric.create_transport() as d_transport,
-            PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
-                        settings=settings) as p_node,
-            DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
-        ):  # fmt: skip
+        async with inprocess_nodes([p_kv], [d_kv], settings, fabric) as (p_node, d_node):
             p_rank, d_rank, gate = p_node.ranks[0], d_node.ranks[0], d_node.admission[0]
             await p_rank.open_room(5, 0)
             await d_rank.open(5, 0, p_node.bootstrap)
             await d_rank.wait(5)
             pages = await d_rank.admit(5, input_len=8, max_new=4)
-            hold = fabric.hold_writes(d_transport.session_id)
+            hold = fabric.hold_writes(d_node.transport.session_id)
             await d_rank.publish_pages(5, list(range(pages)))
             await p_rank.wait(5)
             await p_rank.init_transfer(5, 2)

@@ -19,7 +19,7 @@ from pdflow.io.kv_buffers import host_cache_for_rank
 from pdflow.io.node_decode import DecodeNode
 from pdflow.io.node_prefill import PrefillNode
 from pdflow.io.settings import Settings, load_settings
-from pdflow.transport import InProcessFabric
+from tests.integration.node_harness import inprocess_nodes
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 
@@ -42,17 +42,10 @@ class Gate:
 @asynccontextmanager
 async def one_pair(settings: Settings) -> AsyncIterator[tuple[PrefillNode, DecodeNode, Any]]:
     """A prefill and a decode (TP=1 each) on the in-process fabric, and the prefill's cache."""
-    fabric = InProcessFabric()
     p_cache, p_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
     # The decode's memory: held by this frame while its node runs, never read here.
     _d_cache, d_kv = host_cache_for_rank(tp_size=1, tp_rank=0, **MODEL)  # type: ignore[arg-type]
-    async with (
-        fabric.create_transport() as p_transport,
-        fabric.create_transport() as d_transport,
-        PrefillNode(ranks=[p_kv], transport=p_transport, bootstrap="127.0.0.1:0",
-                    settings=settings) as p_node,
-        DecodeNode(ranks=[d_kv], transport=d_transport, settings=settings) as d_node,
-    ):  # fmt: skip
+    async with inprocess_nodes([p_kv], [d_kv], settings) as (p_node, d_node):
         yield p_node, d_node, p_cache
 
 
