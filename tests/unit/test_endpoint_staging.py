@@ -290,3 +290,32 @@ def test_a_fenced_small_room_pins_a_region_but_later_small_rooms_still_run() -> 
     endpoint.handle(Received(AbortAck(1, 1, RANK0, DECODE)), 4.0)
     assert endpoint.staging.snapshot().live == ()
     assert len(placed(publish_small(endpoint, 3, (30,), 5.0))) == 1, "the ring is free again"
+
+
+def test_a_watermark_advance_visits_only_the_rooms_it_frees() -> None:
+    # An advance retried every room waiting for ring space: O(waiting) ring transitions per
+    # advance (2,000 waiting rooms: 4,000 transitions to place the four it freed).
+    waiting = 2000
+    endpoint = DecodeEndpoint(
+        DecodeEndpointConfig(
+            me=DECODE, num_pages=waiting + 4, num_kv_heads=8, staging_capacity=4 * PAGE_BYTES,
+            staging_page_bytes=PAGE_BYTES,
+        )
+    )  # fmt: skip
+    endpoint.handle(TopologyKnown(INFO), 0.0)
+    opened(endpoint, 0)
+    endpoint.handle(PublishPages(0, (0, 1, 2, 3), None), 1.0)  # the whole ring, round 0
+    for room in range(1, waiting + 1):  # one page each: rounds 1, 2, ... four rooms a round
+        opened(endpoint, room)
+        endpoint.handle(PublishPages(room, (room + 3,), None), 1.0)
+    assert len(endpoint.waiting_for_staging) == waiting
+    success(endpoint, 0, 2.0)
+    freed = endpoint.handle(ChecksumChecked(0, 1, True), 2.1)
+    placed = [o.room for o in freed.outputs if isinstance(o, StagingPlaced)]
+    assert placed == [1, 2, 3, 4], "round 1 is free once round 0 is, in room id order"
+    ring_transitions = [f for f in freed.fired if f.machine == "StagingRing"]
+    assert len(ring_transitions) == 1 + 2 * len(placed), "the free, then each freed room's"
+    ring = endpoint.staging
+    assert ring is not None and len(endpoint.waiting_for_staging) == waiting - 4
+    still_blocked = [ring.live[(room, 1)] for room in endpoint.waiting_for_staging]
+    assert not any(ring.is_ready(a.offset, a.round, a.end) for a in still_blocked)

@@ -616,11 +616,25 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             self._room_input(room, inp, now, out, fired)
 
     def _retry_staging(self, now: float, out: list[Output], fired: list[Fired]) -> None:
-        for room_id in sorted(self.waiting_for_staging):
-            room = self.rooms.get(room_id)
-            pending = self.waiting_for_staging[room_id]
-            if room is not None and room.state is ReceiverState.AWAITING_PAGES:
-                self._place_staging(room, pending, now, out, fired)
+        """Place the waiting rooms the advanced watermark frees, in room id order.
+
+        Only the freed ones are visited: a room waits from its publish on, and its region was
+        assigned then at the ring's head, so ``waiting_for_staging`` (insertion ordered) is in
+        ring position order, and a region is free only if every region before it is
+        (``watermark_allows`` is monotone in position). The walk stops at the first room still
+        blocked; retrying every waiting room made each advance O(waiting)."""
+        ring = self.staging
+        assert ring is not None  # only a ring's watermark advance retries
+        freed: list[int] = []
+        for room_id in self.waiting_for_staging:
+            held = ring.live[(room_id, self.rooms[room_id].generation)]
+            if not ring.is_ready(held.offset, held.round, held.end):
+                break
+            freed.append(room_id)
+        for room_id in sorted(freed):
+            room = self.rooms[room_id]
+            if room.state is ReceiverState.AWAITING_PAGES:
+                self._place_staging(room, self.waiting_for_staging[room_id], now, out, fired)
 
     def _release_staging(
         self, room: int, generation: int, now: float, out: list[Output], fired: list[Fired]
