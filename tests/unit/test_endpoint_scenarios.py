@@ -27,7 +27,7 @@ from pdflow.core.endpoints.endpoint_io import (
     TopologyKnown,
 )
 from pdflow.core.endpoints.prefill_endpoint import PrefillEndpoint
-from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import (
@@ -374,3 +374,24 @@ def test_a_room_of_a_dp_prefill_that_does_not_follow_the_room_needs_its_dp_rank(
     routed = d.summary(6)
     assert routed is not None and routed.poll is KVPoll.WaitingForInput
     assert d.rooms[6].targets[0].peer == other
+
+
+@pytest.mark.parametrize(
+    "pages", [(2, 3), (4, 4), (7, 8), (-1,)],
+    ids=["another room's", "twice", "past the pool", "negative"],
+)  # fmt: skip
+def test_pages_published_for_a_failed_room_are_checked_against_the_ledger(
+    pages: tuple[int, ...],
+) -> None:
+    # A failed room's publish freed whatever pages the engine passed, unchecked: pages another
+    # room holds (its writer may still land there) were reported free for reuse.
+    d, _ = published_decode(room=1, pages=(2, 3))
+    d.handle(OpenReceiver(2, 1, BOOT), 0.0)
+    d.handle(RoomCall(2, AbortRequested("client went away")), 0.0)
+    assert d.summary(2).poll is KVPoll.Failed  # type: ignore[union-attr]
+    before = (d.snapshot(), d.ledger.snapshot())
+    with pytest.raises(InvalidInput):
+        d.handle(PublishPages(2, pages, aux_index=None), 1.0)
+    assert (d.snapshot(), d.ledger.snapshot()) == before
+    freed = d.handle(PublishPages(2, (4, 5), aux_index=None), 1.0)
+    assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(4, 5)]

@@ -521,6 +521,9 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             )
         if room.state is _RECEIVER_FAILED:
             # Failed before its pages were exposed: no writer knows them, hand them back now.
+            # They are checked as a Reserve checks them: freeing pages the engine never took
+            # from the ledger (another room's, or none at all) would report them free twice.
+            self.ledger.check_free(inp.dst_pages)
             self._room_input(room, inp, now, out, fired)
             out.append(PagesFreed(room.key, room.generation, inp.dst_pages))
             return

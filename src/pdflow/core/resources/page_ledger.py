@@ -523,6 +523,11 @@ class PageLedger:
     def is_free(self, page: int) -> bool:
         return 0 <= page < self._pool.size and page not in self._pool.owner
 
+    def check_free(self, pages: tuple[int, ...]) -> None:
+        """Raise InvalidInput unless the pages are distinct, in the pool and free: what a
+        Reserve of them requires."""
+        self._pool.check_free(pages)
+
     def state_of(self, room: int, generation: int) -> RoomPagesState:
         held = self._rooms.get((room, generation))
         return held.state if held is not None else _FREE
