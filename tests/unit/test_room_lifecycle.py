@@ -47,6 +47,7 @@ from tests.unit.room_fixtures import (
     new_receiver,
     new_sender,
     resolved,
+    sender_in,
 )
 
 PC = AllocationPolicy.PREFILL_COMPLETE
@@ -117,6 +118,23 @@ def test_the_prefill_refuses_init_without_the_aux_row_its_decode_expects() -> No
     with pytest.raises(InvalidInput, match="aux_index"):
         sender.handle(InitTransfer(3), 3.0)
     assert sender.num_pages is None, "a refused call changes nothing"
+
+
+@pytest.mark.parametrize("state", [SenderState.WAITING_FOR_INPUT, SenderState.FAILED],
+                         ids=lambda s: s.name)  # fmt: skip
+@pytest.mark.parametrize(
+    "call", [InitTransfer(-1, aux_index=0), InitTransfer(2, aux_index=-1)],
+    ids=["negative num_pages", "negative aux_index"],
+)  # fmt: skip
+def test_invalid_init_arguments_are_refused_in_every_state_that_takes_the_call(
+    state: SenderState, call: InitTransfer
+) -> None:
+    # A failed room took InitTransfer(-1) without a word: only WAITING_FOR_INPUT validated it.
+    sender = sender_in(state)
+    before = (sender.state, sender.num_pages, sender.aux_index, sender.reason)
+    with pytest.raises(InvalidInput, match="must be >= 0"):
+        sender.handle(call, 2.0)
+    assert (sender.state, sender.num_pages, sender.aux_index, sender.reason) == before
 
 
 def test_the_sender_tells_the_engine_the_decodes_prefix_and_its_peers_must_agree() -> None:

@@ -160,13 +160,15 @@ class SenderRoom(TableMachine[SenderState]):
         # state: guards (peer_agrees, peer_fits) decide, and _why_refused explains.
 
     def _validate_init(self, inp: InitTransfer) -> None:
-        # A second InitTransfer is refused by the table (guard first_init), not here.
-        if self.state is not _WAITING_FOR_INPUT or self.num_pages is not None:
-            return
+        # The arguments themselves are refused in every state that takes the call (a failed
+        # room ignores the call, not a caller bug); what the peers published is checked only
+        # for the first InitTransfer (a second one is refused by the table: guard first_init).
         if inp.num_pages < 0:
             raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
         if inp.aux_index is not None and inp.aux_index < 0:
             raise InvalidInput(f"aux_index must be >= 0, got {inp.aux_index}")
+        if self.state is not _WAITING_FOR_INPUT or self.num_pages is not None:
+            return
         for md in self.peers.values():
             if md.aux_index is not None and not md.is_dummy and inp.aux_index is None:
                 raise InvalidInput(
