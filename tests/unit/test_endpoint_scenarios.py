@@ -395,3 +395,47 @@ def test_pages_published_for_a_failed_room_are_checked_against_the_ledger(
     assert (d.snapshot(), d.ledger.snapshot()) == before
     freed = d.handle(PublishPages(2, (4, 5), aux_index=None), 1.0)
     assert [o.pages for o in freed.outputs if isinstance(o, PagesFreed)] == [(4, 5)]
+
+
+BAD_GENERATIONS = [-1, -(2**63), 2**63]
+
+
+@pytest.mark.parametrize("generation", BAD_GENERATIONS)
+def test_an_open_with_a_generation_outside_the_wire_range_is_refused(generation: int) -> None:
+    # Negative generations opened, and the prefill's room-id records read -2**63 as "none".
+    p, d = prefill(), decode()
+    before = (p.snapshot(), d.snapshot())
+    with pytest.raises(InvalidInput, match="outside"):
+        p.handle(OpenRoom(7, generation), 0.0)
+    with pytest.raises(InvalidInput, match="outside"):
+        d.handle(OpenReceiver(7, generation, BOOT), 0.0)
+    assert (p.snapshot(), d.snapshot()) == before
+    p.handle(OpenRoom(7, 2**63 - 1), 0.0)
+    d.handle(OpenReceiver(7, 0, BOOT), 0.0)
+    assert p.generation_of(7) == 2**63 - 1 and d.generation_of(7) == 0
+
+
+@pytest.mark.parametrize("generation", BAD_GENERATIONS)
+def test_a_peer_message_with_a_generation_outside_the_wire_range_is_dropped(
+    generation: int,
+) -> None:
+    p = prefill(policy=AllocationPolicy.PREFILL_COMPLETE)
+    for message in (
+        Abort(7, generation, DECODE, PREFILL_A),
+        BootstrapRequest(7, generation, DECODE, PREFILL_A),
+        RoomMetadata(7, generation, DECODE, PREFILL_A, "s", (0,), None, 1),
+    ):
+        step = p.handle(Received(message), 0.0)
+        assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["bad_generation"]
+        assert not sent(step, AbortAck), "no ACK: no open of that generation can be refused"
+    assert p.counters["dropped_bad_generation"] == 3
+    assert not p.pending and p.ready_table is not None and p.ready_table.held() == 0
+    d, _ = published_decode(room=7, gen=1)
+    before = d.snapshot()
+    for reply in (
+        StatusReport(7, generation, KVPoll.Failed, PREFILL_A, DECODE),
+        AbortAck(7, generation, PREFILL_A, DECODE),
+    ):
+        step = d.handle(Received(reply), 1.0)
+        assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["bad_generation"]
+    assert d.snapshot().rooms == before.rooms

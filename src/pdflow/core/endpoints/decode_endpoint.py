@@ -274,6 +274,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     # ---- rooms -----------------------------------------------------------------------------------
     def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:
+        self._refuse_bad_generation(inp.generation)
         self._refuse_duplicate(inp.room)
         self._opening = inp
         self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now, out, fired)
@@ -692,6 +693,8 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
                            f"{message.prefill.address}/{message.prefill.incarnation}")  # fmt: skip
                 return
             fired.append(transition)
+            return
+        if self._bad_generation(message, out):
             return
         if isinstance(message, AbortAck):
             ack = AckArrived(message.room, message.generation, message.prefill)

@@ -190,6 +190,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
+        self._refuse_bad_generation(inp.generation)
         self._refuse_duplicate(inp.room)
         self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now)
 
@@ -224,6 +225,8 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
             message.version != PROTOCOL_VERSION
         ):
             self._drop(outputs, "bad_version", f"protocol version {message.version}")
+            return
+        if not isinstance(message, KvArgs) and self._bad_generation(message, outputs):
             return
         if message.prefill != self.me:
             self._drop(

@@ -7,10 +7,10 @@ from typing import Any, Generic, TypeVar
 
 from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.deadlines import DeadlineQueue
-from pdflow.core.framework.errors import LocalProtocolError
+from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import TableMachine
-from pdflow.core.protocol.messages import PeerId
+from pdflow.core.protocol.messages import PeerId, RoomMessage, generation_refusal
 from pdflow.core.protocol.outputs import Output
 
 R = TypeVar("R", bound=TableMachine[Any])
@@ -56,6 +56,20 @@ class RoomHost(Generic[R]):
                 f"{existing.state.name}); a duplicate claim fails",
                 hint="fail this request; the router assigned a room id twice",
             )
+
+    def _refuse_bad_generation(self, generation: int) -> None:
+        refusal = generation_refusal(generation)
+        if refusal is not None:
+            raise InvalidInput(f"cannot open a room: {refusal}")
+
+    def _bad_generation(self, message: RoomMessage, outputs: list[Output]) -> bool:
+        """Drop (and count) a peer's room message whose generation the protocol does not allow:
+        no generation outside the range is ever opened, and the room id's records would take
+        it for one (-2**63 reads as none)."""
+        refusal = generation_refusal(message.generation)
+        if refusal is not None:
+            self._drop(outputs, "bad_generation", f"{type(message).__name__}: {refusal}")
+        return refusal is not None
 
     def _known_room(self, room_id: int) -> R:
         room = self.rooms.get(room_id)

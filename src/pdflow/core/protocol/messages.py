@@ -16,6 +16,17 @@ from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
 
+MAX_GENERATION = 2**63 - 1
+"""A generation is in ``[0, MAX_GENERATION]``: MessagePack's signed 64-bit range, less the
+negative half, which the prefill's room-id records keep for "no generation" (-2**63)."""
+
+
+def generation_refusal(generation: int) -> str | None:
+    """Why ``generation`` is not one the protocol allows; None when it is."""
+    if 0 <= generation <= MAX_GENERATION:
+        return None
+    return f"generation {generation} is outside [0, 2**63 - 1]"
+
 
 class PeerId(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
     """One rank of one process life: its control address and the incarnation drawn at start-up."""
