@@ -33,6 +33,7 @@ from pdflow.core.framework.step import Step
 from pdflow.core.protocol.inputs import (
     AbortRequested,
     InitTransfer,
+    PrefillCompleted,
     PublishPages,
     SendChunk,
     TransferCompleted,
@@ -439,3 +440,22 @@ def test_a_peer_message_with_a_generation_outside_the_wire_range_is_dropped(
         step = d.handle(Received(reply), 1.0)
         assert [o.kind for o in step.outputs if isinstance(o, Dropped)] == ["bad_generation"]
     assert d.snapshot().rooms == before.rooms
+
+
+def test_stray_bootstraps_hold_at_most_max_ownerless_ready_rooms_on_a_prefill() -> None:
+    # BootstrapRequests for room ids no engine opens were each held for the whole TTL (600 s
+    # by default) outside max_pending_room_ids: 10,000 of them, 10,000 entries.
+    config = PrefillEndpointConfig(
+        me=PREFILL_A, policy=AllocationPolicy.PREFILL_COMPLETE, timeouts=TIMEOUTS,
+        max_ownerless_ready_rooms=100,
+    )  # fmt: skip
+    p = PrefillEndpoint(config)
+    for room in range(10_000):
+        p.handle(Received(BootstrapRequest(room, 0, DECODE, PREFILL_A)), 0.0)
+    assert p.ready_table is not None and p.ready_table.held() == 100
+    assert p.counters["dropped_ready_table_full"] == 9_900
+    # A room the engine opens is owned, not capped: its decode is told when it is ready.
+    p.handle(OpenRoom(20_000, 0), 1.0)
+    p.handle(Received(BootstrapRequest(20_000, 0, DECODE, PREFILL_A)), 1.0)
+    ready = p.handle(RoomCall(20_000, PrefillCompleted()), 2.0)
+    assert [m.status for m in sent(ready, StatusReport)] == [KVPoll.WaitingForInput]

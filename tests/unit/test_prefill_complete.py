@@ -2,6 +2,7 @@
 
 import pytest
 
+from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.errors import InvalidInput, ProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.step import Step
@@ -245,6 +246,40 @@ def test_a_later_generation_supersedes_a_waiting_endpoint_and_a_tombstone() -> N
     assert table.handle(BootstrapArrived(ROOM, GEN + 2, D2), 4.0).outputs == ()
     assert table.handle(ClaimRoom(ROOM, GEN + 2, OWNER), 4.0).outputs == ()
     assert table.held() == 1
+
+
+def _dropped(step: Step) -> list[str]:
+    return [o.kind for o in step.outputs if isinstance(o, Dropped)]
+
+
+def test_ownerless_entries_are_capped_and_what_would_pass_the_cap_is_dropped() -> None:
+    # Every stray bootstrap (or cancel) for a room id no engine opens was held for the whole
+    # TTL, outside any cap: a peer could make a prefill hold unbounded state.
+    table = PrefillCompleteTable(ME, TIMEOUTS, max_ownerless=2)
+    table.handle(BootstrapArrived(1, GEN, D1), 0.0)
+    table.handle(FailRoom(2, GEN), 0.0)
+    table.handle(ClaimRoom(3, GEN, OWNER), 0.0)
+    before = table.snapshot()
+    assert _dropped(table.handle(BootstrapArrived(4, GEN, D1), 1.0)) == ["ready_table_full"]
+    assert _dropped(table.handle(FailRoom(5, GEN), 1.0)) == ["ready_table_full"]
+    assert table.snapshot() == before and table.ownerless() == 2
+    # An entry that already exists still takes its inputs: the owned room is bootstrapped.
+    table.handle(BootstrapArrived(3, GEN, D2), 1.0)
+    ready = _notices(table.handle(MarkComplete(3, GEN, OWNER), 1.5))
+    assert ready == [(D2, KVPoll.WaitingForInput)]
+    # Its owner closing it unfinished tells the endpoint, and keeps no tombstone past the cap.
+    closed = table.handle(CloseRoom(3, GEN, OWNER, False), 2.0)
+    assert _notices(closed) == [(D2, KVPoll.Failed)]
+    assert table.state_of(3, GEN) is BootstrapRoomState.ABSENT and table.ownerless() == 2
+    table.handle(ClaimRoom(6, GEN, OWNER), 2.0)
+    table.handle(FailRoom(6, GEN), 2.0)
+    table.handle(CloseRoom(6, GEN, OWNER, False), 2.0)
+    assert table.state_of(6, GEN) is BootstrapRoomState.ABSENT and table.held() == 2
+    # Once the ownerless ones expire there is room again.
+    table.handle(Tick(), TTL)
+    assert table.ownerless() == 0
+    assert _dropped(table.handle(BootstrapArrived(4, GEN, D1), TTL)) == []
+    assert table.state_of(4, GEN) is BootstrapRoomState.UNOWNED
 
 
 def test_the_table_takes_only_its_own_inputs() -> None:

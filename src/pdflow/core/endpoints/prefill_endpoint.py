@@ -129,7 +129,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
                                      config.max_layout_bytes)  # fmt: skip
         # Under prefill_complete the ready signal, and who may wait for it, live in this table.
         self.ready_table: PrefillCompleteTable | None = (
-            PrefillCompleteTable(config.me, config.timeouts)
+            PrefillCompleteTable(config.me, config.timeouts, config.max_ownerless_ready_rooms)
             if config.policy is AllocationPolicy.PREFILL_COMPLETE
             else None
         )
@@ -213,6 +213,9 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
         step = self.ready_table.handle(inp, now)
         outputs.extend(step.outputs)
         fired.extend(step.fired)
+        for output in step.outputs:
+            if isinstance(output, Dropped):
+                self.counters[f"dropped_{output.kind}"] += 1
         return list(step.outputs)
 
     def _receive(

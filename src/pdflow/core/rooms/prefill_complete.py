@@ -9,7 +9,11 @@ and a failure always beats a late ready; a cancel that arrives before the sender
 as a failed *tombstone*, so the sender that opens the room later fails at once. Rooms without an
 owner (an early bootstrap, a tombstone) expire after ``waiting_timeout + bootstrap_timeout``,
 or as soon as a later generation of the room id arrives (they are superseded): so a failed
-generation never blocks the next one, and a room id holds at most a few entries.
+generation never blocks the next one, and a room id holds at most a few entries. The table holds
+at most ``max_ownerless`` ownerless entries in all: past it, an entry a peer's BootstrapRequest or
+an unopened room's cancel would create is dropped (``ready_table_full``), and an owner closing its
+room unfinished keeps no tombstone; else stray or forged bootstraps for room ids no engine opens
+would each be held for the whole TTL.
 
 Each room is a table machine (``[machines.PrefillComplete]`` in
 spec/machines/prefill_complete.toml); the table routes inputs to them and forgets a room when
@@ -23,6 +27,7 @@ from collections.abc import Callable
 
 import msgspec
 
+from pdflow.core.endpoints.endpoint_io import Dropped
 from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
@@ -34,6 +39,8 @@ from pdflow.core.protocol.outputs import Output, SendMessage
 from pdflow.core.protocol.policy import Timeouts
 
 DUPLICATE_ROOM = "Duplicate or cancelled bootstrap room"
+TABLE_FULL = "ready_table_full"
+"""The Dropped kind of an input that would create an ownerless entry past the table's cap."""
 
 
 class BootstrapRoomState(enum.Enum):
@@ -122,6 +129,8 @@ class PrefillCompleteSnapshot(msgspec.Struct, frozen=True):
     rooms: tuple[BootstrapRoomSnapshot, ...]
 
 
+Keyed = ClaimRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom
+
 _FAILED_STATES = (BootstrapRoomState.FAILED, BootstrapRoomState.TOMBSTONE)
 _OWNERLESS = (BootstrapRoomState.UNOWNED, BootstrapRoomState.TOMBSTONE)
 
@@ -133,7 +142,7 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
 
     def __init__(
         self, room: int, generation: int, me: PeerId, ttl_s: float,
-        newest: Callable[[], int | None],
+        newest: Callable[[], int | None], ownerless_full: Callable[[], bool] = lambda: False,
     ) -> None:
         self.key = room
         self.generation = generation
@@ -141,6 +150,8 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         self.ttl_s = ttl_s
         self.newest = newest
         """The latest generation of this room id the table holds."""
+        self.ownerless_full = ownerless_full
+        """Whether the table holds as many ownerless entries as it may."""
         self.state = BootstrapRoomState.ABSENT
         self.owner: int | None = None
         self.endpoint: PeerId | None = None
@@ -182,6 +193,9 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         newest = self.newest()
         return newest is not None and newest > self.generation
 
+    def _guard_ownerless_full(self, inp: Keyed, now: float) -> bool:
+        return self.ownerless_full()
+
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: ClaimRoom, now: float) -> list[Output]:
         self.owner = inp.owner_id
@@ -190,6 +204,11 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
 
     def _act_refuse_owner(self, inp: ClaimRoom, now: float) -> list[Output]:
         return [OwnerRefused(inp.room, inp.owner_id, DUPLICATE_ROOM)]
+
+    def _act_drop_table_full(self, inp: BootstrapArrived | FailRoom, now: float) -> list[Output]:
+        what = "bootstrap" if isinstance(inp, BootstrapArrived) else "cancel before the sender"
+        return [Dropped(TABLE_FULL, f"room {inp.room}/{inp.generation}: {what} dropped, the "
+                        "ready table holds max_ownerless_ready_rooms ownerless rooms")]  # fmt: skip
 
     def _act_register(self, inp: BootstrapArrived, now: float) -> list[Output]:
         self.endpoint = inp.endpoint
@@ -232,6 +251,11 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         self.expires_at = None
         return []
 
+    def _act_fail_and_forget(self, inp: CloseRoom, now: float) -> list[Output]:
+        outputs = self._act_fail(inp, now)
+        self._act_forget(inp, now)
+        return outputs
+
     def _act_notify_superseded(self, inp: Superseded, now: float) -> list[Output]:
         self.reason = f"superseded by generation {inp.by} of the room id"
         outputs = self._notify_failure()
@@ -267,6 +291,7 @@ _B = BootstrapRoomState
 _R = BootstrapRoom
 _NOTICE = "send.status"
 _REFUSED = "owner_refused"
+_DROPPED = "dropped"
 
 PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
     machine="PrefillComplete",
@@ -278,9 +303,13 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         # -- ABSENT: no record of this generation --------------------------------------------------
         row(_B.ABSENT, ClaimRoom, _B.OWNED, action=_R._act_open),
         row(_B.ABSENT, BootstrapArrived, _B.ABSENT, guard=_R._guard_superseded),  # stale: dropped
+        row(_B.ABSENT, BootstrapArrived, _B.ABSENT,
+            guard=_R._guard_ownerless_full, emits=[_DROPPED], action=_R._act_drop_table_full),
         row(_B.ABSENT, BootstrapArrived, _B.UNOWNED, action=_R._act_register_unowned),
         row(_B.ABSENT, MarkComplete, _B.ABSENT),  # not the owner of anything: ignored
         row(_B.ABSENT, FailRoom, _B.ABSENT, guard=_R._guard_superseded),  # a later one is known
+        row(_B.ABSENT, FailRoom, _B.ABSENT,
+            guard=_R._guard_ownerless_full, emits=[_DROPPED], action=_R._act_drop_table_full),
         row(_B.ABSENT, FailRoom, _B.TOMBSTONE, action=_R._act_entomb),  # cancel before the sender
         row(_B.ABSENT, CloseRoom, _B.ABSENT),
         # -- UNOWNED: a decode endpoint waits; no sender yet ------------------------------------
@@ -306,6 +335,8 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.OWNED, FailRoom, _B.FAILED, emits=[_NOTICE], action=_R._act_fail),
         row(_B.OWNED, CloseRoom, _B.OWNED, guard=_R._guard_foreign_owner),
         row(_B.OWNED, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
+        row(_B.OWNED, CloseRoom, _B.ABSENT,
+            guard=_R._guard_ownerless_full, emits=[_NOTICE], action=_R._act_fail_and_forget),
         row(_B.OWNED, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
         row(_B.OWNED, Tick, _B.OWNED),
         # -- READY: the prefill finished; the ready notice went out (or waits for the endpoint) --
@@ -319,6 +350,8 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.READY, FailRoom, _B.FAILED, emits=[_NOTICE], action=_R._act_fail),
         row(_B.READY, CloseRoom, _B.READY, guard=_R._guard_foreign_owner),
         row(_B.READY, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
+        row(_B.READY, CloseRoom, _B.ABSENT,
+            guard=_R._guard_ownerless_full, emits=[_NOTICE], action=_R._act_fail_and_forget),
         row(_B.READY, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
         row(_B.READY, Tick, _B.READY),
         # -- FAILED: failed while the owner still holds it --------------------------------------
@@ -331,6 +364,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.FAILED, MarkComplete, _B.FAILED),  # failure beats a late ready
         row(_B.FAILED, FailRoom, _B.FAILED),
         row(_B.FAILED, CloseRoom, _B.FAILED, guard=_R._guard_foreign_owner),
+        row(_B.FAILED, CloseRoom, _B.ABSENT, guard=_R._guard_ownerless_full, action=_R._act_forget),
         row(_B.FAILED, CloseRoom, _B.TOMBSTONE, action=_R._act_bury),
         row(_B.FAILED, Tick, _B.FAILED),
         # -- TOMBSTONE: failed and ownerless, kept until it expires or is superseded -------------
@@ -350,8 +384,6 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
 )  # fmt: skip
 BootstrapRoom.table = PREFILL_COMPLETE_TABLE
 
-Keyed = ClaimRoom | BootstrapArrived | MarkComplete | FailRoom | CloseRoom
-
 
 class PrefillCompleteTable:
     """Every ``prefill_complete`` room of one prefill rank, by (room, generation).
@@ -361,10 +393,16 @@ class PrefillCompleteTable:
     than the latest creates nothing. Drive it with :meth:`handle`.
     """
 
-    def __init__(self, me: PeerId, timeouts: Timeouts = Timeouts()) -> None:  # noqa: B008
+    def __init__(
+        self, me: PeerId, timeouts: Timeouts = Timeouts(), max_ownerless: int = 65_536,  # noqa: B008
+    ) -> None:
         self.me = me
         self.ttl_s = timeouts.waiting_timeout + timeouts.bootstrap_timeout
+        self.max_ownerless = max_ownerless
         self._rooms: dict[int, dict[int, BootstrapRoom]] = {}
+        self._ownerless: set[tuple[int, int]] = set()
+        """The (room, generation) entries no sender owns (UNOWNED, TOMBSTONE), at most
+        max_ownerless: only they are kept for a TTL without a local owner."""
         # Each held room's expiry, so a step finds the next one in O(log n): the endpoint asks
         # for it on every step, and walking every held room made each step O(rooms).
         self._expiries: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
@@ -384,6 +422,13 @@ class PrefillCompleteTable:
     def held(self) -> int:
         """(room, generation) entries held: at most a few per room id."""
         return sum(len(gens) for gens in self._rooms.values())
+
+    def ownerless(self) -> int:
+        """Entries held with no local owner: at most ``max_ownerless``."""
+        return len(self._ownerless)
+
+    def _ownerless_full(self) -> bool:
+        return len(self._ownerless) >= self.max_ownerless
 
     def timer_at(self) -> float | None:
         return self._expiries.earliest
@@ -413,7 +458,8 @@ class PrefillCompleteTable:
         if held is not None:
             return held
         room = inp.room
-        return BootstrapRoom(room, inp.generation, self.me, self.ttl_s, lambda: self.newest(room))
+        return BootstrapRoom(room, inp.generation, self.me, self.ttl_s,
+                             lambda: self.newest(room), self._ownerless_full)  # fmt: skip
 
     def _supersede_earlier(self, room: int, now: float, fired: list[Fired]) -> list[Output]:
         outputs: list[Output] = []
@@ -450,3 +496,7 @@ class PrefillCompleteTable:
         else:
             gens[machine.generation] = machine
             self._expiries.arm(key, machine.expires_at)
+        if machine.state in _OWNERLESS:
+            self._ownerless.add(key)
+        else:
+            self._ownerless.discard(key)
