@@ -80,3 +80,27 @@ def test_a_failed_world_is_shown_before_the_coverage_with_what_to_run_next(
     room = re.search(r"write \d+ of room (\d+)/", out).group(1)  # type: ignore[union-attr]
     assert f"step through room {room} as replayed: pdflow replay {trace} --room {room}\n" in out
     assert out.rstrip().splitlines()[-1].startswith("FAILED: 1 of 1 worlds")
+
+
+def test_a_mutant_trace_names_its_mutant_and_replay_says_it_diverges_where_it_acts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Replay could only guess that a mutant core was the likely cause: the trace did not say
+    which mutant, if any, recorded it."""
+    from pdflow.trace.format import TraceHeader, decode_line, encode_line, read_trace
+
+    assert main(["check", "--mutants", "--mutant", "ack_before_drain", "--trace-dir",
+                 str(tmp_path)]) == 0  # fmt: skip
+    trace = re.search(r"; trace: (\S+)", capsys.readouterr().out).group(1)  # type: ignore[union-attr]
+    headers = [line for line in read_trace(Path(trace)) if isinstance(line, TraceHeader)]
+    assert headers and {header.mutant for header in headers} == {"ack_before_drain"}
+    assert main(["replay", trace]) == 1
+    out = capsys.readouterr().out
+    assert "what to do: recorded under mutant ack_before_drain: it diverges where the " \
+           "mutant acts" in out  # fmt: skip
+    assert "if `pdflow check --mutants` wrote it" not in out, "no guess once the trace says"
+    # A header written before the field existed still loads, naming no mutant.
+    older = encode_line(headers[0]).replace(b',"mutant":"ack_before_drain"', b"")
+    assert b"mutant" not in older
+    loaded = decode_line(older)
+    assert isinstance(loaded, TraceHeader) and loaded.mutant is None

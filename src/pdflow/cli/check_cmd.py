@@ -214,7 +214,8 @@ def _run_mutants(args: argparse.Namespace) -> int:
                         if trace_dir is not None:  # the same seed again, recorded this time
                             # A folder per mutant: two caught at one seed must not share a file.
                             mutant_dir = trace_dir / mutant.name
-                            trace = run_seed(seed, args.steps, trace_dir=mutant_dir)[0].trace_path
+                            trace = run_seed(seed, args.steps, trace_dir=mutant_dir,
+                                             mutant=mutant.name)[0].trace_path
                         caught = (seed, result.first_problem, trace or "")
                         break
             rows.append((mutant, caught, actions))

@@ -213,6 +213,10 @@ def _what_to_do(
         cause = (f"records of {d.endpoint} were reordered or spliced, or the time of seq "
                  f"{d.seq} or {d.seq - 1} was edited; replay the files as the node wrote "
                  "them")  # fmt: skip
+    elif header.mutant is not None:
+        cause = (f"recorded under mutant {header.mutant}: it diverges where the mutant acts "
+                 f"(`pdflow check --mutants`, seed {header.seed}); this step is the bug the "
+                 "mutant plants, and the steps before it are how the world got there")  # fmt: skip
     elif result.skipped_spec_check:
         cause = ("it was recorded against another spec and replayed with --force: where the "
                  "spec changed, steps are expected to diverge; replay it with the pdflow that "

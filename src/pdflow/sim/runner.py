@@ -51,12 +51,18 @@ class RunResult(msgspec.Struct):
 
 
 def run_seed(
-    seed: int, steps: int, *, record: bool = True, trace_dir: Path | None = None
+    seed: int,
+    steps: int,
+    *,
+    record: bool = True,
+    trace_dir: Path | None = None,
+    mutant: str | None = None,
 ) -> tuple[RunResult, World]:
-    """Run one world for ``steps`` actions, then settle it and check liveness."""
+    """Run one world for ``steps`` actions, then settle it and check liveness. ``mutant``
+    names the mutant core the caller applied, for the trace's headers."""
     started = time.perf_counter()
     plan = draw_plan(seed)
-    world = World(plan, record=record)
+    world = World(plan, record=record, mutant=mutant)
     driver = random.Random(seed * 2 + 1)
     kinds = [k for k in ACTION_KINDS if plan.weights[k] > 0]
     simulator_error = None

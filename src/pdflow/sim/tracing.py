@@ -32,9 +32,12 @@ def _spec_identity() -> tuple[str, str]:
 
 
 class TraceWriter:
-    def __init__(self, seed: int | None, fault_plan: dict[str, object] | None) -> None:
+    def __init__(
+        self, seed: int | None, fault_plan: dict[str, object] | None, mutant: str | None = None
+    ) -> None:
         self.seed = seed
         self.fault_plan = fault_plan
+        self.mutant = mutant
         self.lines: list[bytes] = []
         self.next_seq: dict[str, int] = {}
 
@@ -55,6 +58,7 @@ class TraceWriter:
                 clock="virtual",
                 seed=self.seed,
                 fault_plan=self.fault_plan,
+                mutant=self.mutant,
             )
         )
 

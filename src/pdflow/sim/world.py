@@ -117,13 +117,17 @@ class LocalEvent:
 
 
 class World:
-    def __init__(self, plan: FaultPlan, *, record: bool = True) -> None:
+    def __init__(
+        self, plan: FaultPlan, *, record: bool = True, mutant: str | None = None
+    ) -> None:
+        """``mutant``: the name of the mutant core applied around this world, recorded in its
+        trace's headers so that replay can say why it diverges."""
         self.plan = plan
         self.shape = plan.shape
         self.rng = random.Random(plan.seed ^ 0x5EED)
         self.clock = VirtualClock()
         self.network = Network(reorder_within_link=plan.reorder_within_link)
-        self.trace = TraceWriter(plan.seed, plan.to_builtins()) if record else None
+        self.trace = TraceWriter(plan.seed, plan.to_builtins(), mutant) if record else None
         self.monitor = Monitor(self)
         self.timeouts = Timeouts(self.shape.bootstrap_timeout, self.shape.waiting_timeout)
         self.prefill_coords = [

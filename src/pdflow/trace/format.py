@@ -44,6 +44,9 @@ class TraceHeader(msgspec.Struct, frozen=True, tag="header", tag_field="kind"):
     fault_plan: dict[str, object] | None = None
     wall_start: str | None = None
     """Wall-clock start, for humans only; replay never reads it."""
+    mutant: str | None = None
+    """The mutant core (``pdflow.sim.mutants``) the simulator ran under, by name; None for a
+    real core. Replay of such a trace diverges where the mutant acts."""
 
 
 class StepError(msgspec.Struct, frozen=True):
