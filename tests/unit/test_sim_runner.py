@@ -99,9 +99,10 @@ def test_the_invariant_check_count_is_what_really_ran() -> None:
     idle, idle_world = run_seed(0, 0, record=False)
     assert idle.core_steps == 0
     registrations = idle_world.shape.prefill_ranks  # the registry's answers: core steps too
-    assert idle.checked == {"no_core_error": registrations, "rooms_settle": 1, "pages_return": 1,
+    assert idle.checked == {"no_core_error": registrations, "registry_ordered": registrations,
+                            "rooms_settle": 1, "pages_return": 1,
                             "verdict_revisable": 1}  # fmt: skip
-    assert idle.invariant_checks == registrations + 3
+    assert idle.invariant_checks == 2 * registrations + 3
 
     result, world = run_seed(0, 300, record=False)
     assert result.ok and result.core_steps > 100

@@ -251,3 +251,33 @@ def test_the_hypothesis_machine_takes_only_the_faults_of_its_worlds_profile() ->
         assert machine.enabled("new_request") and machine.enabled("crash_decode") == (
             plan.weights["crash_decode"] > 0
         )
+
+
+@pytest.mark.invariant("registry_ordered")
+def test_a_registry_that_refuses_a_registration_its_contract_accepts_is_a_core_finding(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The world's registrations are well-formed, consistent, of never-used incarnations and
+    never older than the life they replace: a refusal is the registry's fault. It used to raise
+    a RuntimeError out of the world, reported as a bug of the simulator."""
+    from pdflow.core.cluster.registry import RegisterRank, Registry
+
+    real = Registry._supersession
+
+    def ties_count_as_older(self: Registry, reg: RegisterRank) -> str | None:
+        held = self.ranks.get(reg.rank_key)
+        if held is not None and held.incarnation != reg.incarnation and (
+            held.started_at == reg.started_at
+        ):
+            return "Superseded registration: a life that started at the same instant"
+        return real(self, reg)
+
+    monkeypatch.setattr(Registry, "_supersession", ties_count_as_older)
+    world = World(draw_plan(0))
+    world.monitor.assert_ok()
+    world.crash_prefill()  # restarted at the same virtual instant: not older, so accepted
+    assert world.monitor.violations, "the refusal went unreported"
+    assert all("[registry_ordered] the registry refused prefill rank" in v
+               and "which its contract accepts: 409 Superseded registration" in v
+               for v in world.monitor.violations)  # fmt: skip
+    assert len(world.monitor.violations) == world.shape.prefill_ranks
