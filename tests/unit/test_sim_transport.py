@@ -92,6 +92,26 @@ def test_a_write_reads_its_sources_when_it_lands_and_a_freed_source_is_recorded(
     assert not transport.violations, "the decode pages were the room's own"
 
 
+@pytest.mark.invariant("no_source_use_after_free")
+def test_a_partial_landing_reads_what_it_moves_at_landing_time_and_only_that() -> None:
+    """A failed write lands in part: the pages it moved are read when it lands, so a source
+    page freed and reused before is read as it is then and recorded; the pages it never moved
+    are never read, freed or not."""
+    transport = make({0: (5, 1), 1: (5, 1), 2: (5, 1)})
+    w = write(transport, (0, 1, 2))
+    transport.release_sources(WRITER, SOURCES[:3])
+    transport.fill_sources(WRITER, (SOURCES[0],), 7, 2, 0)  # reused for room 7/2
+    assert transport.land(w, pages=2) and not w.landed
+    assert w.moved == [source_content(7, 2, 0, 0), source_content(5, 1, 0, 1)]
+    assert transport.read_segment(0, 0, 1) == source_content(7, 2, 0, 0)
+    assert transport.read_segment(0, 2, 1) == bytes(SEGMENT_BYTES), "never moved"
+    assert w.checksum == transport.checksum_of(0, (0, 1), 1), "it covers what was moved"
+    reused, freed = transport.source_violations
+    assert (reused.page, reused.holder) == (SOURCES[0], (7, 2))
+    assert (freed.page, freed.holder) == (SOURCES[1], None)
+    assert transport.sources_checked == 2, "the third page was neither read nor checked"
+
+
 def test_a_write_that_never_moves_reads_nothing() -> None:
     transport = make({0: (5, 1)})
     w = write(transport, (0,))

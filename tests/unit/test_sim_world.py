@@ -281,3 +281,30 @@ def test_a_registry_that_refuses_a_registration_its_contract_accepts_is_a_core_f
                and "which its contract accepts: 409 Superseded registration" in v
                for v in world.monitor.violations)  # fmt: skip
     assert len(world.monitor.violations) == world.shape.prefill_ranks
+
+
+def _world_with_a_write_in_flight(seed: int) -> World:
+    """One request driven, with no fault, until its first write has started."""
+    world = World(draw_plan(seed))
+    apply(world, "new_request", 0, hint=8 << 3)
+    progress = ("local_event", "deliver", "open_prefill", "open_decode", "prefill_progress",
+                "decode_allocate")  # fmt: skip
+    while not world.transport.writes:
+        kind = next(kind for kind in progress if choices(world, kind))
+        apply(world, kind, 0, hint=1 << 20)
+    return world
+
+
+@pytest.mark.invariant("no_source_use_after_free")
+def test_a_failed_write_that_lands_in_part_out_of_a_freed_source_page_is_caught() -> None:
+    world = _world_with_a_write_in_flight(0)
+    (write,) = world.transport.writes.values()
+    assert len(write.src_pages) == 2
+    process = world.prefill[write.writer_rank]
+    world.give_back_sources(process, write.src_pages[:1])  # the engine frees it under the write
+    world.monitor.assert_ok()
+    apply(world, "write_fail", 0, hint=1)  # lands one page of two, then fails
+    assert len(write.moved) == 1
+    (violation,) = world.monitor.violations
+    assert "[no_source_use_after_free] source read after free: write 0 " in violation
+    assert f"read source page {write.src_pages[0]} " in violation and "nobody (free)" in violation
