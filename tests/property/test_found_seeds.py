@@ -16,8 +16,10 @@ from pdflow.sim.runner import run_seed
         284,
         # Generation 2's cancel ended when generation 2 opened; its mark was forgotten and
         # generation 1, which no ABORT reached, opened: safe, but the checker took an ACK for
-        # generation 2 as a promise about generation 1 (the oracle fix).
-        464,
+        # generation 2 as a promise about generation 1 (the oracle fix). Found at seed 464;
+        # host partitions moved that world, and 1340 (a data_path world, which partitions do
+        # not touch) fails the same way under the old oracle.
+        1340,
         # The stop-20 hole (max_finished_room_ids 1): room 1's generation 2 was open when the
         # ABORT for generation 1, never opened, arrived: below the mark, it was ACKed and kept
         # nowhere; generation 2 was cleared, another room id pushed the mark out, and the

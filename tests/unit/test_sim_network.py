@@ -48,3 +48,18 @@ def test_partition_holds_messages_until_healed() -> None:
     assert net.deliverable() == [] and net.in_flight() == [(("d:1", "p:1"), 0)]
     net.heal()
     assert net.deliverable() == [(("d:1", "p:1"), 0)]
+
+
+def test_a_host_partition_cuts_every_link_of_the_host_until_the_heal() -> None:
+    net = Network(reorder_within_link=False)
+    other = PeerId("10.0.0.2:7000", "i", 0)
+    for src, to in (("10.0.1.1:8000", PeerId("10.0.0.1:7000", "i", 0)),
+                    ("10.0.1.1:8001", PeerId("10.0.0.1:7001", "i", 1)),
+                    ("10.0.1.1:8000", other)):  # fmt: skip
+        net.send(envelope(1, src, to))
+    net.partition_host("10.0.0.1")
+    assert net.partitioned and net.host_cut("10.0.0.1:9000")
+    assert net.is_cut(("10.0.0.1:7001", "10.0.1.1:8000")), "either direction, any port"
+    assert net.deliverable() == [(("10.0.1.1:8000", "10.0.0.2:7000"), 0)], "another host's link"
+    net.heal()
+    assert not net.partitioned and len(net.deliverable()) == 3

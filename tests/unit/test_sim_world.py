@@ -7,6 +7,7 @@ from typing import Any
 import pytest
 
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.messages import Abort
 from pdflow.core.protocol.outputs import StatusChanged
 from pdflow.core.protocol.policy import AllocationPolicy
 from pdflow.core.rooms.receiver_room import RECEIVER_TABLE, ReceiverRoom
@@ -20,6 +21,7 @@ from pdflow.sim.invariants import (
     check_quiescent,
 )
 from pdflow.sim.mutants import Mutant, _rows_swapped, applied
+from pdflow.sim.network import Envelope
 from pdflow.sim.runner import run_seed
 from pdflow.sim.world import World
 
@@ -118,6 +120,10 @@ def test_each_seed_runs_one_fault_profile_and_every_profile_is_drawn() -> None:
     assert FAULT_PROFILES["all"] == FAULT_KINDS - {"pause_prefill", "late_registration"}
     focused = [kinds for name, kinds in FAULT_PROFILES.items() if name != "all"]
     assert set().union(*focused) == FAULT_KINDS, "every fault is focused on by some profile"
+    # A host off the network is drawn wherever partitions are, in a good share of CI's seeds.
+    assert [name for name, kinds in FAULT_PROFILES.items() if "partition_host" in kinds] == [
+        name for name, kinds in FAULT_PROFILES.items() if "partition" in kinds]
+    assert sum(plan.weights["partition_host"] > 0 for plan in plans) >= 50
 
 
 MISMATCH_SEEDS = [s for s in range(200) if draw_plan(s).shape.checksum_mismatch]
@@ -308,3 +314,71 @@ def test_a_failed_write_that_lands_in_part_out_of_a_freed_source_page_is_caught(
     (violation,) = world.monitor.violations
     assert "[no_source_use_after_free] source read after free: write 0 " in violation
     assert f"read source page {write.src_pages[0]} " in violation and "nobody (free)" in violation
+
+
+def test_a_host_partition_cuts_every_link_of_one_instance_and_the_heal_restores_them() -> None:
+    """A host dropping off the network: the prefill instance's control links to every decode
+    rank, its health endpoint's and its writes all stop at once, and all come back with the
+    heal. Partitions cut one link each; this common real failure had no model."""
+    from pdflow.sim.network import host_of
+    from pdflow.sim.world import BOOTSTRAP, DECODE_IP, HEALTH, PREFILL_IP
+
+    world = _world_with_a_write_in_flight(0)
+    assert world.shape.prefill_ranks >= 2 and world.transport.writes
+    assert choices(world, "partition_host") == sorted((DECODE_IP, PREFILL_IP))
+    prefill_side = [p.me.address for p in world.prefill] + [HEALTH]
+    links = [(a, d.me.address) for a in prefill_side for d in world.decode]
+    world.network.send(Envelope(world.decode[0].me.address, world.prefill[1].me, Abort(
+        room=0, generation=1, decode=world.decode[0].me, prefill=world.prefill[1].me), None))
+    assert choices(world, "deliver") and choices(world, "write_land")
+
+    apply(world, "partition_host", choices(world, "partition_host").index(PREFILL_IP))
+    assert all(world.network.is_cut(link) for link in links)
+    assert not choices(world, "partition"), "every link a partition may cut is cut already"
+    assert not choices(world, "deliver"), "nothing reaches the prefill or leaves it"
+    assert not choices(world, "write_land"), "its writes wait, neither landing nor failing"
+    assert not world.network.is_cut((BOOTSTRAP, world.decode[0].me.address))
+    assert choices(world, "partition_host") == [DECODE_IP] and choices(world, "heal")
+
+    apply(world, "heal", 0)
+    assert not any(world.network.is_cut(link) for link in links)
+    assert choices(world, "deliver") and choices(world, "write_land")
+    assert not choices(world, "heal") and len(choices(world, "partition")) == len(links)
+    assert {host_of(a) for a in prefill_side} == {PREFILL_IP}
+    world.monitor.assert_ok()
+
+
+def test_a_decode_host_off_the_network_fails_its_probes_and_its_topology_fetch() -> None:
+    from pdflow.core.endpoints.endpoint_io import HeartbeatResult, TopologyFailed
+    from pdflow.sim.world import DECODE_IP
+
+    world = World(draw_plan(0))
+    apply(world, "new_request", 0, hint=8 << 3)
+    apply(world, "open_decode", 0)
+    (fetch,) = [i for i, e in enumerate(world.local_events) if e.kind == "topology"]
+    decode = world.decode[world.local_events[fetch].rank]
+    fed: list[Any] = []
+    feed = world.feed
+
+    def recording_feed(process: Any, inp: Any) -> Any:
+        fed.append(inp)
+        return feed(process, inp)
+
+    world.feed = recording_feed  # type: ignore[method-assign]
+    apply(world, "partition_host", choices(world, "partition_host").index(DECODE_IP))
+    world.run_local_event(fetch)
+    assert [type(inp) for inp in fed] == [TopologyFailed]
+    assert "bootstrap server unreachable" in fed[0].reason
+    apply(world, "heal", 0)
+    apply(world, "new_request", 0, hint=8 << 3 | 1)  # odd: a new room id, not room 0 again
+    while not decode.endpoint.probe_targets():
+        apply(world, next(k for k in ("local_event", "deliver", "open_decode", "open_prefill")
+                          if choices(world, k)), 0)  # fmt: skip
+    for cut, seen in ((True, False), (False, True)):
+        if cut:
+            apply(world, "partition_host", choices(world, "partition_host").index(DECODE_IP))
+        else:
+            apply(world, "heal", 0)
+        fed.clear()
+        apply(world, "heartbeat_ok", decode.rank)
+        assert fed and all(isinstance(inp, HeartbeatResult) and inp.ok is seen for inp in fed)

@@ -22,6 +22,7 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, InitTransfer, PrefillCompleted, SendChunk
 from pdflow.core.resources.admission import QueueState
 from pdflow.sim.engine import DecodeProcess, PrefillProcess
+from pdflow.sim.network import host_of
 from pdflow.sim.world import BOOTSTRAP, HEALTH, World
 
 ADVANCE_STEPS = (None, 1.0, 3.0)
@@ -106,8 +107,13 @@ def _racing(world: World) -> list[Any]:
 
 
 def _moving(world: World) -> list[Any]:
-    """Writes whose writer's transport can move them: a stopped prefill's cannot."""
-    return [w for w in world.transport.writes.values() if not world.prefill_paused]
+    """Writes whose writer's transport can move them: a stopped prefill's cannot, nor one
+    whose writer's or target's host is off the network (they wait for the heal)."""
+    if world.prefill_paused:
+        return []
+    cut = world.network.host_cut
+    return [w for w in world.transport.writes.values()
+            if not cut(w.writer.address) and not cut(w.target.address)]  # fmt: skip
 
 
 def _unlanded(world: World) -> list[Any]:
@@ -228,6 +234,13 @@ def _partitions(world: World) -> list[Any]:
     ]
 
 
+def _hosts(world: World) -> list[Any]:
+    """Hosts that may drop off the network: the prefill instance's (its ranks and its health
+    endpoint) or the decode instance's, while still connected."""
+    addresses = [p.me.address for p in world.processes()] + [HEALTH]
+    return sorted({host_of(a) for a in addresses} - world.network.cut_hosts)
+
+
 _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "new_request": _requests,
     "open_prefill": _unopened_prefill,
@@ -263,7 +276,8 @@ _CHOICES: dict[str, Callable[[World], list[Any]]] = {
     "resume_prefill": lambda w: [()] if w.prefill_paused else [],
     "late_registration": _superseded_registrations,
     "partition": _partitions,
-    "heal": lambda w: [()] if w.network.cut else [],
+    "partition_host": _hosts,
+    "heal": lambda w: [()] if w.network.partitioned else [],
     "engine_race": lambda w: [] if w.prefill_paused else _racing(w),
     "redeliver": lambda w: list(range(len(w.network.recent))) if len(w.network) < MAX_IN_FLIGHT
     else [],
@@ -439,16 +453,15 @@ def _clear(side: str) -> Callable[[World, tuple[int, int], int], None]:
 
 def _heartbeat(ok: bool) -> Callable[[World, int, int], None]:
     """One heartbeat round of one decode rank: a probe of each target it names, which fails
-    when the link to the target's health endpoint is cut; ``ok=False`` fails them though the
-    prefill may be up (a false failure: a stalled registry, a lost probe)."""
+    when the link to the target's health endpoint (else to its registry) is cut; ``ok=False``
+    fails them though the prefill may be up (a false failure: a stalled registry, a lost
+    probe)."""
 
     def run(world: World, rank: int, hint: int) -> None:
         decode = world.decode[rank]
         for target in decode.endpoint.probe_targets():
             seen = world.probe(target)
-            cut = target.health is not None and world.network.is_cut(
-                (target.health, decode.me.address)
-            )
+            cut = world.network.is_cut((target.health or target.bootstrap, decode.me.address))
             if not ok or cut:
                 seen = msgspec.structs.replace(seen, ok=False, incarnation=None)
             world.feed(decode, seen)
@@ -533,6 +546,7 @@ _APPLY: dict[str, Callable[[World, Any, int], object]] = {
     "resume_prefill": lambda w, choice, hint: w.resume_prefill(),
     "late_registration": _late_registration,
     "partition": _partition,
+    "partition_host": lambda w, host, hint: w.network.partition_host(host),
     "heal": lambda w, choice, hint: w.network.heal(),
     "engine_race": _engine_race,
     "redeliver": lambda w, index, hint: w.network.redeliver(index),

@@ -112,6 +112,7 @@ ACTION_KINDS = (
     "abort_verifying",
     "stall_mid_write",
     "crash_mid_write",
+    "partition_host",
 )
 
 FAULT_KINDS = frozenset(
@@ -134,6 +135,7 @@ FAULT_KINDS = frozenset(
         "abort_verifying",
         "stall_mid_write",
         "crash_mid_write",
+        "partition_host",
     }
 )
 
@@ -157,6 +159,10 @@ while writes it started have not landed (``crash_mid_write``: before it, 35 seed
 a crash with writes in flight, and a decode that took a restart for a fence escaped 1,644
 seeds). Enabled only while their window is open; drawn after everything else, so every
 earlier draw of a seed keeps its value."""
+HOST_KINDS = ("partition_host",)
+"""A whole host dropping off the network (every link of one instance cut at once, the data
+plane's writes held and the bootstrap server unreachable from it): drawn after everything
+else, in the profiles that draw partitions, so every earlier draw of a seed keeps its value."""
 
 FAULT_PROFILES: dict[str, frozenset[str]] = {
     # Every fault but the newest (a pause, a late registration): they run in the liveness
@@ -166,8 +172,8 @@ FAULT_PROFILES: dict[str, frozenset[str]] = {
     # An abort while a room verifies would pre-empt the checksum failures this profile is for.
     "data_path": frozenset({"drop", "duplicate", "write_fail", "write_corrupt", "window_race"}),
     "liveness": frozenset(
-        {"crash_prefill", "crash_decode", "heartbeat_fail", "partition", "pause_prefill",
-         "late_registration", "stall_mid_write", "crash_mid_write"}
+        {"crash_prefill", "crash_decode", "heartbeat_fail", "partition", "partition_host",
+         "pause_prefill", "late_registration", "stall_mid_write", "crash_mid_write"}
     ),
     "room_races": frozenset(
         {"drop", "duplicate", "abort_prefill", "abort_decode", "duplicate_claim", "redeliver",
@@ -250,7 +256,7 @@ def draw_plan(seed: int) -> FaultPlan:
     rng = random.Random(seed)
     shape = draw_shape(rng)
     weights: dict[str, float] = {}
-    drawn_later = {*LATE_KINDS, *LAST_KINDS, *NEWEST_KINDS, *WINDOW_KINDS}
+    drawn_later = {*LATE_KINDS, *LAST_KINDS, *NEWEST_KINDS, *WINDOW_KINDS, *HOST_KINDS}
     for kind in ACTION_KINDS:
         if kind in drawn_later:
             continue
@@ -315,6 +321,9 @@ def draw_plan(seed: int) -> FaultPlan:
         weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
     if shape.verify_checksums and rng.random() < CHECKSUM_MISMATCH_SHARE:
         shape = msgspec.structs.replace(shape, prefill_checksums=False)
+    for kind in HOST_KINDS:
+        drawn = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
+        weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
     return FaultPlan(
         seed=seed,
         shape=shape,

@@ -2,8 +2,10 @@
 
 Every fault is a choice the driver makes: deliver any deliverable message (of any link; of any
 position in a link too when the plan lets links reorder), drop one, duplicate one, cut links
-(partition) and heal them. Messages on a cut link wait; they are delivered after the heal, and
-no late copy of a message crosses a cut link either (:meth:`Network.passes`).
+(partition), drop a whole host off the network (every link to or from an address on it is cut
+at once: :meth:`Network.partition_host`) and heal them all. Messages on a cut link wait; they
+are delivered after the heal, and no late copy of a message crosses a cut link either
+(:meth:`Network.passes`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,13 @@ from dataclasses import dataclass, field
 from pdflow.core.protocol.messages import AnyMessage, PeerId
 
 Link = tuple[str, str]
+
+
+def host_of(address: str) -> str:
+    """The host of an ``ip:port`` address: what a host-level partition cuts off."""
+    return address.rsplit(":", 1)[0]
+
+
 RECENT = 16
 """Delivered messages kept for late redelivery."""
 
@@ -34,6 +43,8 @@ class Network:
     reorder_within_link: bool
     queues: dict[Link, list[Envelope]] = field(default_factory=dict)
     cut: set[frozenset[str]] = field(default_factory=set)
+    cut_hosts: set[str] = field(default_factory=set)
+    """Hosts dropped off the network: every link with an end on one of them is cut."""
     lost: list[Envelope] = field(default_factory=list)
     """Every message dropped, in order (the liveness check forgives what they explain)."""
     sent: int = 0
@@ -46,7 +57,16 @@ class Network:
         self.queues.setdefault(envelope.link, []).append(envelope)
 
     def is_cut(self, link: Link) -> bool:
-        return frozenset(link) in self.cut
+        return frozenset(link) in self.cut or any(self.host_cut(end) for end in link)
+
+    def host_cut(self, address: str) -> bool:
+        """Whether the host of ``address`` is off the network."""
+        return host_of(address) in self.cut_hosts
+
+    @property
+    def partitioned(self) -> bool:
+        """Some link or host is cut: a heal would change something."""
+        return bool(self.cut or self.cut_hosts)
 
     def passes(self, envelope: Envelope) -> bool:
         """Whether a copy of this message could arrive now (a late copy crosses no cut link)."""
@@ -96,8 +116,13 @@ class Network:
     def partition(self, a: str, b: str) -> None:
         self.cut.add(frozenset((a, b)))
 
+    def partition_host(self, host: str) -> None:
+        """The host drops off the network: every link of every address on it is cut."""
+        self.cut_hosts.add(host)
+
     def heal(self) -> None:
         self.cut.clear()
+        self.cut_hosts.clear()
 
     def __len__(self) -> int:
         return sum(len(q) for q in self.queues.values())

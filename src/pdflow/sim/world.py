@@ -491,7 +491,12 @@ class World:
             return  # the process that asked has died
         process = self.decode[event.rank]
         if event.kind == "topology":
-            self.feed(process, self._answer_topology())
+            if self.network.is_cut((BOOTSTRAP, process.me.address)):
+                # The shell's fetch cannot reach the bootstrap server: it fails, as over HTTP.
+                unreachable = TopologyFailed(BOOTSTRAP, "bootstrap server unreachable")
+                self.feed(process, unreachable)
+            else:
+                self.feed(process, self._answer_topology())
         elif event.kind == "fence":
             if process.endpoint.ledger.verdict_lifted(event.payload):
                 return  # readmitted meanwhile: the shell has no verdict left to enforce
