@@ -382,3 +382,15 @@ def test_a_decode_host_off_the_network_fails_its_probes_and_its_topology_fetch()
         fed.clear()
         apply(world, "heartbeat_ok", decode.rank)
         assert fed and all(isinstance(inp, HeartbeatResult) and inp.ok is seen for inp in fed)
+
+
+def test_a_restart_never_reuses_an_incarnation_drawn_before() -> None:
+    """A registration under a superseded life's incarnation would deserve the registry's 409,
+    so the world redraws one it has used: every refusal it sees is then the registry's."""
+    world = World(draw_plan(0))
+    first = world.prefill_incarnation
+    draws = iter([int(first[1:], 16), 0xABC])  # the same 32 bits again, then fresh ones
+    world.rng.getrandbits = lambda bits: next(draws)  # type: ignore[method-assign]
+    world.crash_prefill()
+    assert world.prefill_incarnation == "p00000abc" != first
+    world.monitor.assert_ok()
