@@ -242,3 +242,22 @@ async def test_a_dripping_bootstrap_request_fails_within_the_clients_timeout() -
         took = time.monotonic() - started
         await client.aclose()
     assert took < 0.9, took
+
+
+@pytest.mark.anyio
+async def test_a_200_without_incarnation_fails_a_prefills_own_probe_not_the_registrys() -> None:
+    """A prefill's own health endpoint always names its incarnation: an answer without one
+    came from another server and fails the probe. SGLang's registry ``/health`` (the target of
+    ranks that registered no health address) never names one and stays healthy."""
+    delivered: dict[str | None, HeartbeatResult] = {}
+
+    async def anonymous_200(target: ProbeTarget) -> HealthStatus:
+        return HealthStatus(True, None)
+
+    async def deliver(result: HeartbeatResult) -> None:
+        delivered[result.health] = result
+
+    targets = [ProbeTarget("10.0.0.1:8998", "10.0.0.1:9000"), ProbeTarget("10.0.0.2:8998")]
+    await probe_once(targets, anonymous_200, deliver)
+    assert not delivered["10.0.0.1:9000"].ok
+    assert delivered[None].ok

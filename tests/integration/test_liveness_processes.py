@@ -9,22 +9,25 @@ its ranks back from the live one.
 
 from __future__ import annotations
 
+import asyncio
 import select
 import signal
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from typing import Any
 
 import anyio
 import httpx
 import pytest
 
+from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.io.node_common import RoomStatus
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import decode_engine, prefill_process, stall_then_kill
+from .node_harness import decode_engine, prefill_process, stall_then_kill, start_rooms
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -171,4 +174,55 @@ async def test_a_paused_prefill_does_not_slow_the_heartbeat_of_another(
             print(f"kill -9 noticed in {noticed_within:.2f}s beside a paused prefill (interval "
                   f"{HEARTBEAT_S}s x {MAX_FAILURES})")
             assert noticed_within < HEARTBEAT_S * MAX_FAILURES + 2
+        tasks.cancel_scope.cancel()
+
+
+async def answer_200_without_incarnation(reader: asyncio.StreamReader,
+                                         writer: asyncio.StreamWriter) -> None:  # fmt: skip
+    """Any HTTP server that is not a pdflow prefill: 200 to every request, no incarnation."""
+    with suppress(asyncio.IncompleteReadError, ConnectionError):
+        while await reader.readuntil(b"\r\n\r\n"):
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nOK")
+            await writer.drain()
+    writer.close()
+
+
+async def test_a_server_that_took_a_dead_prefills_health_port_does_not_keep_it_alive(
+    tmp_path: anyio.Path,
+) -> None:
+    """A prefill killed with -9 whose health port another HTTP server binds at once: that
+    server's 200 carries no incarnation, so it speaks for no prefill and must count as a failed
+    probe (it kept the dead prefill alive, its rooms failing only at waiting_timeout)."""
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES}  # fmt: skip
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                await prefill.start_room(0, 0, 64)
+                assert await engine.run_room(bootstrap, 0, 0, 64) == "Success"
+                host, _, port = prefill.ready["health"].rpartition(":")
+                rooms = range(100, 103)
+                async with anyio.create_task_group() as group:
+                    outcomes = start_rooms(group, engine, prefill, bootstrap, rooms, 128, True)
+                    with anyio.fail_after(10):
+                        while sum(isinstance(e, RoomStatus) and e.room in rooms
+                                  and e.poll is KVPoll.Transferring
+                                  for e in engine.events) < len(rooms) * 2:  # fmt: skip
+                            await anyio.sleep(0.01)
+                    prefill.kill()
+                    await prefill.process.wait()
+                    impostor = await asyncio.start_server(answer_200_without_incarnation,
+                                                          host, int(port))  # fmt: skip
+                    killed_at = time.monotonic()
+                    async with impostor:
+                        with anyio.fail_after(HEARTBEAT_S * MAX_FAILURES + 10):
+                            while len(outcomes) < len(rooms):
+                                await anyio.sleep(0.05)
+                noticed_within = time.monotonic() - killed_at
+            assert set(outcomes.values()) == {"Failed"}
+            print(f"kill -9 noticed in {noticed_within:.2f}s with an impostor on its health port")
+            lost = sum(r.snapshot().counters["prefill_instances_lost"] for r in engine.node.ranks)
+            assert lost == len(engine.node.ranks)
         tasks.cancel_scope.cancel()

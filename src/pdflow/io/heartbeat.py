@@ -12,6 +12,12 @@ running (a paused process's probe waits out the client's whole read timeout, 3 s
 waiting for it before probing anyone again made a dead prefill beside a paused one take 6.4 s,
 not 1 s, to be noticed). Each probe has a deadline (``PROBE_DEADLINE_S``; the client's own probe
 gives up sooner, at its connect + read budget): one that overruns it is a failed probe.
+
+A target with its own health address is a pdflow prefill, whose every answer carries its
+incarnation (``X-Pdflow-Incarnation``). A 200 without it came from some other server (one that
+took a dead prefill's port, say) and speaks for no prefill: it is a failed probe, or that server
+would keep the dead prefill alive for ever. Only the registry's ``/health`` (SGLang's, for ranks
+that registered no health address) may answer without one.
 """
 
 from __future__ import annotations
@@ -23,7 +29,7 @@ import structlog
 
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
 from pdflow.core.endpoints.liveness import ProbeTarget
-from pdflow.io.bootstrap_client import HealthStatus
+from pdflow.io.bootstrap_client import INCARNATION_HEADER, HealthStatus
 
 log = structlog.get_logger("pdflow.heartbeat")
 
@@ -41,6 +47,10 @@ async def probe_and_deliver(target: ProbeTarget, probe: Probe, deliver: Deliver,
     status = HealthStatus(False, None, f"no answer within the probe's deadline of {deadline_s:g}s")
     with anyio.move_on_after(deadline_s):
         status = await probe(target)
+    if status.ok and status.incarnation is None and target.health is not None:
+        status = HealthStatus(False, None, f"{target.health} answered 200 without the "
+                              f"{INCARNATION_HEADER} header: not a pdflow prefill's health "
+                              "endpoint (did another server take the port of a dead one?)")
     if not status.ok:
         log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
                     detail=status.detail[:200])  # fmt: skip
