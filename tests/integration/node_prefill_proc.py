@@ -13,10 +13,15 @@ transport, held or not, ``{"event": "write_submitted"}``. ``"staging_slot_pages"
 each rank a staging slot of N pages (a decode of another TP size receives staged).
 ``"head_dim": D`` sets the page size in bytes (the decode's caches must have the same); a room
 command's ``"fill_byte": B`` fills its pages with that byte instead of the room's pattern.
+``{"op": "wedge", "rank": R, "seconds": S}`` makes rank R's next step that carries out an output
+hang there, holding its endpoint lock, for S seconds (for ever without ``seconds``, until
+``{"op": "unwedge"}``): a control loop stuck inside a step. It prints ``{"event": "wedged"}``
+when the step starts hanging and ``{"event": "unwedged"}`` when it goes on.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -28,7 +33,9 @@ from anyio.abc import TaskGroup
 from pdflow.chaos.prefill_agent import SourcePages
 from pdflow.core.dataplane.layout import KvDtype
 from pdflow.core.framework.kvpoll import KVPoll
+from pdflow.core.protocol.outputs import Output
 from pdflow.io.kv_buffers import HostKvCache, RankKv, host_cache_for_rank, staging_page_bytes
+from pdflow.io.node_common import Effect, EndpointHost
 from pdflow.io.node_prefill import PrefillNode, PrefillRank
 from pdflow.io.settings import load_settings
 from pdflow.transport.base import TransferOutcome, WriteOpLike
@@ -51,6 +58,31 @@ class GatedTransport(MooncakeTransport):
             emit(event="write_held")
             await self.shut.wait()
         return await super().batch_write(peer_session_id, ops)
+
+
+class Wedge:
+    """Hangs the next output one rank's step carries out (see the module's ``wedge``)."""
+
+    def __init__(self) -> None:
+        self.released = anyio.Event()
+
+    def install(self, host: EndpointHost, seconds: float | None) -> None:
+        dispatch = host._dispatch  # the rank's own dispatcher, wrapped for one output
+
+        def hanging(output: Output, msg_id: str | None) -> Effect:
+            host._dispatch = dispatch
+            pending = dispatch(output, msg_id)
+            return self._hang(pending, seconds)
+
+        host._dispatch = hanging
+
+    async def _hang(self, pending: Effect, seconds: float | None) -> None:
+        emit(event="wedged")
+        with anyio.move_on_after(math.inf if seconds is None else seconds):
+            await self.released.wait()
+        emit(event="unwedged")
+        if pending is not None:
+            await pending
 
 
 async def run_rank(rank: PrefillRank, cache: HostKvCache, kv: RankKv, pool: SourcePages,
@@ -98,6 +130,7 @@ async def main(options: dict[str, Any]) -> None:
             caches[0][1].kv_buffers),
     ) as node:  # fmt: skip
         pools = [SourcePages(num_pages) for _ in range(tp)]
+        wedge = Wedge()
         emit(event="ready", bootstrap=node.bootstrap, pid=os.getpid(),
              incarnation=node.incarnation, ranks=[r.peer.address for r in node.ranks],
              started_at=node.started_at, health=node.health)  # fmt: skip
@@ -115,6 +148,10 @@ async def main(options: dict[str, Any]) -> None:
                 if transport.shut is not None:
                     transport.shut.set()
                 transport.shut = None
+            elif cmd["op"] == "wedge":
+                wedge.install(node.ranks[cmd["rank"]]._host, cmd.get("seconds"))
+            elif cmd["op"] == "unwedge":
+                wedge.released.set()
             elif cmd["op"] == "stats":
                 emit(event="stats", metrics=node.metrics_text)
 

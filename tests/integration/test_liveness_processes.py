@@ -16,7 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager, suppress
+from contextlib import ExitStack, contextmanager, suppress
 from typing import Any
 
 import anyio
@@ -27,7 +27,13 @@ from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.io.node_common import RoomStatus
 from pdflow.transport.mooncake import MooncakeTransport
 
-from .node_harness import decode_engine, prefill_process, stall_then_kill, start_rooms
+from .node_harness import (
+    decode_engine,
+    prefill_process,
+    stall_then_kill,
+    start_rooms,
+    wait_readmitted,
+)
 
 pytestmark = [pytest.mark.anyio, pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -225,4 +231,84 @@ async def test_a_server_that_took_a_dead_prefills_health_port_does_not_keep_it_a
             print(f"kill -9 noticed in {noticed_within:.2f}s with an impostor on its health port")
             lost = sum(r.snapshot().counters["prefill_instances_lost"] for r in engine.node.ranks)
             assert lost == len(engine.node.ranks)
+        tasks.cancel_scope.cancel()
+
+
+WEDGE_LIMIT_S = 1.0
+
+
+@pytest.mark.parametrize("hosted_registry", [True, False], ids=["hosted", "external"])
+async def test_a_wedged_rank_fails_its_probe_and_is_readmitted_once_it_turns_again(
+    tmp_path: anyio.Path, hosted_registry: bool
+) -> None:
+    """A prefill whose rank 0 is stuck inside a step (its endpoint lock held) answers its health
+    probe 503 naming the rank once the step has run past control_stall_limit, so the decode
+    fails its rooms as for a paused process; they waited for waiting_timeout (300 s) while the
+    process answered 200. Once the step ends it answers 200 again and is readmitted."""
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES,
+                "control_stall_limit": WEDGE_LIMIT_S}  # fmt: skip
+    with ExitStack() as stack:
+        registry = "127.0.0.1:0" if hosted_registry else stack.enter_context(external_registry())
+        async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+            async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+                options = {"bootstrap": registry, "serve_bootstrap": hosted_registry,
+                           "settings": settings, "num_pages": 512}  # fmt: skip
+                async with (
+                    prefill_process(tasks, options) as prefill,
+                    httpx.AsyncClient(base_url=f"http://{prefill.ready['health']}") as http,
+                ):
+                    bootstrap = prefill.ready["bootstrap"]
+                    await prefill.start_room(0, 0, 64)
+                    assert await engine.run_room(bootstrap, 0, 0, 64) == "Success"
+                    await prefill.send(op="wedge", rank=0)
+                    async with anyio.create_task_group() as group:
+                        outcomes = start_rooms(group, engine, prefill, bootstrap, range(100, 103))
+                        with anyio.fail_after(WEDGE_LIMIT_S + HEARTBEAT_S * MAX_FAILURES + 10):
+                            while len(outcomes) < 3:
+                                await anyio.sleep(0.05)
+                    assert set(outcomes.values()) == {"Failed"}
+                    wedged = await http.get("/health")
+                    assert wedged.status_code == 503, wedged.text
+                    assert wedged.text.startswith("rank 0's control step has run"), wedged.text
+                    assert wedged.headers["x-pdflow-incarnation"] == prefill.ready["incarnation"]
+                    await prefill.send(op="unwedge")
+                    await wait_readmitted(engine.node, timeout_s=20)
+                    assert (await http.get("/health")).status_code == 200
+                    await prefill.start_room(200, 0, 64)
+                    with anyio.fail_after(15):
+                        assert await engine.run_room(bootstrap, 200, 0, 64) == "Success"
+                assert engine.corrupt == []
+            tasks.cancel_scope.cancel()
+
+
+async def test_a_long_step_within_the_stall_limit_keeps_the_prefill_healthy(
+    tmp_path: anyio.Path,
+) -> None:
+    """A step that runs long (1.5 s) but under control_stall_limit (3 s) is busy, not wedged:
+    every probe meanwhile answers 200 and its room succeeds."""
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES, "control_stall_limit": 3.0}  # fmt: skip
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with (
+                prefill_process(tasks, options) as prefill,
+                httpx.AsyncClient(base_url=f"http://{prefill.ready['health']}") as http,
+            ):
+                bootstrap = prefill.ready["bootstrap"]
+                await prefill.send(op="wedge", rank=0, seconds=1.5)
+                answers: list[int] = []
+                async with anyio.create_task_group() as group:
+                    outcomes = start_rooms(group, engine, prefill, bootstrap, range(1))
+                    with anyio.fail_after(10):
+                        while prefill.counts["wedged"] == 0:
+                            await anyio.sleep(0.01)
+                    while prefill.counts["unwedged"] == 0:
+                        answers.append((await http.get("/health")).status_code)
+                        await anyio.sleep(0.1)
+                assert outcomes == {0: "Success"}
+                assert len(answers) >= 10 and set(answers) == {200}, answers
+                counters = [r.snapshot().counters for r in engine.node.ranks]
+                assert sum(c.get("heartbeat_failures", 0) for c in counters) == 0
         tasks.cancel_scope.cancel()

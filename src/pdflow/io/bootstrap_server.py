@@ -61,6 +61,7 @@ from pdflow.io.asgi_serving import (
     require_asyncio,
     serving,
 )
+from pdflow.io.health_server import WedgeAnswer, Wedged, healthy
 from pdflow.io.json_guard import JSON_MEDIA_TYPE, MAX_JSON_DEPTH, is_json, nesting_depth
 
 DEFAULT_MAX_BODY = 64 * 1024
@@ -212,12 +213,14 @@ def build_app(
     wall_clock: Callable[[], float] = time.time,
     max_body: int = DEFAULT_MAX_BODY,
     incarnation: str | None = None,
+    wedged: Wedged = healthy,
 ) -> ASGIApp:
     """The ASGI app serving ``registry``. Every request is answered by the registry.
 
     ``clock`` is the registry's ``now`` (room expiry: monotonic); ``wall_clock`` stamps each
     registration's arrival, which its ``started_at`` (the prefill's wall clock) is checked
-    against."""
+    against. ``wedged``: a hosting prefill's ranks that stopped turning (its ``/health`` then
+    answers 503, :class:`pdflow.io.health_server.WedgeAnswer`)."""
     if max_body < 1:
         raise ValueError(f"max_body must be at least 1 byte, got {max_body}")
 
@@ -264,6 +267,12 @@ def build_app(
     async def parse_health(request: Request) -> Input:
         return CheckHealth()
 
+    wedge = WedgeAnswer(None, wedged)  # _RequestLog adds the incarnation to every answer
+    registry_health = answering(parse_health)
+
+    async def health(request: Request) -> Response:
+        return wedge.now() or await registry_health(request)
+
     async def not_found(request: Request, exc: Exception) -> Response:
         return PlainTextResponse("404: Not Found", status_code=404)
 
@@ -275,7 +284,7 @@ def build_app(
             Route("/route", answering(parse_route), methods=["GET", "PUT"]),
             Route("/register_dp_rank", answering(parse_dp_registration), methods=["POST"]),
             Route("/query_dp_ranks", answering(parse_dp_query), methods=["POST"]),
-            Route("/health", answering(parse_health), methods=["GET"]),
+            Route("/health", health, methods=["GET"]),
         ],
         exception_handlers={404: not_found, 405: not_allowed},
     )
@@ -366,13 +375,14 @@ async def serve(
     sock: socket.socket | None = None,
     registry: Registry | None = None,
     limits: ServingLimits = ServingLimits(),  # noqa: B008 - immutable
+    wedged: Wedged = healthy,
 ) -> AsyncIterator[RunningBootstrap]:
     """Serve the bootstrap registry until the ``async with`` block ends.
 
     ``sock`` is an already bound socket to serve on instead of binding ``host:port`` (it is
     closed on exit). Leaving the block stops accepting, finishes the requests in flight and
     closes the socket; no task is left behind. ``limits``: what a client may hold (connections,
-    time to send a request).
+    time to send a request). ``wedged``: as for :func:`build_app`.
     """
     require_asyncio("bootstrap server")
     if tick_interval <= 0:
@@ -380,7 +390,7 @@ async def serve(
     registry = registry if registry is not None else Registry(token=token,
                                                               dp_rank_ttl=dp_rank_ttl)
     app = build_app(registry, clock=clock, wall_clock=wall_clock, max_body=max_body,
-                    incarnation=incarnation)
+                    incarnation=incarnation, wedged=wedged)
     listener = sock if sock is not None else bind(host, port)
     bound_host, bound_port = listener.getsockname()[:2]
 

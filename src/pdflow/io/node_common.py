@@ -19,7 +19,7 @@ import math
 import secrets
 import time
 import zlib
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable, Iterable, Iterator
 from contextlib import AsyncExitStack, contextmanager
 from pathlib import Path
 from types import TracebackType
@@ -291,6 +291,9 @@ class EndpointHost:
         # back to back. The chaos check of a no-op fence stops the writer inside its writes
         # (pause_mid_write), so it no longer rests on the interleaving this yield made.
         self._lock = asyncio.Lock()
+        self.step_started_at: float | None = None
+        """When the step in progress took the lock (loop time); None between steps. One that
+        never ends leaves the rank deaf to its peers: the health endpoint reports it."""
         self._timer_at: float | None = None
         self._sleeping_until: float | None = None
         self._rearmed = anyio.Event()
@@ -320,27 +323,31 @@ class EndpointHost:
 
     async def _drive(self, inp: AnyEndpointInput) -> Step:
         async with self._lock:
-            now = loop_time()
-            step: Step = self.endpoint.handle(inp, now)
-            self._rearm(step.timer_at)
-            seq = getattr(self.endpoint, "last_seq", None)
-            for index, output in enumerate(step.outputs):
-                # Only a sent message carries its id (the dispatchers hand it to `send` alone):
-                # the other outputs of a step skip building the string.
-                msg_id = (
-                    message_id(self.endpoint_id, seq, index)
-                    if seq is not None and isinstance(output, SendMessage)
-                    else None
-                )
-                pending = self._dispatch(output, msg_id)
-                if pending is not None:
-                    # The core has moved: every output of the step must be carried out, or a
-                    # cancelled caller (its own timeout) would leave the rest undone, e.g. the
-                    # ABORT to a second writer, which the core never sends again. Sends are
-                    # bounded (ControlChannel), so the shield is too.
-                    with anyio.CancelScope(shield=True):
-                        await pending
-            return step
+            # Stamped for the health endpoint (wedged_ranks), cleared however the step ends.
+            now = self.step_started_at = loop_time()
+            try:
+                step: Step = self.endpoint.handle(inp, now)
+                self._rearm(step.timer_at)
+                seq = getattr(self.endpoint, "last_seq", None)
+                for index, output in enumerate(step.outputs):
+                    # Only a sent message carries its id (the dispatchers hand it to `send` alone):
+                    # the other outputs of a step skip building the string.
+                    msg_id = (
+                        message_id(self.endpoint_id, seq, index)
+                        if seq is not None and isinstance(output, SendMessage)
+                        else None
+                    )
+                    pending = self._dispatch(output, msg_id)
+                    if pending is not None:
+                        # The core has moved: every output of the step must be carried out, or a
+                        # cancelled caller (its own timeout) would leave the rest undone, e.g. the
+                        # ABORT to a second writer, which the core never sends again. Sends are
+                        # bounded (ControlChannel), so the shield is too.
+                        with anyio.CancelScope(shield=True):
+                            await pending
+                return step
+            finally:
+                self.step_started_at = None
 
     def _rearm(self, timer_at: float | None) -> None:
         self._timer_at = timer_at
@@ -367,6 +374,24 @@ class EndpointHost:
             self._sleeping_until = None
             if await self.feed(TimerFired()) is None:
                 await anyio.sleep(_TIMER_RETRY_S)
+
+
+def wedged_ranks(hosts: Iterable[EndpointHost], limit_s: float) -> str | None:
+    """Why this process must answer its health probe 503, or None: each rank whose step has
+    held its endpoint lock longer than ``limit_s``. Such a rank handles no message or timer,
+    yet the process still answers, so without this the decode would wait out waiting_timeout.
+    A step shorter than the limit (its sends, each bounded by the send timeout) never trips it.
+    """
+    now = loop_time()
+    stalled = [
+        f"rank {host.rank}'s control step has run {now - host.step_started_at:.1f}s"
+        for host in hosts
+        if host.step_started_at is not None and now - host.step_started_at > limit_s
+    ]
+    if not stalled:
+        return None
+    return (f"{'; '.join(stalled)} (control_stall_limit {limit_s:g}s): the rank is wedged; "
+            "restart this prefill process if it does not recover")
 
 
 class RankEffects:

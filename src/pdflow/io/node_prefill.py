@@ -103,6 +103,7 @@ from pdflow.io.node_common import (
     draw_incarnation,
     loop_time,
     peer_key,
+    wedged_ranks,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
 from pdflow.transport.base import Transport, TransportError
@@ -428,14 +429,14 @@ class PrefillNode(NodeLifecycle):
             running = await self._stack.enter_async_context(serve(
                 bind_host or settings.host, int(port), token=settings.bootstrap_token,
                 incarnation=self.incarnation, dp_rank_ttl=settings.dp_rank_ttl,
-                max_body=settings.bootstrap_max_body,
+                max_body=settings.bootstrap_max_body, wedged=self.wedged,
             ))  # fmt: skip
             self.bootstrap = running.address
             # The hosted registry runs in this process: its /health is this process's own.
             self.health = running.address
         else:
             self.health = await self._stack.enter_async_context(
-                serve_health(settings.host, self.incarnation)
+                serve_health(settings.host, self.incarnation, wedged=self.wedged)
             )
         for rank_kv in self.rank_kv:
             self._add_rank(rank_kv, self.runtime.open_channel())
@@ -468,6 +469,10 @@ class PrefillNode(NodeLifecycle):
             self._tasks.start_soon(self._keep_registered)
         log.info("prefill_node_ready", node=self.runtime.node_id, bootstrap=self.bootstrap,
                  ranks=[h.me.address for h in self._hosts])  # fmt: skip
+
+    def wedged(self) -> str | None:
+        """Why this process's health endpoint answers 503 now (a wedged rank), or None."""
+        return wedged_ranks(self._hosts, self.settings.control_stall_limit)
 
     def _add_rank(self, rank_kv: RankKv, channel: ControlChannel) -> None:
         parallel = Parallelism(tp=rank_kv.tp_size, cp=self.placement.cp_size,

@@ -35,6 +35,10 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     waiting_timeout: float = 300.0
     heartbeat_interval: float = 5.0
     heartbeat_max_failure: int = 2
+    control_stall_limit: float = 30.0
+    """Prefill: a rank whose control step has run this long has its process answer its health
+    probe 503, naming the rank, so the decode treats a wedged process as a paused one. A step's
+    longest legitimate wait is its sends, each bounded by the control channel's send timeout."""
     transfer_queues: int = 4
     dp_rank_ttl: float = 120.0
     bootstrap_max_body: int = 64 * 1024
@@ -199,6 +203,7 @@ _FIELDS: dict[str, _Field] = {
     "heartbeat_max_failure": _Field(
         _parse_int, _positive_int, "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 1
     ),
+    "control_stall_limit": _Field(_parse_float, _positive),
     "transfer_queues": _Field(_parse_int, _positive_int, "SGLANG_DISAGGREGATION_QUEUE_SIZE"),
     "dp_rank_ttl": _Field(
         _parse_float, _positive, "SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL"
