@@ -22,11 +22,12 @@ from dataclasses import dataclass, field
 
 import anyio
 import pytest
+import structlog.testing
 
 from pdflow.core.endpoints.endpoint_io import HeartbeatResult
 from pdflow.core.endpoints.liveness import ProbeTarget
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapUnavailable, HealthStatus
-from pdflow.io.heartbeat import probe_once
+from pdflow.io.heartbeat import FailureLog, probe_once
 
 pytestmark = pytest.mark.integration
 
@@ -261,3 +262,21 @@ async def test_a_200_without_incarnation_fails_a_prefills_own_probe_not_the_regi
     await probe_once(targets, anonymous_200, deliver)
     assert not delivered["10.0.0.1:9000"].ok
     assert delivered[None].ok
+
+
+def test_a_target_failing_probe_after_probe_is_logged_once_a_minute_with_a_count() -> None:
+    """A lost prefill is probed every interval: its failures are logged at the first, then once
+    per REPEAT_LOG_S with how many went unlogged; an answer ends the streak."""
+    now = [0.0]
+    failures = FailureLog(every_s=60.0, clock=lambda: now[0])
+    target = ProbeTarget("10.0.0.1:8998", "10.0.0.1:9000")
+    with structlog.testing.capture_logs() as logged:
+        for second in range(0, 125, 5):
+            now[0] = float(second)
+            failures.failed(target, "ConnectError")
+        failures.answered(target)
+        failures.failed(target, "ConnectError")
+    assert [(e["event"], e["unlogged_since"]) for e in logged] == [
+        ("heartbeat_failed", 0), ("heartbeat_failed", 11), ("heartbeat_failed", 11),
+        ("heartbeat_failed", 0),
+    ]

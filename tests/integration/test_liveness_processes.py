@@ -312,3 +312,35 @@ async def test_a_long_step_within_the_stall_limit_keeps_the_prefill_healthy(
                 counters = [r.snapshot().counters for r in engine.node.ranks]
                 assert sum(c.get("heartbeat_failures", 0) for c in counters) == 0
         tasks.cancel_scope.cancel()
+
+
+async def test_a_dead_prefill_nobody_replaces_is_given_up_and_its_client_closed(
+    tmp_path: anyio.Path,
+) -> None:
+    """kill -9, no restart: once its rooms are cleared, lost_instance_forget after the verdict
+    the decode stops probing it and closes its bootstrap client (both were kept for ever)."""
+    forget_s = 2.0
+    settings = {"trace_dir": str(tmp_path), "checksum": True, "heartbeat_interval": HEARTBEAT_S,
+                "heartbeat_max_failure": MAX_FAILURES,
+                "lost_instance_forget": forget_s}  # fmt: skip
+    async with anyio.create_task_group() as tasks, MooncakeTransport.open() as transport:
+        async with decode_engine(tasks, transport, settings, num_pages=512) as engine:
+            node = engine.node
+            options = {"bootstrap": "127.0.0.1:0", "settings": settings, "num_pages": 512}
+            async with prefill_process(tasks, options) as prefill:
+                bootstrap = prefill.ready["bootstrap"]
+                await prefill.start_room(0, 0, 64)
+                assert await engine.run_room(bootstrap, 0, 0, 64) == "Success"
+                with anyio.fail_after(HEARTBEAT_S * MAX_FAILURES + 20):
+                    stalled, killed_at = await stall_then_kill(engine, prefill, bootstrap,
+                                                               range(100, 102))  # fmt: skip
+                assert set(stalled.values()) == {"Failed"}
+                assert bootstrap in node._clients
+                with anyio.fail_after(forget_s + HEARTBEAT_S * MAX_FAILURES + 5):
+                    while node._clients or any(r.probe_targets() for r in node.ranks):
+                        await anyio.sleep(0.05)
+                given_up_within = time.monotonic() - killed_at
+            print(f"a dead prefill given up {given_up_within:.2f}s after kill -9")
+            forgotten = [r.snapshot().counters["prefill_instances_forgotten"] for r in node.ranks]
+            assert forgotten == [1] * len(node.ranks)
+        tasks.cancel_scope.cancel()

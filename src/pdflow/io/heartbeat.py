@@ -22,6 +22,7 @@ that registered no health address) may answer without one.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Awaitable, Callable, Iterable
 
 import anyio
@@ -41,9 +42,47 @@ PROBE_DEADLINE_S = 10.0
 its own budget, 5 s by default): past it the target is reported down."""
 
 
+REPEAT_LOG_S = 60.0
+"""A target failing probe after probe is logged (``heartbeat_failed``) at its first failure,
+then at most once per this many seconds, with how many failures went unlogged meanwhile."""
+
+
+class FailureLog:
+    """``heartbeat_failed`` lines, rate-limited per target: a lost prefill is probed every
+    interval until it is given up (``lost_instance_forget``), and logged each time it flooded
+    the log with one line per interval."""
+
+    def __init__(self, every_s: float = REPEAT_LOG_S,
+                 clock: Callable[[], float] = time.monotonic) -> None:  # fmt: skip
+        self.every_s = every_s
+        self._clock = clock
+        self._streaks: dict[ProbeTarget, tuple[float, int]] = {}
+        """Per failing target: when its failure was last logged, and failures since."""
+
+    def failed(self, target: ProbeTarget, detail: str) -> None:
+        now = self._clock()
+        streak = self._streaks.get(target)
+        if streak is not None and now - streak[0] < self.every_s:
+            self._streaks[target] = (streak[0], streak[1] + 1)
+            return
+        self._streaks[target] = (now, 0)
+        log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
+                    detail=detail[:200], unlogged_since=streak[1] if streak else 0)  # fmt: skip
+
+    def answered(self, target: ProbeTarget) -> None:
+        self._streaks.pop(target, None)
+
+    def keep_only(self, targets: set[ProbeTarget]) -> None:
+        """Forget the streaks of targets no longer probed."""
+        for gone in self._streaks.keys() - targets:
+            del self._streaks[gone]
+
+
 async def probe_and_deliver(target: ProbeTarget, probe: Probe, deliver: Deliver,
-                            deadline_s: float = PROBE_DEADLINE_S) -> None:  # fmt: skip
-    """Probe one target within ``deadline_s`` and deliver what it answered (down if nothing)."""
+                            deadline_s: float = PROBE_DEADLINE_S,
+                            failures: FailureLog | None = None) -> None:  # fmt: skip
+    """Probe one target within ``deadline_s`` and deliver what it answered (down if nothing);
+    a failure is logged through ``failures`` (every one, without it)."""
     status = HealthStatus(False, None, f"no answer within the probe's deadline of {deadline_s:g}s")
     with anyio.move_on_after(deadline_s):
         status = await probe(target)
@@ -51,9 +90,11 @@ async def probe_and_deliver(target: ProbeTarget, probe: Probe, deliver: Deliver,
         status = HealthStatus(False, None, f"{target.health} answered 200 without the "
                               f"{INCARNATION_HEADER} header: not a pdflow prefill's health "
                               "endpoint (did another server take the port of a dead one?)")
-    if not status.ok:
-        log.warning("heartbeat_failed", bootstrap=target.bootstrap, health=target.health,
-                    detail=status.detail[:200])  # fmt: skip
+    failures = failures if failures is not None else FailureLog(every_s=0.0)
+    if status.ok:
+        failures.answered(target)
+    else:
+        failures.failed(target, status.detail)
     await deliver(HeartbeatResult(target.bootstrap, status.ok, status.incarnation,
                                   target.health))  # fmt: skip
 
@@ -84,16 +125,19 @@ async def run_heartbeat(
     if deadline_s <= 0:
         raise ValueError(f"probe deadline must be positive seconds, got {deadline_s}")
     probing: set[ProbeTarget] = set()
+    failures = FailureLog()
 
     async def probe_one(target: ProbeTarget) -> None:
         try:
-            await probe_and_deliver(target, probe, deliver, deadline_s)
+            await probe_and_deliver(target, probe, deliver, deadline_s, failures)
         finally:
             probing.discard(target)
 
     async with anyio.create_task_group() as tasks:
         while True:
             await anyio.sleep(interval_s)
-            for target in sorted(set(targets()) - probing):
+            now_probed = set(targets())
+            failures.keep_only(now_probed | probing)
+            for target in sorted(now_probed - probing):
                 probing.add(target)
                 tasks.start_soon(probe_one, target)

@@ -14,8 +14,9 @@ from __future__ import annotations
 import ctypes
 import random
 import time
-from collections.abc import Callable, Coroutine, Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections import Counter
+from collections.abc import Callable, Coroutine, Iterator, Mapping, Sequence
+from contextlib import AsyncExitStack, contextmanager
 from functools import partial
 from typing import Any
 
@@ -434,6 +435,8 @@ class DecodeNode(NodeLifecycle):
         self._rng = rng or random.Random()
         self._stack = AsyncExitStack()
         self._clients: dict[str, BootstrapClient] = {}
+        self._client_users: Counter[str] = Counter()
+        """Requests in flight per client address: such a client is never closed as unused."""
         self._writer_place: dict[PeerId, TpPlace] = {}
         self.room_pages: dict[tuple[int, int], tuple[int, ...]] = {}
         self.room_state: dict[tuple[int, int], StateIndices] = {}
@@ -514,6 +517,7 @@ class DecodeNode(NodeLifecycle):
             session_id=self.transport.session_id, policy=self.settings.allocation_policy,
             timeouts=timeouts_from(self.settings),
             heartbeat_max_failure=self.settings.heartbeat_max_failure,
+            lost_instance_forget_s=self.settings.lost_instance_forget,
             verify_checksums=self.settings.checksum,
             staging_capacity=self.staging_bytes,
             # The small-room path copies with memmove: host-memory KV only.
@@ -695,7 +699,31 @@ class DecodeNode(NodeLifecycle):
             self._clients[bootstrap] = client
         return client
 
+    @contextmanager
+    def _client_kept(self, address: str) -> Iterator[None]:
+        """While the block runs, the client of ``address`` is not closed as unused."""
+        self._client_users[address] += 1
+        try:
+            yield
+        finally:
+            self._client_users[address] -= 1
+            if not self._client_users[address]:
+                del self._client_users[address]
+
+    def _close_unused_clients(self, probed: set[str]) -> None:
+        """Close the client of every address no longer probed, asked for a topology, nor in
+        use: a prefill given up or replaced. Without it the cache kept a client for every
+        prefill an elastic cluster ever had."""
+        in_use = probed.union(self._client_users, *(
+            host.endpoint.bootstraps_in_use() for host in self._hosts))  # fmt: skip
+        for address in set(self._clients) - in_use:
+            self._tasks.start_soon(self._clients.pop(address).aclose)
+
     async def registered_dp_rank(self, bootstrap: str, room: int) -> int | None:
+        with self._client_kept(bootstrap):
+            return await self._registered_dp_rank(bootstrap, room)
+
+    async def _registered_dp_rank(self, bootstrap: str, room: int) -> int | None:
         """The DP group the prefill registered for ``room``, waiting for the registration up to
         the bootstrap timeout; None when the prefill's DP groups follow the bootstrap room, or
         when its topology is not known yet (the endpoint then refuses to guess for a prefill
@@ -724,7 +752,8 @@ class DecodeNode(NodeLifecycle):
 
     async def resolve(self, host: EndpointHost, bootstrap: str) -> None:
         try:
-            info = await self._fetch_topology(bootstrap)
+            with self._client_kept(bootstrap):
+                info = await self._fetch_topology(bootstrap)
         except (BootstrapError, ValueError) as exc:
             await host.feed(TopologyFailed(bootstrap, str(exc)))
             return
@@ -767,10 +796,13 @@ class DecodeNode(NodeLifecycle):
 
     # ---- heartbeat -----------------------------------------------------------------------------
     def _probe_targets(self) -> set[ProbeTarget]:
-        return {target for host in self._hosts for target in host.endpoint.probe_targets()}
+        targets = {target for host in self._hosts for target in host.endpoint.probe_targets()}
+        self._close_unused_clients({target.key for target in targets})
+        return targets
 
     async def _probe(self, target: ProbeTarget) -> HealthStatus:
-        status = await self._client(target.key).health()
+        with self._client_kept(target.key):
+            status = await self._client(target.key).health()
         if not status.ok:
             self.runtime.metrics.heartbeat_failures.labels(target.key).inc()
         return status

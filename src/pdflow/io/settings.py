@@ -35,6 +35,9 @@ class Settings(msgspec.Struct, frozen=True, kw_only=True):
     waiting_timeout: float = 300.0
     heartbeat_interval: float = 5.0
     heartbeat_max_failure: int = 2
+    lost_instance_forget: float = 600.0
+    """Decode: a prefill instance declared dead and silent since is given up (no longer probed,
+    never readmitted) this long after the verdict, once no room refers to it."""
     control_stall_limit: float = 30.0
     """Prefill: a rank whose control step has run this long has its process answer its health
     probe 503, naming the rank, so the decode treats a wedged process as a paused one. A step's
@@ -204,6 +207,7 @@ _FIELDS: dict[str, _Field] = {
         _parse_int, _positive_int, "SGLANG_DISAGGREGATION_HEARTBEAT_MAX_FAILURE", 1
     ),
     "control_stall_limit": _Field(_parse_float, _positive),
+    "lost_instance_forget": _Field(_parse_float, _positive),
     "transfer_queues": _Field(_parse_int, _positive_int, "SGLANG_DISAGGREGATION_QUEUE_SIZE"),
     "dp_rank_ttl": _Field(
         _parse_float, _positive, "SGLANG_DISAGGREGATION_BOOTSTRAP_ENTRY_CLEANUP_INTERVAL"

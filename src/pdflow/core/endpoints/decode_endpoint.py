@@ -761,7 +761,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
             out.append(CloseSession(peer, session))
             if self.announcements.is_announced(peer):
                 fired.append(self.announcements.fire(peer, PeerLost(), now)[1])
-        self.lost[target.key] = LostInstance(target, peers, sessions)
+        self.lost[target.key] = LostInstance(target, peers, sessions, lost_at=now)
 
     def _revisit_lost(
         self, target: ProbeTarget, inp: HeartbeatResult, now: float, out: list[Output],
@@ -770,13 +770,27 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         """A probe of an instance declared dead: the same incarnation answering may be
         readmitted; another one answering there has replaced it."""
         lost = self.lost.get(target.key)
-        if lost is None or not inp.ok or inp.incarnation is None:
+        if lost is None:
+            return
+        if not inp.ok or inp.incarnation is None:
+            self._forget_if_given_up(lost, now, out)
             return
         if inp.incarnation in lost.incarnations:
             lost.answered = True
             self._try_readmit(lost, now, out, fired)
         else:
             self._supersede(self.lost.pop(target.key), out)
+
+    def _forget_if_given_up(self, lost: LostInstance, now: float, out: list[Output]) -> None:
+        """Still silent ``lost_instance_forget_s`` after the verdict, and no room refers to it
+        (a failed room the engine has not cleared yet does): give it up, as if superseded. Its
+        fenced pages are untouched: they still wait for their drain ACK or a fence."""
+        if now - lost.lost_at < self.config.lost_instance_forget_s:
+            return
+        if lost.target.bootstrap in self.room_bootstrap.values():
+            return
+        self.counters["prefill_instances_forgotten"] += 1
+        self._supersede(self.lost.pop(lost.target.key), out)
 
     def _try_readmit(
         self, lost: LostInstance, now: float, out: list[Output], fired: list[Fired]
@@ -810,6 +824,11 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         for lost in list(self.lost.values()):
             if writer in lost.peers:
                 self._try_readmit(lost, now, out, fired)
+
+    def bootstraps_in_use(self) -> set[str]:
+        """Every bootstrap address the shell may still be asked about: known topologies, rooms,
+        rooms waiting for a topology (the shell keeps a client for each, and closes the rest)."""
+        return {*self.topologies, *self.room_bootstrap.values(), *self.awaiting_topology}
 
     def probe_targets(self) -> tuple[ProbeTarget, ...]:
         """What the shell's heartbeat probes: every instance of a known topology, and every

@@ -255,6 +255,10 @@ class DecodeEndpointConfig(msgspec.Struct, frozen=True, tag="decode", tag_field=
     policy: AllocationPolicy = AllocationPolicy.EARLY
     timeouts: Timeouts = Timeouts()
     heartbeat_max_failure: int = 2
+    lost_instance_forget_s: float = 600.0
+    """A prefill instance declared dead that no room refers to is given up this long after the
+    verdict: no longer probed, never readmitted (as if superseded). Without it a prefill that
+    died and was never replaced stayed lost, and probed, for ever."""
     verify_checksums: bool = False
     staging_capacity: int = 0
     """Bytes of the staging ring: heterogeneous TP (prefill TP > decode TP) needs it, small rooms

@@ -8,7 +8,9 @@ or the bootstrap address for the registry probe.
 An instance declared dead is *lost*, not forgotten: it is still probed, and once it answers
 again as the same incarnation (a paused process, a stalled registry) and owes no drain ACK, the
 endpoint readmits it. An instance that another incarnation replaced is *superseded* and is
-never readmitted.
+never readmitted. One that stays silent is given up (superseded too, and no longer probed)
+``lost_instance_forget_s`` after the verdict once no room refers to it: in an elastic cluster
+dead instances that nobody replaces would otherwise be kept and probed without bound.
 """
 
 from __future__ import annotations
@@ -37,6 +39,8 @@ class LostInstance(msgspec.Struct):
     peers: tuple[PeerId, ...]
     sessions: dict[PeerId, str | None]
     """Each writer's transport session when it was fenced, to lift that fence again."""
+    lost_at: float
+    """When it was declared dead (the core's clock)."""
     answered: bool = False
     """It answered a probe as the same incarnation since it was declared dead."""
 
