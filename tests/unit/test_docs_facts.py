@@ -304,3 +304,18 @@ def test_the_docs_name_only_commands_that_exist(doc: Path) -> None:
     commands = set(_subcommands(build_parser()))
     for name in re.findall(r"`pdflow ([a-z]+)", doc.read_text("utf-8")):
         assert name in commands, f"{doc.name}: `pdflow {name}` is no command"
+
+
+# ---- the module map --------------------------------------------------------------------------
+def test_the_architecture_module_map_names_the_packages_that_exist() -> None:
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    block = _section(text, "## Layers").split("```")[1]
+    named = set(re.findall(r"^(pdflow\.[a-z_]+)", block, re.MULTILINE))
+    src = ROOT / "src" / "pdflow"
+    packages = {f"pdflow.{p.parent.name}" for p in src.glob("*/__init__.py")}
+    assert named == packages, "docs/architecture.md's Layers block and src/pdflow differ"
+    for folder in re.findall(r"^([a-z_]+)/", block, re.MULTILINE):
+        assert (ROOT / folder).is_dir(), folder
+    cli = re.search(r"^pdflow\.cli\s+(.*)$", block, re.MULTILINE)
+    assert cli is not None
+    assert set(cli.group(1).split(" | ")) == set(_subcommands(build_parser()))
