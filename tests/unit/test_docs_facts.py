@@ -267,12 +267,17 @@ def _options(parser: argparse.ArgumentParser) -> set[str]:
 _COMMAND = re.compile(r"(?<![\w./-])pdflow ((?:[a-z]+)(?: [a-z]+)?)((?:[^`\n|]*))")
 
 
+def _text(doc: Path) -> str:
+    """The doc, with the set-up's `.venv/bin/pdflow` read as `pdflow`."""
+    return doc.read_text("utf-8").replace(".venv/bin/pdflow ", "pdflow ")
+
+
 def _mentions() -> list[tuple[str, str, str]]:
     """(doc, sub-command words, the rest of the span) for each `pdflow ...` in the docs."""
     found = []
     for doc in DOCS:
         for span in re.findall(r"`([^`\n]*pdflow [^`\n]*)`|^(?:\$ )?(pdflow .*)$",
-                               doc.read_text("utf-8"), re.MULTILINE):  # fmt: skip
+                               _text(doc), re.MULTILINE):  # fmt: skip
             text = span[0] or span[1]
             for words, rest in _COMMAND.findall(text):
                 found.append((doc.name, words, rest))
@@ -319,3 +324,15 @@ def test_the_architecture_module_map_names_the_packages_that_exist() -> None:
     cli = re.search(r"^pdflow\.cli\s+(.*)$", block, re.MULTILINE)
     assert cli is not None
     assert set(cli.group(1).split(" | ")) == set(_subcommands(build_parser()))
+
+
+# ---- the trace format ------------------------------------------------------------------------
+def test_the_trace_doc_lists_every_header_and_step_field() -> None:
+    from pdflow.trace.format import TRACE_FORMAT_VERSION, StepRecord, TraceHeader
+
+    text = (ROOT / "docs" / "trace.md").read_text(encoding="utf-8")
+    tables = [part for part in text.split("\n\n") if part.startswith("| field |")]
+    header, step = ({n for row in _table_rows(t) for n in _code_names(row[0])} for t in tables[:2])
+    assert header == set(TraceHeader.__struct_fields__) - {"kind"}
+    assert step == set(StepRecord.__struct_fields__) - {"kind"}
+    assert f"trace format version ({TRACE_FORMAT_VERSION})" in text
