@@ -336,3 +336,12 @@ def test_the_trace_doc_lists_every_header_and_step_field() -> None:
     assert header == set(TraceHeader.__struct_fields__) - {"kind"}
     assert step == set(StepRecord.__struct_fields__) - {"kind"}
     assert f"trace format version ({TRACE_FORMAT_VERSION})" in text
+
+
+def test_the_spec_readme_counts_the_protocol_rows_and_the_cell_only_ones() -> None:
+    from pdflow.sim.coverage import PROTOCOL_MACHINES, cell_only, spec_transitions
+
+    text = " ".join((ROOT / "spec" / "README.md").read_text(encoding="utf-8").split())
+    rows = len(spec_transitions(PROTOCOL_MACHINES))
+    assert f"({', '.join(PROTOCOL_MACHINES)}: {rows} rows)" in text
+    assert f"Only a cell drive reaches these {len(cell_only())}" in text
