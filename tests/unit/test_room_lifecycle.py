@@ -137,6 +137,23 @@ def test_invalid_init_arguments_are_refused_in_every_state_that_takes_the_call(
     assert (sender.state, sender.num_pages, sender.aux_index, sender.reason) == before
 
 
+CHUNK_TAKING_STATES = [SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING,
+                       SenderState.DRAINING, SenderState.FAILED]  # fmt: skip
+
+
+@pytest.mark.parametrize("state", CHUNK_TAKING_STATES, ids=lambda s: s.name)
+def test_state_indices_on_a_chunk_not_last_are_refused_in_every_state_that_takes_the_call(
+    state: SenderState,
+) -> None:
+    # Only a room expecting a chunk checked it: a draining or failed room took it silently.
+    sender = sender_in(state)
+    before = (sender.state, sender.next_page, sender.last_submitted, dict(sender.outstanding))
+    with pytest.raises(InvalidInput, match="last chunk only"):
+        sender.handle(SendChunk((0,), is_last=False, state_indices=((1,),)), 2.0)
+    assert (sender.state, sender.next_page, sender.last_submitted,
+            dict(sender.outstanding)) == before  # fmt: skip
+
+
 def test_the_sender_tells_the_engine_the_decodes_prefix_and_its_peers_must_agree() -> None:
     sender = new_sender()
     first = msgspec.structs.replace(metadata(DECODE, required=2), decode_prefix_len=32)

@@ -139,6 +139,7 @@ class SenderRoom(TableMachine[SenderState]):
         elif kind is InitTransfer:
             self._validate_init(given)
         elif kind is SendChunk:
+            self._validate_chunk_arguments(given)
             if self._chunk_expected():
                 self._validate_chunk(given)
         elif kind is AbortArrived:
@@ -188,9 +189,18 @@ class SenderRoom(TableMachine[SenderState]):
         taking = self.state in _TAKING_CHUNKS
         return taking and self.num_pages is not None and not self.last_submitted
 
+    def _validate_chunk_arguments(self, inp: SendChunk) -> None:
+        # The chunk's own arguments are refused in every state that takes the call (a draining
+        # or failed room ignores the call, not a caller bug), like InitTransfer's.
+        if inp.state_indices and not inp.is_last:
+            raise InvalidInput(
+                f"room {self.key}: model state travels with the last chunk only; pass "
+                "state_indices with is_last=True"
+            )
+
     def _validate_chunk(self, inp: SendChunk) -> None:
         # A chunk before InitTransfer or after the last one is refused by the table (guard
-        # chunk_expected); only the chunk's own bounds are checked here.
+        # chunk_expected); only the chunk's bounds in the room are checked here.
         assert self.num_pages is not None
         end = self.next_page + len(inp.src_pages)
         if end > self.num_pages:
@@ -201,11 +211,6 @@ class SenderRoom(TableMachine[SenderState]):
             raise InvalidInput(
                 f"room {self.key}: is_last={inp.is_last} but the chunk ends at page {end} of "
                 f"{self.num_pages}; exactly the chunk reaching num_pages is last"
-            )
-        if inp.state_indices and not inp.is_last:
-            raise InvalidInput(
-                f"room {self.key}: model state travels with the last chunk only; pass "
-                "state_indices with is_last=True"
             )
         if inp.is_last:
             self._validate_state(inp.state_indices)
