@@ -20,6 +20,7 @@ from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import (
     PROTOCOL_VERSION,
+    WIRE_INT_MAX,
     Abort,
     AbortAck,
     BootstrapRequest,
@@ -52,8 +53,9 @@ def errors_only() -> Iterator[None]:
 
 VERSION = str(PROTOCOL_VERSION).encode()
 _PEERS = st.builds(PeerId, st.sampled_from(["127.0.0.1:1", "127.0.0.1:notaport", "ipc:///x", ""]),
-                   st.text(max_size=8), st.integers(-2, 2**40))  # fmt: skip
-_ROOM = st.integers(-(2**63), 2**64 - 1)
+                   st.text(max_size=8), st.integers(0, 2**40))  # fmt: skip
+# Valid messages: every integer in its wire range (tests/unit/test_codec.py refuses the rest).
+_ROOM = st.integers(0, WIRE_INT_MAX)
 _LAYOUT = KvBuffers.from_layout(packed_layout(base_addr=4096, num_layers=1, num_pages=8,
                                                page_size=1, num_heads=1, head_dim=1,
                                                dtype=KvDtype.FP16), 1)  # fmt: skip
@@ -63,8 +65,8 @@ _MLA_BUFFERS = KvBuffers(4, (KvBuffer(1 << 20, 4096, 512, 0, KvRole.LATENT),
 
 MESSAGES: st.SearchStrategy[ControlMessage] = st.one_of(
     st.builds(RoomMetadata, _ROOM, st.integers(0, 3), _PEERS, _PEERS, st.text(max_size=8),
-              st.lists(st.integers(-1, 2**33), max_size=16).map(tuple),
-              st.none() | st.integers(-1, 9), st.integers(-1, 4)),
+              st.lists(st.integers(0, 2**33), max_size=16).map(tuple),
+              st.none() | st.integers(0, 9), st.integers(1, 4)),
     st.builds(BootstrapRequest, _ROOM, st.integers(0, 3), _PEERS, _PEERS),
     st.builds(StatusReport, _ROOM, st.integers(0, 3), st.sampled_from(KVPoll), _PEERS, _PEERS,
               st.text(max_size=8), st.none() | st.integers(0, 2**64 - 1)),

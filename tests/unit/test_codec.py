@@ -10,7 +10,10 @@ from pdflow.core.dataplane.layout import KvDtype, packed_layout
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import (
     PROTOCOL_VERSION,
+    WIRE_INT_MAX,
     Abort,
+    AbortAck,
+    BootstrapRequest,
     KvArgs,
     PeerId,
     RoomMetadata,
@@ -112,6 +115,56 @@ def test_bad_frames_raise_typed_reasons() -> None:
     assert reason_of(codec, wire_frames(payload[:-3])) == "undecodable"
     assert reason_of(codec, wire_frames(payload, b"\xff\xfe")) == "undecodable"
     assert reason_of(codec, wire_frames(b"")) == "undecodable"  # a header and nothing else
+
+
+def _with(message: object, **fields: object) -> object:
+    # msgspec checks field constraints only when decoding, so a message can be built with
+    # values no peer's decoder accepts: exactly what a hostile or buggy peer would send.
+    return msgspec.structs.replace(message, **fields)  # type: ignore[type-var]
+
+
+OUT_OF_RANGE = [
+    (_with(metadata(), room=-1), "$.room"),
+    (_with(metadata(), room=2**63), "$.room"),
+    (_with(metadata(), generation=2**64 - 1), "$.generation"),
+    (_with(metadata(), dst_pages=(0, -3)), "$.dst_pages[1]"),
+    (_with(metadata(), dst_pages=(2**63,)), "$.dst_pages[0]"),
+    (_with(metadata(), aux_index=-1), "$.aux_index"),
+    (_with(metadata(), staging_offset=-4096), "$.staging_offset"),
+    (_with(metadata(), decode_prefix_len=-16), "$.decode_prefix_len"),
+    (_with(metadata(), required_dst_info_num=0), "$.required_dst_info_num"),
+    (_with(metadata(), state_indices=((1,), (-2,))), "$.state_indices[1][0]"),
+    (_with(metadata(), decode=PeerId("127.0.0.1:5001", "d-inc", -1)), "$.decode.rank"),
+    (BootstrapRequest(-5, 2, DECODE, PREFILL), "$.room"),
+    (StatusReport(7, -2, KVPoll.Failed, PREFILL, DECODE), "$.generation"),
+    (StatusReport(7, 2, KVPoll.Success, PREFILL, DECODE, checksum=-1), "$.checksum"),
+    (Abort(2**63, 2, DECODE, PREFILL), "$.room"),
+    (AbortAck(7, -(2**63), PREFILL, DECODE), "$.generation"),
+]
+
+
+@pytest.mark.parametrize(("message", "field"), OUT_OF_RANGE, ids=[f for _, f in OUT_OF_RANGE])
+def test_an_integer_outside_the_wire_range_is_undecodable_naming_the_field(
+    message: object, field: str
+) -> None:
+    # Every one of these decoded and went on to the core: RoomMetadata naming page -3 or
+    # staging offset -4096 became a StartTransfer writing at those places.
+    codec = MsgpackCodec()
+    payload = msgspec.msgpack.encode(message)
+    with pytest.raises(FrameError) as caught:
+        codec.decode(wire_frames(payload))
+    assert caught.value.reason == "undecodable"
+    assert field in caught.value.detail
+
+
+def test_the_ends_of_the_wire_range_decode() -> None:
+    codec = MsgpackCodec()
+    edge = _with(metadata(), room=WIRE_INT_MAX, generation=0, dst_pages=(0, WIRE_INT_MAX),
+                 staging_offset=0, state_indices=((WIRE_INT_MAX,),))  # fmt: skip
+    report = StatusReport(WIRE_INT_MAX, WIRE_INT_MAX, KVPoll.Success, PREFILL, DECODE,
+                          checksum=2**64 - 1)  # fmt: skip
+    for message in (edge, report):
+        assert codec.decode(wire_frames(msgspec.msgpack.encode(message))) == (message, None)
 
 
 def test_unknown_message_type_is_undecodable() -> None:

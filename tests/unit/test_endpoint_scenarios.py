@@ -416,6 +416,43 @@ def test_an_open_with_a_generation_outside_the_wire_range_is_refused(generation:
     assert p.generation_of(7) == 2**63 - 1 and d.generation_of(7) == 0
 
 
+@pytest.mark.parametrize("room_id", [-1, 2**63])
+def test_an_open_with_a_room_id_outside_the_wire_range_is_refused(room_id: int) -> None:
+    # Both sides opened room -1 (and 2**63), whose every message no peer's codec decodes.
+    p, d = prefill(), decode()
+    before = (p.snapshot(), d.snapshot())
+    with pytest.raises(InvalidInput, match=f"room id {room_id} is outside"):
+        p.handle(OpenRoom(room_id, 1), 0.0)
+    with pytest.raises(InvalidInput, match=f"room id {room_id} is outside"):
+        d.handle(OpenReceiver(room_id, 1, BOOT), 0.0)
+    assert (p.snapshot(), d.snapshot()) == before
+    p.handle(OpenRoom(2**63 - 1, 1), 0.0)
+    d.handle(OpenReceiver(0, 1, BOOT), 0.0)
+    assert p.is_open(2**63 - 1) and d.is_open(0)
+
+
+@pytest.mark.parametrize(
+    ("published", "why"),
+    [
+        (PublishPages(1, (0, 1), aux_index=-1), "aux_index -1 is outside"),
+        (PublishPages(1, (0, 1), aux_index=None, state_indices=((0,), (-4,))),
+         "state index -4 is outside"),
+    ],
+    ids=["negative aux slot", "negative state index"],
+)  # fmt: skip
+def test_pages_published_with_an_index_outside_the_wire_range_are_refused(
+    published: PublishPages, why: str
+) -> None:
+    # They were reserved and sent on in the room's metadata, which the prefill's codec drops.
+    d = decode()
+    d.handle(OpenReceiver(1, 1, BOOT), 0.0)
+    d.handle(TopologyKnown(info(PREFILL_A)), 0.0)
+    before = (d.snapshot(), d.ledger.snapshot())
+    with pytest.raises(InvalidInput, match=why):
+        d.handle(published, 1.0)
+    assert (d.snapshot(), d.ledger.snapshot()) == before
+
+
 @pytest.mark.parametrize("generation", BAD_GENERATIONS)
 def test_a_peer_message_with_a_generation_outside_the_wire_range_is_dropped(
     generation: int,

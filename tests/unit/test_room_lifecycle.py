@@ -123,8 +123,9 @@ def test_the_prefill_refuses_init_without_the_aux_row_its_decode_expects() -> No
 @pytest.mark.parametrize("state", [SenderState.WAITING_FOR_INPUT, SenderState.FAILED],
                          ids=lambda s: s.name)  # fmt: skip
 @pytest.mark.parametrize(
-    "call", [InitTransfer(-1, aux_index=0), InitTransfer(2, aux_index=-1)],
-    ids=["negative num_pages", "negative aux_index"],
+    "call",
+    [InitTransfer(-1, aux_index=0), InitTransfer(2, aux_index=-1), InitTransfer(2**63)],
+    ids=["negative num_pages", "negative aux_index", "num_pages past 2**63 - 1"],
 )  # fmt: skip
 def test_invalid_init_arguments_are_refused_in_every_state_that_takes_the_call(
     state: SenderState, call: InitTransfer
@@ -132,7 +133,7 @@ def test_invalid_init_arguments_are_refused_in_every_state_that_takes_the_call(
     # A failed room took InitTransfer(-1) without a word: only WAITING_FOR_INPUT validated it.
     sender = sender_in(state)
     before = (sender.state, sender.num_pages, sender.aux_index, sender.reason)
-    with pytest.raises(InvalidInput, match="must be >= 0"):
+    with pytest.raises(InvalidInput, match=r"outside \[0, 2\*\*63 - 1\]"):
         sender.handle(call, 2.0)
     assert (sender.state, sender.num_pages, sender.aux_index, sender.reason) == before
 
@@ -142,14 +143,25 @@ CHUNK_TAKING_STATES = [SenderState.WAITING_FOR_INPUT, SenderState.TRANSFERRING,
 
 
 @pytest.mark.parametrize("state", CHUNK_TAKING_STATES, ids=lambda s: s.name)
-def test_state_indices_on_a_chunk_not_last_are_refused_in_every_state_that_takes_the_call(
-    state: SenderState,
+@pytest.mark.parametrize(
+    ("chunk", "why"),
+    [
+        (SendChunk((0,), is_last=False, state_indices=((1,),)), "last chunk only"),
+        (SendChunk((0, -1), is_last=True), "source page -1 is outside"),
+        (SendChunk((0,), is_last=True, state_indices=((2**63,),)),
+         f"state index {2**63} is outside"),
+    ],
+    ids=["state indices on a chunk not last", "negative source page", "state index past range"],
+)  # fmt: skip
+def test_invalid_chunk_arguments_are_refused_in_every_state_that_takes_the_call(
+    state: SenderState, chunk: SendChunk, why: str
 ) -> None:
-    # Only a room expecting a chunk checked it: a draining or failed room took it silently.
+    # Only a room expecting a chunk checked them: a draining or failed room took them silently,
+    # and no state refused a source page -1 (a write from below the engine's KV buffer).
     sender = sender_in(state)
     before = (sender.state, sender.next_page, sender.last_submitted, dict(sender.outstanding))
-    with pytest.raises(InvalidInput, match="last chunk only"):
-        sender.handle(SendChunk((0,), is_last=False, state_indices=((1,),)), 2.0)
+    with pytest.raises(InvalidInput, match=why):
+        sender.handle(chunk, 2.0)
     assert (sender.state, sender.next_page, sender.last_submitted,
             dict(sender.outstanding)) == before  # fmt: skip
 

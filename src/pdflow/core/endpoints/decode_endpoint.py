@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from collections import Counter
 from enum import Enum
+from itertools import chain
 from typing import Any
 
 import msgspec
@@ -81,6 +82,7 @@ from pdflow.core.protocol.messages import (
     KvArgsAccepted,
     PeerId,
     StatusReport,
+    wire_int_refusal,
 )
 from pdflow.core.protocol.outputs import ArmFence, Output, SendMessage, VerifyChecksums
 from pdflow.core.resources.kv_layouts import (
@@ -274,7 +276,7 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
 
     # ---- rooms -----------------------------------------------------------------------------------
     def _open(self, inp: OpenReceiver, now: float, out: list[Output], fired: list[Fired]) -> None:
-        self._refuse_bad_generation(inp.generation)
+        self._refuse_out_of_wire_range(inp.room, inp.generation)
         self._refuse_duplicate(inp.room)
         self._opening = inp
         self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now, out, fired)
@@ -513,8 +515,18 @@ class DecodeEndpoint(RoomHost[ReceiverRoom]):
         self, inp: PublishPages, now: float, out: list[Output], fired: list[Fired]
     ) -> None:
         room = self._known_room(inp.room)
+        refusal = (
+            wire_int_refusal("destination page", inp.dst_pages)
+            or wire_int_refusal("aux_index", () if inp.aux_index is None else inp.aux_index)
+            or wire_int_refusal("state index", chain.from_iterable(inp.state_indices))
+            or wire_int_refusal("decode_prefix_len", inp.decode_prefix_len)
+        )
+        if refusal is not None:
+            # Checked before the ledger or the staging ring sees the call: the room's metadata
+            # carries every one of them, and no peer decodes one outside the range.
+            raise InvalidInput(f"room {inp.room}: {refusal}")
         page_size = self.config.page_size
-        if inp.decode_prefix_len < 0 or inp.decode_prefix_len % page_size:
+        if inp.decode_prefix_len % page_size:
             raise InvalidInput(
                 f"room {inp.room}: decode_prefix_len {inp.decode_prefix_len} is not a "
                 f"non-negative multiple of page_size {page_size}; a cached prefix ends on a page "

@@ -190,7 +190,7 @@ class PrefillEndpoint(RoomHost[SenderRoom]):
 
     # ---- inputs ----------------------------------------------------------------------------------
     def _open(self, inp: OpenRoom, now: float, outputs: list[Output], fired: list[Fired]) -> None:
-        self._refuse_bad_generation(inp.generation)
+        self._refuse_out_of_wire_range(inp.room, inp.generation)
         self._refuse_duplicate(inp.room)
         self._slot(inp.room, inp.generation, OpenSlot(inp.room, inp.generation), now)
 

@@ -10,7 +10,12 @@ from pdflow.core.framework.deadlines import DeadlineQueue
 from pdflow.core.framework.errors import InvalidInput, LocalProtocolError
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.framework.table import TableMachine
-from pdflow.core.protocol.messages import PeerId, RoomMessage, generation_refusal
+from pdflow.core.protocol.messages import (
+    PeerId,
+    RoomMessage,
+    generation_refusal,
+    wire_int_refusal,
+)
 from pdflow.core.protocol.outputs import Output
 
 R = TypeVar("R", bound=TableMachine[Any])
@@ -57,8 +62,9 @@ class RoomHost(Generic[R]):
                 hint="fail this request; the router assigned a room id twice",
             )
 
-    def _refuse_bad_generation(self, generation: int) -> None:
-        refusal = generation_refusal(generation)
+    def _refuse_out_of_wire_range(self, room_id: int, generation: int) -> None:
+        """An open must name a room id and a generation every message about it can carry."""
+        refusal = wire_int_refusal("room id", room_id) or generation_refusal(generation)
         if refusal is not None:
             raise InvalidInput(f"cannot open a room: {refusal}")
 

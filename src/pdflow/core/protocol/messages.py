@@ -8,6 +8,9 @@ Handshake messages carry the protocol version.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import Annotated
+
 import msgspec
 
 from pdflow.core.dataplane.buffers import KvBuffers
@@ -16,16 +19,38 @@ from pdflow.core.framework.kvpoll import KVPoll
 
 PROTOCOL_VERSION = 1
 
-MAX_GENERATION = 2**63 - 1
-"""A generation is in ``[0, MAX_GENERATION]``: MessagePack's signed 64-bit range, less the
-negative half, which the prefill's room-id records keep for "no generation" (-2**63)."""
+WIRE_INT_MAX = 2**63 - 1
+"""Every room id, generation, page index, state index, aux row, offset and count a room message
+carries is in ``[0, WIRE_INT_MAX]``: a non-negative signed 64-bit integer. SGLang keeps room
+ids in its aux buffer as uint64, but as int64 on NPUs (its own warm-up rooms stay below 2**63);
+its page indices are int32/int64 tensor indices; and a Mooncake write adds its offsets to 64-bit
+addresses. The negative half is never valid: the prefill's room-id records keep -2**63 for "no
+generation"."""
+
+WireInt = Annotated[int, msgspec.Meta(ge=0, le=WIRE_INT_MAX)]
+"""A room message's integer field: decoding refuses one outside the range (the codec drops the
+frame as undecodable, naming the field)."""
+WireCount = Annotated[int, msgspec.Meta(ge=1, le=WIRE_INT_MAX)]
+"""A count that is at least one (how many decode ranks must send their metadata)."""
+Unsigned = Annotated[int, msgspec.Meta(ge=0)]
+"""A room's KV digest (a fold modulo 2**64, dataplane/checksum.py) or a memory address a
+Mooncake write targets: an unsigned 64-bit integer. MessagePack carries none past 2**64 - 1, and
+msgspec takes no bound past int64's, so only the sign is checked."""
+
+
+def wire_int_refusal(what: str, values: int | Iterable[int]) -> str | None:
+    """Why ``what`` (one integer or several) is not in the wire range; None when it is. The
+    engine-facing checks use it, so a value the engine passes is refused with the same range a
+    peer's message is decoded with."""
+    for value in (values,) if isinstance(values, int) else values:
+        if not 0 <= value <= WIRE_INT_MAX:
+            return f"{what} {value} is outside [0, 2**63 - 1]"
+    return None
 
 
 def generation_refusal(generation: int) -> str | None:
     """Why ``generation`` is not one the protocol allows; None when it is."""
-    if 0 <= generation <= MAX_GENERATION:
-        return None
-    return f"generation {generation} is outside [0, 2**63 - 1]"
+    return wire_int_refusal("generation", generation)
 
 
 class PeerId(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
@@ -33,7 +58,7 @@ class PeerId(msgspec.Struct, frozen=True, gc=False, forbid_unknown_fields=True):
 
     address: str
     incarnation: str
-    rank: int = 0
+    rank: WireInt = 0
 
 
 def peer_order(peer: PeerId) -> tuple[str, str, int]:
@@ -50,18 +75,18 @@ class Message(msgspec.Struct, frozen=True, gc=False, tag_field="type", forbid_un
 class RoomMetadata(Message, frozen=True, tag="room_metadata"):
     """Decode -> prefill: where this room's KV must land (the SGLang "TransferInfo")."""
 
-    room: int
-    generation: int
+    room: WireInt
+    generation: WireInt
     decode: PeerId
     prefill: PeerId
     session_id: str
-    dst_pages: tuple[int, ...]
-    aux_index: int | None
-    required_dst_info_num: int
-    decode_prefix_len: int = 0
+    dst_pages: tuple[WireInt, ...]
+    aux_index: WireInt | None
+    required_dst_info_num: WireCount
+    decode_prefix_len: WireInt = 0
     is_dummy: bool = False
-    staging_offset: int | None = None
-    state_indices: tuple[tuple[int, ...], ...] = ()
+    staging_offset: WireInt | None = None
+    state_indices: tuple[tuple[WireInt, ...], ...] = ()
     """The decode's model-state indices per state component (empty for a dummy)."""
     version: int = PROTOCOL_VERSION
 
@@ -69,8 +94,8 @@ class RoomMetadata(Message, frozen=True, tag="room_metadata"):
 class BootstrapRequest(Message, frozen=True, tag="bootstrap"):
     """Decode -> prefill (prefill_complete policy): tell me when your prefill has finished."""
 
-    room: int
-    generation: int
+    room: WireInt
+    generation: WireInt
     decode: PeerId
     prefill: PeerId
     version: int = PROTOCOL_VERSION
@@ -79,13 +104,13 @@ class BootstrapRequest(Message, frozen=True, tag="bootstrap"):
 class StatusReport(Message, frozen=True, tag="status"):
     """Prefill -> decode: ready (WaitingForInput), Success or Failed for one room."""
 
-    room: int
-    generation: int
+    room: WireInt
+    generation: WireInt
     status: KVPoll
     prefill: PeerId
     decode: PeerId
     reason: str = ""
-    checksum: int | None = None
+    checksum: Unsigned | None = None
     aux: bytes | None = None
     """With Success: the room's aux row (first token, logprobs, ...), for the decode's aux slot."""
 
@@ -93,8 +118,8 @@ class StatusReport(Message, frozen=True, tag="status"):
 class Abort(Message, frozen=True, tag="abort"):
     """Decode -> prefill: stop writing this room and ACK once every write has drained."""
 
-    room: int
-    generation: int
+    room: WireInt
+    generation: WireInt
     decode: PeerId
     prefill: PeerId
     reason: str = ""
@@ -103,8 +128,8 @@ class Abort(Message, frozen=True, tag="abort"):
 class AbortAck(Message, frozen=True, tag="abort_ack"):
     """Prefill -> decode: no write of this rank into this room can still land."""
 
-    room: int
-    generation: int
+    room: WireInt
+    generation: WireInt
     prefill: PeerId
     decode: PeerId
 
@@ -119,10 +144,10 @@ class KvArgs(Message, frozen=True, tag="kv_args"):
     session_id: str
     layout: KvBuffers
     """Every KV buffer of this decode rank (``RankKv.kv_buffers``)."""
-    tp_size: int
-    tp_rank: int
-    total_kv_heads: int
-    staging_addr: int | None = None
+    tp_size: WireCount
+    tp_rank: WireInt
+    total_kv_heads: WireCount
+    staging_addr: Unsigned | None = None
     """Base of this decode rank's staging ring (heterogeneous TP), if it has one."""
     state: tuple[StateBuffers, ...] = ()
     """This decode rank's model-state components, in the order state indices name them."""

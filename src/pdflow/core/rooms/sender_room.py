@@ -10,6 +10,7 @@ reuse the pages. See spec/protocol.toml ``[machines.SenderRoom]``.
 from __future__ import annotations
 
 import enum
+from itertools import chain
 from typing import Any
 
 from pdflow.core.dataplane.checksum import ROOM_FOLD_MODULUS
@@ -28,7 +29,14 @@ from pdflow.core.protocol.inputs import (
     Tick,
     TransferCompleted,
 )
-from pdflow.core.protocol.messages import AbortAck, PeerId, RoomMetadata, StatusReport, peer_order
+from pdflow.core.protocol.messages import (
+    AbortAck,
+    PeerId,
+    RoomMetadata,
+    StatusReport,
+    peer_order,
+    wire_int_refusal,
+)
 from pdflow.core.protocol.outputs import Output, SendMessage, StartTransfer
 from pdflow.core.protocol.policy import AllocationPolicy, Timeouts
 
@@ -164,10 +172,11 @@ class SenderRoom(TableMachine[SenderState]):
         # The arguments themselves are refused in every state that takes the call (a failed
         # room ignores the call, not a caller bug); what the peers published is checked only
         # for the first InitTransfer (a second one is refused by the table: guard first_init).
-        if inp.num_pages < 0:
-            raise InvalidInput(f"num_pages must be >= 0, got {inp.num_pages}")
-        if inp.aux_index is not None and inp.aux_index < 0:
-            raise InvalidInput(f"aux_index must be >= 0, got {inp.aux_index}")
+        refusal = wire_int_refusal("num_pages", inp.num_pages) or wire_int_refusal(
+            "aux_index", () if inp.aux_index is None else inp.aux_index
+        )
+        if refusal is not None:
+            raise InvalidInput(f"room {self.key}: {refusal}")
         if self.state is not _WAITING_FOR_INPUT or self.num_pages is not None:
             return
         for md in self.peers.values():
@@ -197,6 +206,11 @@ class SenderRoom(TableMachine[SenderState]):
                 f"room {self.key}: model state travels with the last chunk only; pass "
                 "state_indices with is_last=True"
             )
+        refusal = wire_int_refusal("source page", inp.src_pages) or wire_int_refusal(
+            "state index", chain.from_iterable(inp.state_indices)
+        )
+        if refusal is not None:
+            raise InvalidInput(f"room {self.key}: {refusal}")
 
     def _validate_chunk(self, inp: SendChunk) -> None:
         # A chunk before InitTransfer or after the last one is refused by the table (guard
