@@ -46,14 +46,15 @@ class WorldShape(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     max_pending_room_ids: int = 65_536
     max_parked_peers: int = 64
     max_finished_room_ids: int = 65_536
+    max_ownerless_ready_rooms: int = 65_536
     announces_layout: bool = False
     """The decode announces its KV layout (KvArgs) before its first message to each prefill
     rank and the prefill accepts it (the layout exchange of spec/machines/kv_layouts.toml); the
     fake transport itself moves pages by index."""
-    """The prefill's slot bounds (PrefillEndpointConfig); some worlds draw them tiny, so early
-    metadata and ABORTs run into them as they would under a flood of room ids or peers, and
-    the opened marks of finished room ids are forgotten while their late messages still
-    arrive (no expiry may reopen a use-after-free)."""
+    """The prefill's slot bounds and ready-table cap (PrefillEndpointConfig); some worlds draw
+    them tiny, so early metadata, ABORTs and prefill_complete bootstraps run into them as they
+    would under a flood of room ids or peers, and the opened marks of finished room ids are
+    forgotten while their late messages still arrive (no expiry may reopen a use-after-free)."""
 
     @property
     def prefill_ranks(self) -> int:
@@ -302,9 +303,15 @@ def draw_plan(seed: int) -> FaultPlan:
         drawn = 0.0 if rng.random() < 0.3 else rng.choice((0.05, 0.15, 0.4))
         weights[kind] = drawn if kind in FAULT_PROFILES[profile] else 0.0
     if rng.random() < 0.25:
+        # The ready table's cap (prefill_complete) takes the same draw (a new one would move
+        # every recorded seed's world), doubled: at the drawn value itself a refused bootstrap
+        # waits out its timeout so often that seed 54's world saw no decode Success; doubled,
+        # the uncapped table still passes it within a few seeds (mutant ready_table_uncapped).
+        bound = rng.choice((1, 2))
         shape = msgspec.structs.replace(
-            shape, max_pending_room_ids=rng.choice((1, 2)), max_parked_peers=1
-        )
+            shape, max_pending_room_ids=bound, max_parked_peers=1,
+            max_ownerless_ready_rooms=2 * bound,
+        )  # fmt: skip
     if rng.random() < 0.3:
         shape = msgspec.structs.replace(shape, max_finished_room_ids=rng.choice((1, 2)))
     shape = msgspec.structs.replace(shape, announces_layout=rng.random() < 0.5)

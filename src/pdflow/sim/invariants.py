@@ -38,6 +38,7 @@ from pdflow.core.protocol.inputs import SendChunk
 from pdflow.core.protocol.messages import Abort, AbortAck, PeerId, RoomMetadata, StatusReport
 from pdflow.core.protocol.outputs import SendMessage, StartTransfer, StatusChanged
 from pdflow.core.resources.page_ledger import RoomPagesState
+from pdflow.core.rooms.prefill_complete import BootstrapRoomState
 from pdflow.sim.transport import aux_content, source_content
 
 if TYPE_CHECKING:
@@ -45,6 +46,8 @@ if TYPE_CHECKING:
     from pdflow.sim.world import World
 
 Transition = tuple[str, str, str, str | None, str]
+OWNERLESS_READY_STATES = (BootstrapRoomState.UNOWNED.name, BootstrapRoomState.TOMBSTONE.name)
+"""The ready table's states no sender owns (a snapshot names its entries' states)."""
 MISMATCH_DECLARED = "checksum mismatch"
 """How a decode that requires checksums fails rooms of a prefill registered without them."""
 MISMATCH_UNDECLARED = "KV checksum missing"
@@ -347,6 +350,7 @@ class Monitor:
         name = process.name
         endpoint = process.endpoint
         self.checking("bounded_room_state")
+        self._check_ready_table_bounded(process)
         for room, record in endpoint.pending.items():
             parked = record.parked_generation != NONE
             if parked or record.cancelled > endpoint.opened.get(room, NONE):
@@ -363,6 +367,22 @@ class Monitor:
                     "which it opened already and ACKed no ABORT for before it opened "
                     "(state that grows with failures)",
                 )
+
+    def _check_ready_table_bounded(self, process: PrefillProcess) -> None:
+        """bounded_room_state's prefill_complete part: the ready table's entries no sender owns,
+        counted from its snapshot (not from the table's own count, which a bug could skew)."""
+        table = process.endpoint.ready_table
+        if table is None:
+            return
+        cap = process.endpoint.config.max_ownerless_ready_rooms
+        ownerless = sum(entry.state in OWNERLESS_READY_STATES for entry in table.snapshot().rooms)
+        if ownerless > cap:
+            self.fail(
+                "bounded_room_state",
+                f"{process.name}: the ready table holds {ownerless} entries no sender owns, over "
+                f"max_ownerless_ready_rooms={cap} (stray bootstraps and early cancels held for "
+                "the whole TTL)",
+            )
 
     def _check_sender(self, process: PrefillProcess, inp: AnyEndpointInput, step: Step) -> None:
         """chunks_partition, drain_before_ack and abort_is_final, from what the sender did."""

@@ -263,6 +263,13 @@ def _cancel_expires_at_the_bound(original: Any) -> Any:
     return unopened_full
 
 
+def _never_full(original: Any) -> Any:
+    def ownerless_full(self: PrefillCompleteTable) -> bool:
+        return False
+
+    return ownerless_full
+
+
 def _room_keyed_ready_table(original: Any) -> Any:
     def machine(self: PrefillCompleteTable, inp: Any) -> BootstrapRoom:
         held = self._rooms.get(inp.room, {})
@@ -438,6 +445,10 @@ MUTANTS: tuple[Mutant, ...] = (
            "scatter that still writes them",
            (_row_retargeted(PAGE_LEDGER_TABLE, "VERIFYING", "ReleaseAfterSuccess",
                             RoomPagesState.FREE, ("pages_freed",), RoomPages._act_free),)),
+    Mutant("ready_table_uncapped", "review of 2026-12-06 (stray bootstraps held for the TTL)",
+           "the prefill_complete ready table keeps every ownerless entry: past "
+           "max_ownerless_ready_rooms a bootstrap or an early cancel still adds one",
+           ((PrefillCompleteTable, "_ownerless_full", _never_full),)),
     Mutant("failed_generation_blocks_next", "issue 11 bug A (room-keyed tombstone)",
            "the prefill_complete table is keyed by room id: a failed generation refuses the next",
            ((PrefillCompleteTable, "_machine", _room_keyed_ready_table),)),

@@ -207,6 +207,7 @@ class World:
                 max_pending_room_ids=self.shape.max_pending_room_ids,
                 max_parked_peers=self.shape.max_parked_peers,
                 max_finished_room_ids=self.shape.max_finished_room_ids,
+                max_ownerless_ready_rooms=self.shape.max_ownerless_ready_rooms,
             )
             name = f"prefill{rank}.{self.prefill_life}"
             process = PrefillProcess(
