@@ -42,10 +42,16 @@ def wire_int_refusal(what: str, values: int | Iterable[int]) -> str | None:
     """Why ``what`` (one integer or several) is not in the wire range; None when it is. The
     engine-facing checks use it, so a value the engine passes is refused with the same range a
     peer's message is decoded with."""
-    for value in (values,) if isinstance(values, int) else values:
-        if not 0 <= value <= WIRE_INT_MAX:
-            return f"{what} {value} is outside [0, 2**63 - 1]"
-    return None
+    if isinstance(values, int):
+        if 0 <= values <= WIRE_INT_MAX:
+            return None
+        return f"{what} {values} is outside [0, 2**63 - 1]"
+    items = values if isinstance(values, tuple) else tuple(values)
+    # min and max scan in C: a room's page list is checked on every chunk and publish.
+    if not items or (min(items) >= 0 and max(items) <= WIRE_INT_MAX):
+        return None
+    outside = next(value for value in items if not 0 <= value <= WIRE_INT_MAX)
+    return f"{what} {outside} is outside [0, 2**63 - 1]"
 
 
 def generation_refusal(generation: int) -> str | None:
