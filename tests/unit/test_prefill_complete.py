@@ -18,6 +18,7 @@ from pdflow.core.rooms.prefill_complete import (
     BootstrapRoomState,
     ClaimRoom,
     CloseRoom,
+    Evicted,
     FailRoom,
     MarkComplete,
     OwnerRefused,
@@ -50,6 +51,7 @@ SAMPLES: dict[str, Input] = {
     "FailRoom": FailRoom(ROOM, GEN),
     "CloseRoom": CloseRoom(ROOM, GEN, OWNER, False),
     "Superseded": Superseded(ROOM, GEN, GEN + 1),
+    "Evicted": Evicted(ROOM, GEN),
     "Tick": Tick(),
 }
 
@@ -257,7 +259,7 @@ def test_ownerless_entries_are_capped_and_what_would_pass_the_cap_is_dropped() -
     # TTL, outside any cap: a peer could make a prefill hold unbounded state.
     table = PrefillCompleteTable(ME, TIMEOUTS, max_ownerless=2)
     table.handle(BootstrapArrived(1, GEN, D1), 0.0)
-    table.handle(FailRoom(2, GEN), 0.0)
+    table.handle(BootstrapArrived(2, GEN, D1), 0.0)
     table.handle(ClaimRoom(3, GEN, OWNER), 0.0)
     before = table.snapshot()
     assert _dropped(table.handle(BootstrapArrived(4, GEN, D1), 1.0)) == ["ready_table_full"]
@@ -275,11 +277,45 @@ def test_ownerless_entries_are_capped_and_what_would_pass_the_cap_is_dropped() -
     table.handle(FailRoom(6, GEN), 2.0)
     table.handle(CloseRoom(6, GEN, OWNER, False), 2.0)
     assert table.state_of(6, GEN) is BootstrapRoomState.ABSENT and table.held() == 2
+    # A failure of a waiting entry keeps the count: the cancel reaches its decode.
+    assert _notices(table.handle(FailRoom(2, GEN), 2.0)) == [(D1, KVPoll.Failed)]
+    assert table.ownerless() == 2
     # Once the ownerless ones expire there is room again.
-    table.handle(Tick(), TTL)
+    table.handle(Tick(), TTL + 2.0)
     assert table.ownerless() == 0
-    assert _dropped(table.handle(BootstrapArrived(4, GEN, D1), TTL)) == []
+    assert _dropped(table.handle(BootstrapArrived(4, GEN, D1), TTL + 2.0)) == []
     assert table.state_of(4, GEN) is BootstrapRoomState.UNOWNED
+
+
+def test_past_the_cap_the_oldest_tombstone_makes_way_for_a_live_bootstrap() -> None:
+    # A burst of failures filled the cap with tombstones, and the next early bootstrap of a
+    # live room was dropped: its decode waited out its timeout for a prefill that would have
+    # been ready. A tombstone only tells a late bootstrap of a room already failed.
+    table = PrefillCompleteTable(ME, TIMEOUTS, max_ownerless=3)
+    for room, at in ((1, 0.0), (2, 1.0)):  # owners close their rooms unfinished
+        table.handle(ClaimRoom(room, GEN, OWNER), at)
+        table.handle(CloseRoom(room, GEN, OWNER, False), at)
+    table.handle(FailRoom(3, GEN), 2.0)  # a cancel before the sender
+    assert table.ownerless() == 3
+    step = table.handle(BootstrapArrived(10, GEN, D1), 3.0)
+    assert _dropped(step) == [] and table.state_of(10, GEN) is BootstrapRoomState.UNOWNED
+    assert table.state_of(1, GEN) is BootstrapRoomState.ABSENT  # the oldest went
+    assert [(f.source, f.on, f.target) for f in step.fired][-1] == (
+        "TOMBSTONE", "Evicted", "ABSENT")
+    # A new tombstone (a cancel, an unfinished close) evicts the oldest one too.
+    table.handle(FailRoom(11, GEN), 4.0)
+    assert table.state_of(2, GEN) is BootstrapRoomState.ABSENT
+    assert table.state_of(11, GEN) is BootstrapRoomState.TOMBSTONE
+    table.handle(ClaimRoom(12, GEN, OWNER), 5.0)
+    table.handle(CloseRoom(12, GEN, OWNER, False), 5.0)
+    assert table.state_of(3, GEN) is BootstrapRoomState.ABSENT
+    assert table.state_of(12, GEN) is BootstrapRoomState.TOMBSTONE and table.ownerless() == 3
+    # Waiting decodes are never evicted: once every entry is one, the cap drops as before.
+    for room in (20, 21):
+        table.handle(BootstrapArrived(room, GEN, D2), 6.0)
+    assert {table.state_of(r, GEN) for r in (11, 12)} == {BootstrapRoomState.ABSENT}
+    assert _dropped(table.handle(BootstrapArrived(22, GEN, D2), 6.0)) == ["ready_table_full"]
+    assert table.ownerless() == 3 and table.state_of(10, GEN) is BootstrapRoomState.UNOWNED
 
 
 def test_the_table_takes_only_its_own_inputs() -> None:

@@ -264,10 +264,17 @@ def _cancel_expires_at_the_bound(original: Any) -> Any:
 
 
 def _never_full(original: Any) -> Any:
-    def ownerless_full(self: PrefillCompleteTable) -> bool:
+    def full_of_waiting(self: PrefillCompleteTable) -> bool:
         return False
 
-    return ownerless_full
+    return full_of_waiting
+
+
+def _never_evicts(original: Any) -> Any:
+    def evict_past_cap(self: PrefillCompleteTable, now: float, fired: Any) -> None:
+        return None
+
+    return evict_past_cap
 
 
 def _room_keyed_ready_table(original: Any) -> Any:
@@ -448,7 +455,8 @@ MUTANTS: tuple[Mutant, ...] = (
     Mutant("ready_table_uncapped", "review of 2026-12-06 (stray bootstraps held for the TTL)",
            "the prefill_complete ready table keeps every ownerless entry: past "
            "max_ownerless_ready_rooms a bootstrap or an early cancel still adds one",
-           ((PrefillCompleteTable, "_ownerless_full", _never_full),)),
+           ((PrefillCompleteTable, "_full_of_waiting", _never_full),
+            (PrefillCompleteTable, "_evict_past_cap", _never_evicts))),
     Mutant("failed_generation_blocks_next", "issue 11 bug A (room-keyed tombstone)",
            "the prefill_complete table is keyed by room id: a failed generation refuses the next",
            ((PrefillCompleteTable, "_machine", _room_keyed_ready_table),)),

@@ -221,10 +221,12 @@ class PrefillEndpointConfig(msgspec.Struct, frozen=True, tag="prefill", tag_fiel
     max_ownerless_ready_rooms: int = 65_536
     """prefill_complete only: (room, generation) entries of the ready table no sender owns (a
     decode waiting before the engine opened the room, a failed room's tombstone), each held up to
-    waiting_timeout + bootstrap_timeout. Past it a BootstrapRequest, or a cancel before the
-    sender, that would add one is dropped (``ready_table_full``): that decode waits until its
-    waiting_timeout; and an owner closing its room unfinished keeps no tombstone (its waiting
-    decode is told Failed then, a later bootstrap for it waits out its own timeout)."""
+    waiting_timeout + bootstrap_timeout. Past it the oldest tombstone is evicted (a later
+    bootstrap for that failed room waits out its own timeout). Only when every entry is a
+    waiting decode is a BootstrapRequest, or a cancel before the sender, that would add one
+    dropped (``ready_table_full``): that decode waits until its waiting_timeout; and an owner
+    closing its room unfinished keeps no tombstone (its waiting decode is told Failed then, a
+    later bootstrap for it waits out its own timeout)."""
     max_parked_peers: int = 64
     """Decode peers whose metadata one parked generation keeps (more than any topology needs);
     past it, metadata from a new decode peer for that generation is dropped."""

@@ -10,10 +10,12 @@ as a failed *tombstone*, so the sender that opens the room later fails at once. 
 owner (an early bootstrap, a tombstone) expire after ``waiting_timeout + bootstrap_timeout``,
 or as soon as a later generation of the room id arrives (they are superseded): so a failed
 generation never blocks the next one, and a room id holds at most a few entries. The table holds
-at most ``max_ownerless`` ownerless entries in all: past it, an entry a peer's BootstrapRequest or
-an unopened room's cancel would create is dropped (``ready_table_full``), and an owner closing its
-room unfinished keeps no tombstone; else stray or forged bootstraps for room ids no engine opens
-would each be held for the whole TTL.
+at most ``max_ownerless`` ownerless entries in all, else stray or forged bootstraps for room ids no
+engine opens would each be held for the whole TTL. An entry past the cap first evicts the oldest
+tombstone: a failure fact nearest its expiry is worth less than a live room's bootstrap, which
+dropped would leave its decode waiting out its timeout. Only when every ownerless entry is a
+decode still waiting is an entry a peer's BootstrapRequest or an unopened room's cancel would
+create dropped (``ready_table_full``), and an owner closing its room unfinished keeps no tombstone.
 
 Each room is a table machine (``[machines.PrefillComplete]`` in
 spec/machines/prefill_complete.toml); the table routes inputs to them and forgets a room when
@@ -23,6 +25,7 @@ it returns to ``ABSENT``.
 from __future__ import annotations
 
 import enum
+from collections import OrderedDict
 from collections.abc import Callable
 
 import msgspec
@@ -102,6 +105,13 @@ class Superseded(Input, frozen=True, tag="Superseded"):
     by: int
 
 
+class Evicted(Input, frozen=True, tag="Evicted"):
+    """The oldest tombstone makes way for an ownerless entry past the table's cap."""
+
+    room: int
+    generation: int
+
+
 # ---- outputs -----------------------------------------------------------------------------------
 class OwnerRefused(Output, frozen=True, tag="owner_refused"):
     """The sender that tried to open the room must fail: the room is taken or cancelled."""
@@ -142,7 +152,7 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
 
     def __init__(
         self, room: int, generation: int, me: PeerId, ttl_s: float,
-        newest: Callable[[], int | None], ownerless_full: Callable[[], bool] = lambda: False,
+        newest: Callable[[], int | None], full_of_waiting: Callable[[], bool] = lambda: False,
     ) -> None:
         self.key = room
         self.generation = generation
@@ -150,8 +160,8 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         self.ttl_s = ttl_s
         self.newest = newest
         """The latest generation of this room id the table holds."""
-        self.ownerless_full = ownerless_full
-        """Whether the table holds as many ownerless entries as it may."""
+        self.full_of_waiting = full_of_waiting
+        """Whether the table holds as many ownerless entries as it may, none a tombstone."""
         self.state = BootstrapRoomState.ABSENT
         self.owner: int | None = None
         self.endpoint: PeerId | None = None
@@ -193,8 +203,8 @@ class BootstrapRoom(TableMachine[BootstrapRoomState]):
         newest = self.newest()
         return newest is not None and newest > self.generation
 
-    def _guard_ownerless_full(self, inp: Keyed, now: float) -> bool:
-        return self.ownerless_full()
+    def _guard_full_of_waiting(self, inp: Keyed, now: float) -> bool:
+        return self.full_of_waiting()
 
     # ---- actions -------------------------------------------------------------------------------
     def _act_open(self, inp: ClaimRoom, now: float) -> list[Output]:
@@ -297,19 +307,21 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
     machine="PrefillComplete",
     states=BootstrapRoomState,
     initial=BootstrapRoomState.ABSENT,
-    inputs=(ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Superseded, Tick),
+    inputs=(
+        ClaimRoom, BootstrapArrived, MarkComplete, FailRoom, CloseRoom, Superseded, Evicted, Tick,
+    ),
     remote_inputs=(BootstrapArrived,),
     rows=[
         # -- ABSENT: no record of this generation --------------------------------------------------
         row(_B.ABSENT, ClaimRoom, _B.OWNED, action=_R._act_open),
         row(_B.ABSENT, BootstrapArrived, _B.ABSENT, guard=_R._guard_superseded),  # stale: dropped
         row(_B.ABSENT, BootstrapArrived, _B.ABSENT,
-            guard=_R._guard_ownerless_full, emits=[_DROPPED], action=_R._act_drop_table_full),
+            guard=_R._guard_full_of_waiting, emits=[_DROPPED], action=_R._act_drop_table_full),
         row(_B.ABSENT, BootstrapArrived, _B.UNOWNED, action=_R._act_register_unowned),
         row(_B.ABSENT, MarkComplete, _B.ABSENT),  # not the owner of anything: ignored
         row(_B.ABSENT, FailRoom, _B.ABSENT, guard=_R._guard_superseded),  # a later one is known
         row(_B.ABSENT, FailRoom, _B.ABSENT,
-            guard=_R._guard_ownerless_full, emits=[_DROPPED], action=_R._act_drop_table_full),
+            guard=_R._guard_full_of_waiting, emits=[_DROPPED], action=_R._act_drop_table_full),
         row(_B.ABSENT, FailRoom, _B.TOMBSTONE, action=_R._act_entomb),  # cancel before the sender
         row(_B.ABSENT, CloseRoom, _B.ABSENT),
         # -- UNOWNED: a decode endpoint waits; no sender yet ------------------------------------
@@ -336,7 +348,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.OWNED, CloseRoom, _B.OWNED, guard=_R._guard_foreign_owner),
         row(_B.OWNED, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
         row(_B.OWNED, CloseRoom, _B.ABSENT,
-            guard=_R._guard_ownerless_full, emits=[_NOTICE], action=_R._act_fail_and_forget),
+            guard=_R._guard_full_of_waiting, emits=[_NOTICE], action=_R._act_fail_and_forget),
         row(_B.OWNED, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
         row(_B.OWNED, Tick, _B.OWNED),
         # -- READY: the prefill finished; the ready notice went out (or waits for the endpoint) --
@@ -351,7 +363,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.READY, CloseRoom, _B.READY, guard=_R._guard_foreign_owner),
         row(_B.READY, CloseRoom, _B.ABSENT, guard=_R._guard_succeeded, action=_R._act_forget),
         row(_B.READY, CloseRoom, _B.ABSENT,
-            guard=_R._guard_ownerless_full, emits=[_NOTICE], action=_R._act_fail_and_forget),
+            guard=_R._guard_full_of_waiting, emits=[_NOTICE], action=_R._act_fail_and_forget),
         row(_B.READY, CloseRoom, _B.TOMBSTONE, emits=[_NOTICE], action=_R._act_entomb),
         row(_B.READY, Tick, _B.READY),
         # -- FAILED: failed while the owner still holds it --------------------------------------
@@ -364,7 +376,8 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.FAILED, MarkComplete, _B.FAILED),  # failure beats a late ready
         row(_B.FAILED, FailRoom, _B.FAILED),
         row(_B.FAILED, CloseRoom, _B.FAILED, guard=_R._guard_foreign_owner),
-        row(_B.FAILED, CloseRoom, _B.ABSENT, guard=_R._guard_ownerless_full, action=_R._act_forget),
+        row(_B.FAILED, CloseRoom, _B.ABSENT,
+            guard=_R._guard_full_of_waiting, action=_R._act_forget),
         row(_B.FAILED, CloseRoom, _B.TOMBSTONE, action=_R._act_bury),
         row(_B.FAILED, Tick, _B.FAILED),
         # -- TOMBSTONE: failed and ownerless, kept until it expires or is superseded -------------
@@ -378,6 +391,7 @@ PREFILL_COMPLETE_TABLE: Table[BootstrapRoomState] = Table(
         row(_B.TOMBSTONE, FailRoom, _B.TOMBSTONE),
         row(_B.TOMBSTONE, CloseRoom, _B.TOMBSTONE),
         row(_B.TOMBSTONE, Superseded, _B.ABSENT, action=_R._act_forget),
+        row(_B.TOMBSTONE, Evicted, _B.ABSENT, action=_R._act_forget),  # past the cap: oldest goes
         row(_B.TOMBSTONE, Tick, _B.ABSENT, guard=_R._guard_expired, action=_R._act_forget),
         row(_B.TOMBSTONE, Tick, _B.TOMBSTONE),
     ],
@@ -403,6 +417,8 @@ class PrefillCompleteTable:
         self._ownerless: set[tuple[int, int]] = set()
         """The (room, generation) entries no sender owns (UNOWNED, TOMBSTONE), at most
         max_ownerless: only they are kept for a TTL without a local owner."""
+        self._tombstones: OrderedDict[tuple[int, int], None] = OrderedDict()
+        """The TOMBSTONE entries, oldest first: the one evicted past the cap is found in O(1)."""
         # Each held room's expiry, so a step finds the next one in O(log n): the endpoint asks
         # for it on every step, and walking every held room made each step O(rooms).
         self._expiries: DeadlineQueue[tuple[int, int]] = DeadlineQueue()
@@ -427,8 +443,8 @@ class PrefillCompleteTable:
         """Entries held with no local owner: at most ``max_ownerless``."""
         return len(self._ownerless)
 
-    def _ownerless_full(self) -> bool:
-        return len(self._ownerless) >= self.max_ownerless
+    def _full_of_waiting(self) -> bool:
+        return len(self._ownerless) >= self.max_ownerless and not self._tombstones
 
     def timer_at(self) -> float | None:
         return self._expiries.earliest
@@ -451,6 +467,7 @@ class PrefillCompleteTable:
         fired = [one]
         self._keep_or_forget(machine)
         outputs.extend(self._supersede_earlier(inp.room, now, fired))
+        self._evict_past_cap(now, fired)
         return Step(tuple(outputs), self.timer_at(), tuple(fired))
 
     def _machine(self, inp: Keyed) -> BootstrapRoom:
@@ -459,7 +476,7 @@ class PrefillCompleteTable:
             return held
         room = inp.room
         return BootstrapRoom(room, inp.generation, self.me, self.ttl_s,
-                             lambda: self.newest(room), self._ownerless_full)  # fmt: skip
+                             lambda: self.newest(room), self._full_of_waiting)  # fmt: skip
 
     def _supersede_earlier(self, room: int, now: float, fired: list[Fired]) -> list[Output]:
         outputs: list[Output] = []
@@ -475,6 +492,17 @@ class PrefillCompleteTable:
                 fired.append(one)
                 self._keep_or_forget(machine)
         return outputs
+
+    def _evict_past_cap(self, now: float, fired: list[Fired]) -> None:
+        """The input added an ownerless entry past the cap: the oldest tombstone goes (the
+        guard full_of_waiting let it through only because one is held)."""
+        if len(self._ownerless) <= self.max_ownerless:
+            return
+        room, generation = next(iter(self._tombstones))
+        machine = self._rooms[room][generation]
+        _, one = machine.fire(Evicted(room, generation), now)
+        fired.append(one)
+        self._keep_or_forget(machine)
 
     def _sweep(self, tick: Tick, now: float) -> Step:
         fired: list[Fired] = []
@@ -500,3 +528,7 @@ class PrefillCompleteTable:
             self._ownerless.add(key)
         else:
             self._ownerless.discard(key)
+        if machine.state is BootstrapRoomState.TOMBSTONE:
+            self._tombstones.setdefault(key)  # a tombstone stays one: its age is kept
+        else:
+            self._tombstones.pop(key, None)
