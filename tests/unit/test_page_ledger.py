@@ -408,3 +408,17 @@ def test_retiring_a_session_forgives_the_acks_owed_for_rooms_published_under_it(
     ledger.handle(SessionRetired("old:1"), 2.0)
     assert not ledger.owes_acks(A), "room 7's engine is gone"
     assert ledger.owes_acks(B), "room 8 was published under the live session"
+
+
+def test_a_fence_after_its_session_retired_owes_no_ack() -> None:
+    """The fence frees the pages at once (no writer can land through a destroyed engine), and
+    owes no drain ACK, as when the retirement comes after the fence: the writer owed one for a
+    room already free, and its readmission waited on that ACK."""
+    ledger = PageLedger(POOL)
+    ledger.handle(Reserve(7, 1, (0,)), 0.0)
+    ledger.handle(SessionRetired("old:1"), 1.0)
+    assert _freed(ledger.handle(Fence(7, 1, (A,), "old:1"), 2.0)) == [PagesFreed(7, 1, (0,))]
+    assert not ledger.owes_acks(A)
+    ledger.handle(Reserve(8, 1, (1,)), 3.0)
+    ledger.handle(Fence(8, 1, (A,), ""), 4.0)
+    assert ledger.owes_acks(A), "a fence without a session is never forgiven by a retirement"

@@ -286,6 +286,8 @@ class WriterHealth:
         return writer in self.dead and writer in self.closed
 
     def owe(self, writers: tuple[PeerId, ...], room: int, generation: int, session: str) -> None:
+        if session and session in self.retired:
+            return  # nothing written through a destroyed engine can land: no ACK is owed
         for writer in writers:
             self.owed.setdefault(writer, {})[(room, generation)] = session
 
