@@ -3,7 +3,8 @@ status (waiters and the decode's page release read it), a refused chunk leaves n
 object behind for the id's next room, an open whose DP registration fails leaves nothing open,
 admit after publish_pages is refused rather than counting pages that may be released,
 finish_request naming another generation than the admitted one is refused, and so is
-finish_request for a failed room whose pages are quarantined (admission would count them free)."""
+finish_request for a failed room whose pages are quarantined (admission would count them free),
+but not for a failed room whose published pages came straight back."""
 
 from __future__ import annotations
 
@@ -210,3 +211,23 @@ def test_finish_request_of_a_failed_room_whose_pages_are_quarantined_is_refused(
         del p_cache, d_cache
 
     anyio.run(run, backend="asyncio")
+
+
+def test_pages_published_for_a_failed_room_are_not_counted_as_held() -> None:
+    """A room that failed before its pages were published gets them back within the publish
+    (PagesReleased at once): pdflow holds nothing of it, so finish_request is the no-op the
+    docs promise, and nothing of the room stays in the decode's bookkeeping."""
+
+    async def story(p_node: PrefillNode, d_node: DecodeNode) -> None:
+        p_rank, d_rank, gate = p_node.ranks[0], d_node.ranks[0], d_node.admission[0]
+        await p_rank.open_room(5, 0)
+        await d_rank.open(5, 0, p_node.bootstrap)
+        await d_rank.wait(5)
+        pages = await d_rank.admit(5, input_len=8, max_new=4)
+        await d_rank.abort(5, "the client went away")
+        assert (await d_rank.wait(5, terminal=True)).poll is KVPoll.Failed
+        await d_rank.publish_pages(5, list(range(pages)))
+        assert d_rank.allocatable == MODEL["num_pages"] and not gate.is_admitted("5/0")
+        d_rank.finish_request(5, 0)  # its pages came back: a no-op, not a refusal
+
+    _with_nodes(story)

@@ -70,6 +70,7 @@ from pdflow.core.resources.page_ledger import (
     PagesFreed,
     PagesQuarantined,
     QuarantinedRoom,
+    RoomPagesState,
     SessionClosed,
     SessionRetired,
 )
@@ -215,9 +216,6 @@ class DecodeRank:
             check_state_indices(self.kv.state, state, "publish_pages")
         await self._host.call(PublishPages(room, tuple(pages), aux_index, decode_prefix_len,
                                            state))  # fmt: skip
-        generation = self._host.endpoint.generation_of(room)
-        if generation is not None:
-            self._node.pages_with_pdflow.add((self.rank, request_id(room, generation)))
         self._node.room_pages[(self.rank, room)] = tuple(pages)
         self._node.room_state[(self.rank, room)] = state
         clock = self._host.clocks.get(room)
@@ -253,8 +251,7 @@ class DecodeRank:
         room whose published pages pdflow still holds (quarantined: a writer may still land in
         them) raises ``InvalidInput``: its request leaves admission when they are released."""
         gate, rid = self._node.admission[self.rank], request_id(room, generation)
-        if (self.rank, rid) in self._node.pages_with_pdflow and not self._succeeded(room,
-                                                                                  generation):
+        if self._pdflow_holds_pages(room, generation) and not self._succeeded(room, generation):
             raise InvalidInput(
                 f"finish_request({room}, {generation}): the room did not succeed and pdflow "
                 "still holds its published pages (quarantined while a writer may still land "
@@ -270,6 +267,13 @@ class DecodeRank:
                     "the generation the room was opened with"
                 )
         gate.finish(rid)
+
+    def _pdflow_holds_pages(self, room: int, generation: int) -> bool:
+        # The ledger is the one record of whose pages pdflow holds: a copy kept by the shell
+        # missed the pages a failed room's publish hands straight back (PagesFreed in the
+        # publish's own step), and kept refusing that room's finish_request for good.
+        state: RoomPagesState = self._host.endpoint.ledger.state_of(room, generation)
+        return state is not RoomPagesState.FREE
 
     def _succeeded(self, room: int, generation: int) -> bool:
         status = self._node.runtime.events.status(self.rank, room)
@@ -377,15 +381,13 @@ class DecodeRankEffects(RankEffects):
         self.node.room_staging[(self.host.rank, placed.room)] = placed.offset
 
     def release_pages(self, freed: PagesFreed) -> None:
-        rid = request_id(freed.room, freed.generation)
-        self.node.pages_with_pdflow.discard((self.host.rank, rid))
         status = self.host.events.status(self.host.rank, freed.room)
         if status is None or status.generation != freed.generation or (
             status.poll is not KVPoll.Success
         ):
             # A failed room's pages: no request will decode on them, admission gets them back.
             # A successful room's stay with the engine until finish_request.
-            self.node.admission[self.host.rank].finish(rid)
+            self.node.admission[self.host.rank].finish(request_id(freed.room, freed.generation))
         self.host.events.publish(
             PagesReleased(self.host.rank, freed.room, freed.generation, freed.pages)
         )
@@ -463,9 +465,6 @@ class DecodeNode(NodeLifecycle):
         # Decode admission per rank over the rank's whole pool (DecodeRank.admit).
         self._admission_tokens = (admission_reserve_tokens, admission_clip_max_new)
         self.admission: dict[int, AdmissionGate] = {}
-        self.pages_with_pdflow: set[tuple[int, str]] = set()
-        """(rank, request id) of every room whose published pages pdflow has not handed back
-        (PagesReleased): a failed one's request leaves admission only with them."""
         self._rotation_lock = anyio.Lock()
         self._rotation_wanted = False
         self._rotation_failed_at: float | None = None
