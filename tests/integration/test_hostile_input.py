@@ -19,7 +19,7 @@ import zmq
 import zmq.asyncio
 
 from pdflow.core.dataplane.buffers import KvBuffer, KvBuffers, KvRole
-from pdflow.core.dataplane.layout import KvDtype, packed_layout
+from pdflow.core.dataplane.layout import AuxBuffer, KvDtype, packed_layout
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.messages import Abort, KvArgs, KvArgsAccepted, PeerId, RoomMetadata
@@ -310,6 +310,37 @@ async def test_a_decode_whose_layout_prefills_would_drop_refuses_to_start(
         with pytest.raises(InvalidInput, match="PDFLOW_CONTROL_MAX_LAYOUT_BYTES"):
             async with node:
                 pass
+
+
+@pytest.mark.parametrize("row_bytes", [DEFAULT_SMALL_MESSAGE_BYTES - 64, 70_000])
+async def test_a_decode_whose_aux_row_no_success_could_carry_refuses_to_start(
+    tmp_path: anyio.Path, row_bytes: int
+) -> None:
+    """A Success carries the room's aux row in one small message: with a row near or over the
+    64 KiB small-message limit every prefill's sender refused each Success, and each room
+    waited out waiting_timeout. Now such a decode refuses to start, naming the aux row."""
+    settings = checked(tmp_path)
+    _cache, kv = host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=32, **GEOMETRY)
+    rows = (ctypes.c_uint8 * (2 * row_bytes))()
+    kv = msgspec.structs.replace(kv, aux=AuxBuffer.single(ctypes.addressof(rows), row_bytes, 2))
+    async with InProcessFabric().create_transport() as transport:
+        node = DecodeNode(ranks=[kv], transport=transport, settings=settings)
+        with pytest.raises(InvalidInput, match="aux row"):
+            async with node:
+                pass
+
+
+async def test_a_decode_whose_aux_row_fits_a_success_starts(tmp_path: anyio.Path) -> None:
+    settings = checked(tmp_path)
+    _cache, kv = host_cache_for_rank(tp_size=1, tp_rank=0, num_pages=32, **GEOMETRY)
+    row_bytes = DEFAULT_SMALL_MESSAGE_BYTES - 2048  # room for the longest ids and addresses
+    rows = (ctypes.c_uint8 * (2 * row_bytes))()
+    kv = msgspec.structs.replace(kv, aux=AuxBuffer.single(ctypes.addressof(rows), row_bytes, 2))
+    async with (
+        InProcessFabric().create_transport() as transport,
+        DecodeNode(ranks=[kv], transport=transport, settings=settings) as node,
+    ):
+        assert [rank.kv.aux for rank in node.ranks] == [kv.aux]  # started, serving the row
 
 
 async def test_a_late_kv_args_of_an_earlier_life_leaves_the_live_layout_in_place(

@@ -58,7 +58,7 @@ from pdflow.core.endpoints.liveness import ProbeTarget
 from pdflow.core.framework.errors import InvalidInput
 from pdflow.core.framework.kvpoll import KVPoll
 from pdflow.core.protocol.inputs import AbortRequested, PublishPages
-from pdflow.core.protocol.messages import AnyMessage, PeerId
+from pdflow.core.protocol.messages import WIRE_INT_MAX, AnyMessage, PeerId, StatusReport
 from pdflow.core.protocol.outputs import StoreAux, VerifyChecksums
 from pdflow.core.resources.admission import (
     CLIP_MAX_NEW_TOKENS,
@@ -78,7 +78,7 @@ from pdflow.core.resources.staging_ring import SMALL_ROOM_STAGING_LIMIT
 from pdflow.dataplane.executor import Executor
 from pdflow.io.admission_gate import AdmissionGate
 from pdflow.io.bootstrap_client import BootstrapClient, BootstrapError, HealthStatus
-from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec
+from pdflow.io.codec import ControlMessage, MsgpackCodec, WireCodec, wire_frames
 from pdflow.io.control import ControlChannel, Deliver
 from pdflow.io.heartbeat import run_heartbeat
 from pdflow.io.kv_buffers import (
@@ -116,6 +116,7 @@ from pdflow.io.node_common import (
     peer_key,
 )
 from pdflow.io.settings import Settings, load_settings, timeouts_from
+from pdflow.trace.format import message_id
 from pdflow.transport.base import RotationUnavailableError, Transport, TransportError
 
 log = structlog.get_logger("pdflow.decode")
@@ -529,6 +530,7 @@ class DecodeNode(NodeLifecycle):
         endpoint_id = self.runtime.endpoint_id(rank_kv.tp_rank)
         core = DecodeEndpoint(config)
         self._refuse_a_layout_prefills_drop(core, me)
+        self._refuse_an_aux_row_no_success_carries(rank_kv, me)
         endpoint = self.runtime.recorder.wrap(endpoint_id, core)
         host = EndpointHost(endpoint_id, endpoint, rank_kv.tp_rank, me, self._dispatcher,
                             self.runtime.metrics, self.runtime.events)  # fmt: skip
@@ -553,6 +555,29 @@ class DecodeNode(NodeLifecycle):
                 f"{layout_bytes(announced)} bytes, over control_max_layout_bytes ({limit}), so "
                 "prefill ranks would drop it; raise PDFLOW_CONTROL_MAX_LAYOUT_BYTES on every "
                 "node (at most the codec's max_message_bytes)"
+            )
+
+    def _refuse_an_aux_row_no_success_carries(self, rank_kv: RankKv, me: PeerId) -> None:
+        """A prefill's Success carries the room's aux row in one small message: a row that
+        cannot fit this decode's inbound frame limit is refused by every prefill's sender (and
+        would be cut by this decode's ZMQ), so each room would wait out waiting_timeout for a
+        Success that never comes: refuse to start instead."""
+        if rank_kv.aux is None:
+            return
+        # The largest Success such a row travels in: the longest prefill address a DNS name
+        # allows, the largest integers the wire takes, and the longest message id they give.
+        prefill = PeerId(f"{'p' * 253}:65535", self.incarnation, WIRE_INT_MAX)
+        success = StatusReport(WIRE_INT_MAX, WIRE_INT_MAX, KVPoll.Success, prefill, me,
+                               checksum=2**64 - 1, aux=bytes(rank_kv.aux.row_bytes))  # fmt: skip
+        msg_id = message_id(f"prefill-{self.incarnation}#{WIRE_INT_MAX}", WIRE_INT_MAX, 2**16)
+        size = len(wire_frames(msgspec.msgpack.encode(success), msg_id.encode())[0])
+        limit = self.runtime.codec.max_inbound_frame_bytes
+        if size > limit:
+            raise InvalidInput(
+                f"decode rank {me.rank}'s aux row ({rank_kv.aux.row_bytes} bytes in "
+                f"{len(rank_kv.aux.item_lens)} buffers) makes a room's Success up to {size} "
+                f"bytes, over the {limit}-byte limit of a small control message, so no room "
+                "could succeed; give the engine smaller aux (metadata) buffers"
             )
 
     def _staging_addr(self, rank: int) -> int | None:
