@@ -225,7 +225,7 @@ def test_a_caught_mutant_names_the_replay_of_its_room_and_that_replay_shows_it(
     assert "steps above were replayed by this pdflow's core and each matched its record" \
         in replayed  # fmt: skip
     assert "replay DIVERGED at endpoint " in replayed
-    assert "in a simulated world (seed " in replayed and "where the mutant core acted" in replayed
+    assert "recorded under mutant ack_before_drain: it diverges where the mutant acts" in replayed
     assert "state where replay stopped, after the last matching step" in replayed
     assert f"\nroom {acked.group(1)}:\n" in replayed
 
